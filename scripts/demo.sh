@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# `make demo`: a CPU A/B run of the tiny preset, 2 ranks under torchrun, --fp8=0 then --fp8=1
+# (torchao FP8, emulated on CPU), same seed and data; then the compare report of the two runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY="$VENV/bin/python"
+STEPS=${DEMO_STEPS:-60}
+NPROC=${DEMO_NPROC:-2}
+OUT=${DEMO_DIR:-runs/demo-$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT"
+
+# Training settings shared by both halves of the A/B pair: only --fp8 differs.
+common=(--model tiny --device cpu --max_steps "$STEPS" --logging_freq 5 --seed 1234)
+if [ -n "${DEMO_EXTRA:-}" ]; then
+  read -r -a extra <<<"$DEMO_EXTRA"
+  common+=("${extra[@]}")
+fi
+
+for fp8 in 0 1; do
+  name=$([ "$fp8" = 1 ] && echo fp8 || echo bf16)
+  echo "== training tiny on CPU with $NPROC ranks, --fp8=$fp8 -> $OUT/$name"
+  "$VENV/bin/torchrun" --standalone --nproc_per_node "$NPROC" -m llama_fp8 train "${common[@]}" \
+    --fp8 "$fp8" --run_dir "$OUT/$name" 2>"$OUT/$name.stderr" | tee "$OUT/$name.log" | grep -E '^Batch' | tail -n 3
+done
+
+echo
+echo "== last lines"
+for name in bf16 fp8; do
+  echo "$name: $(grep -E '^Batch' "$OUT/$name.log" | tail -n 1)"
+  echo "      metrics: $OUT/$name/metrics.jsonl  config: $OUT/$name/config.yaml"
+done
+if "$PY" -c "import llama_fp8.compare" 2>/dev/null; then
+  echo
+  "$PY" -m llama_fp8 compare "$OUT/bf16" "$OUT/fp8" --out "$OUT/report"
+fi

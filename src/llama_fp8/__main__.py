@@ -1,0 +1,44 @@
+"""`python -m llama_fp8 {train,compare,submit,convert,preflight} ...` (also the `llama-fp8` script)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "train": "train a model (torchrun, srun or a single process)",
+    "compare": "A/B report of two runs: table + plots",
+    "submit": "submit a training job to Slurm through submitit",
+    "convert": "export a checkpoint to a Hugging Face folder",
+    "preflight": "check a node: GPUs, FP8 support, TE, NCCL, EFA, file systems",
+}
+
+
+def _usage() -> str:
+    lines = ["usage: llama-fp8 {" + ",".join(COMMANDS) + "} [flags]", ""]
+    lines += [f"  {name:<10} {text}" for name, text in COMMANDS.items()]
+    lines += ["", "`llama-fp8 COMMAND --help` lists the flags of a command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"llama-fp8: unknown command {cmd!r}\n{_usage()}", file=sys.stderr)
+        return 2
+    try:
+        module = importlib.import_module(f"llama_fp8.{cmd}")
+    except ModuleNotFoundError as e:
+        if e.name == f"llama_fp8.{cmd}":
+            print(f"llama-fp8: command {cmd!r} is not available in this version", file=sys.stderr)
+            return 2
+        raise
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""Training configuration: one typed dataclass, its parser, validation and dump.
+
+Precedence, stated once: **defaults < --model preset < --config FILE.yaml < command-line flags.**
+A preset (``configs/<name>.yaml``) and a config file may set any field below; a flag always wins.
+
+Flag names follow the AWS FSDP sample (``--train_batch_size``, ``--max_context_width``, ...) so that
+existing sbatch argument lines keep working. Every field is a flag ``--<field>``; booleans take 0/1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import sys
+import time
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+EXIT_BAD_CONFIG = 2
+EXIT_REQUEUE = 85
+"""Exit code meaning "checkpoint saved after SIGUSR1/SIGTERM, requeue me" (read by 1.train_llama.sbatch)."""
+
+PRESET_DIR = Path(__file__).parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A user error in flags or config files: reported in one line, exit code 2."""
+
+
+def _f(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
+       max: float | None = None, group: str = "training") -> Any:
+    """A dataclass field whose metadata carries its one-line help and its valid range."""
+    return field(default=default, metadata={"help": help, "choices": choices, "min": min, "max": max,
+                                            "group": group})
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a training run. The metadata ``help`` of each field is its docstring."""
+
+    # --- config sources -------------------------------------------------------------------------
+    config: str | None = _f(None, "YAML file with any of these fields (overrides the preset, overridden by flags)",
+                            group="config")
+    model: str = _f("tiny", "model preset: a name from configs/ (tiny, llama2-7b, llama3.1-8b, ...)",
+                    group="model")
+    # --- model shape (default: from the preset) ---------------------------------------------------
+    model_type: str | None = _f(None, "Llama family: llama_v2 (rope_theta 10000) or llama_v3 (rope_theta 500000)",
+                                choices=("llama_v2", "llama_v3"), group="model")
+    model_impl: str = _f("auto", "model implementation: hf (Hugging Face), te (Transformer Engine), "
+                         "auto (te when TE imports on a CUDA machine, else hf)", choices=("auto", "hf", "te"),
+                         group="model")
+    vocab_size: int | None = _f(None, "vocabulary size (default: preset)", min=1, group="model")
+    hidden_width: int | None = _f(None, "hidden size (default: preset)", min=1, group="model")
+    num_layers: int | None = _f(None, "number of decoder layers (default: preset)", min=1, group="model")
+    num_heads: int | None = _f(None, "attention heads (default: preset)", min=1, group="model")
+    num_key_value_heads: int | None = _f(None, "key/value heads for GQA (default: preset)", min=1, group="model")
+    intermediate_size: int | None = _f(None, "MLP intermediate size (default: preset)", min=1, group="model")
+    max_context_width: int | None = _f(None, "training sequence length in tokens (default: preset)", min=2,
+                                       group="model")
+    initializer_range: float | None = _f(None, "std of the normal weight init (default: preset)", min=0.0,
+                                         group="model")
+    rope_theta: float | None = _f(None, "RoPE base (default: preset; set by --model_type when given)", min=1.0,
+                                  group="model")
+    # The next three are preset-only knobs (flags work too, but are rarely needed).
+    rms_norm_eps: float | None = _f(None, "RMSNorm epsilon (default: preset)", min=0.0, group="model")
+    tie_word_embeddings: bool | None = _f(None, "share embedding and output weights (default: preset)",
+                                          group="model")
+    rope_scaling: dict | None = _f(None, "Llama 3.1 RoPE scaling (YAML mapping; default: preset)", group="model")
+    max_position_embeddings: int | None = _f(None, "longest position the RoPE tables cover (default: preset)",
+                                             min=1, group="model")
+    # --- precision ---------------------------------------------------------------------------------
+    bf16: bool = _f(True, "1: BF16 compute with FP32 master weights and FP32 gradient reduction; 0: FP32",
+                    group="precision")
+    fp8: bool = _f(False, "1: FP8 linear layers (backend from --fp8_backend); 0: off", group="precision")
+    fp8_backend: str = _f("auto", "auto (te when Transformer Engine imports and the GPU has FP8, else torchao), "
+                          "te, torchao", choices=("auto", "te", "torchao"), group="precision")
+    fp8_recipe: str = _f("auto", "torchao: tensorwise|rowwise; te: delayed|current|mxfp8|block; "
+                         "auto: tensorwise (torchao) / delayed (te)",
+                         choices=("auto", "tensorwise", "rowwise", "delayed", "current", "mxfp8", "block"),
+                         group="precision")
+    fp8_amax_history_len: int = _f(1024, "TE delayed scaling: amax history length", min=1, group="precision")
+    fp8_amax_compute_algo: str = _f("max", "TE delayed scaling: amax from the history's max or most_recent",
+                                    choices=("max", "most_recent"), group="precision")
+    # --- optimisation ------------------------------------------------------------------------------
+    train_batch_size: int = _f(2, "micro-batch size per device (sequences)", min=1)
+    val_batch_size: int = _f(2, "validation batch size per device (sequences)", min=1)
+    max_steps: int = _f(20, "optimizer steps to train", min=1)
+    seed: int = _f(42, "seed for init, data order and dropout; identical across an A/B pair", min=0)
+    lr: float = _f(1e-4, "peak learning rate", min=0.0)
+    min_lr: float = _f(1e-5, "learning rate at the end of the decay", min=0.0)
+    warmup: float = _f(0.01, "fraction of --lr_decay_iters spent in linear warmup (0.01 = 1 %)", min=0.0, max=1.0)
+    lr_decay_style: str = _f("cosine", "decay after warmup", choices=("cosine", "linear", "constant"))
+    lr_decay_iters: int | None = _f(None, "steps over which the LR decays (default: --max_steps)", min=1)
+    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to norms, biases, embeddings)", min=0.0)
+    beta1: float = _f(0.9, "AdamW beta1", min=0.0, max=1.0)
+    beta2: float = _f(0.95, "AdamW beta2", min=0.0, max=1.0)
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this value (0 = no clipping)", min=0.0)
+    # --- data ----------------------------------------------------------------------------------------
+    dataset: str = _f("synthetic", "synthetic, a hub dataset name, or a local file/folder "
+                      "(.jsonl .json .parquet .txt arrow)", group="data")
+    dataset_config_name: str | None = _f(None, "hub dataset config (e.g. en for allenai/c4)", group="data")
+    text_field: str = _f("text", "name of the text column", group="data")
+    data_files: str | None = _f(None, "comma-separated files or globs inside --dataset", group="data")
+    val_data_files: str | None = _f(None, "comma-separated validation files or globs", group="data")
+    val_fraction: float = _f(0.0, "fraction of local documents held out for validation when no "
+                             "--val_data_files", min=0.0, max=0.5, group="data")
+    tokenizer: str | None = _f(None, "hub name or local folder for AutoTokenizer (not needed for synthetic)",
+                               group="data")
+    streaming: bool = _f(True, "stream hub datasets instead of downloading them whole", group="data")
+    num_workers: int = _f(1, "DataLoader worker processes per rank", min=0, group="data")
+    validation_freq: int = _f(0, "validate every N steps (0 = never)", min=0, group="data")
+    validation_batches: int = _f(4, "batches per rank in each validation", min=1, group="data")
+    # --- parallelism ---------------------------------------------------------------------------------
+    sharding_strategy: str = _f("full", "full: shard over all ranks; hybrid: replicate across nodes, shard "
+                                "within a node (HSDP)", choices=("full", "hybrid"), group="parallel")
+    dp_replicate_size: int = _f(1, "HSDP replicas (1 = plain FSDP; -1 = world / --dp_shard_size)", min=-1,
+                                group="parallel")
+    dp_shard_size: int = _f(-1, "ranks each replica shards over (-1 = the rest of the world)", min=-1,
+                            group="parallel")
+    device: str = _f("auto", "auto (cuda if available), cuda, or cpu", choices=("auto", "cuda", "cpu"),
+                     group="parallel")
+    # --- logging -------------------------------------------------------------------------------------
+    logging_freq: int = _f(1, "print the Batch/Loss/Speed line and write metrics every N steps", min=1,
+                           group="logging")
+    peak_tflops: float | None = _f(None, "dense BF16 peak TFLOPS per device for MFU (FP8 peak taken as 2x); "
+                                   "default: the built-in table for known GPUs, none on CPU", min=0.0,
+                                   group="logging")
+    run_dir: str | None = _f(None, "where config.yaml and metrics.jsonl go (default: runs/<SLURM_JOB_ID or "
+                             "timestamp>)", group="logging")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+MODEL_FIELDS = ("vocab_size", "hidden_width", "num_layers", "num_heads", "num_key_value_heads",
+                "intermediate_size", "max_context_width", "initializer_range", "rope_theta", "rms_norm_eps",
+                "tie_word_embeddings", "rope_scaling", "max_position_embeddings")
+ROPE_THETA_BY_TYPE = {"llama_v2": 10000.0, "llama_v3": 500000.0}
+_FIELDS = {f.name: f for f in fields(TrainConfig)}
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def _base_type(f: dataclasses.Field) -> type:
+    """The non-None type of a field (``int | None`` -> int)."""
+    hint = typing.get_type_hints(TrainConfig)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean (use 0 or 1)")
+
+
+def coerce(name: str, value: Any, source: str) -> Any:
+    """Convert ``value`` (a flag string or a YAML value) to the type of field ``name``, or raise ConfigError."""
+    f = _FIELDS[name]
+    typ = _base_type(f)
+    optional = f.default is None
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and optional):
+        if optional:
+            return None
+        raise ConfigError(f"{source}: {name} may not be empty; {_valid(f)}")
+    try:
+        if typ is bool:
+            out = value if isinstance(value, bool) else _parse_bool(str(value))
+        elif typ is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError("not an integer")
+            out = int(value) if not isinstance(value, str) else int(value.strip())
+        elif typ is float:
+            if isinstance(value, bool):
+                raise ValueError("not a number")
+            out = float(value)
+        elif typ is dict:
+            out = yaml.safe_load(value) if isinstance(value, str) else value
+            if not isinstance(out, dict):
+                raise ValueError("not a mapping")
+        else:
+            out = str(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{source}: {name}={value!r} is not valid ({e}); {_valid(f)}") from None
+    _check_range(f, out, source)
+    return out
+
+
+def _valid(f: dataclasses.Field) -> str:
+    md = f.metadata
+    typ = _base_type(f)
+    if md.get("choices"):
+        return "valid: " + ", ".join(md["choices"])
+    lo, hi = md.get("min"), md.get("max")
+    kind = {bool: "0 or 1", int: "an integer", float: "a number", dict: "a YAML mapping"}.get(typ, "a string")
+    if lo is not None and hi is not None:
+        return f"valid: {kind} in [{lo}, {hi}]"
+    if lo is not None:
+        return f"valid: {kind} >= {lo}"
+    return f"valid: {kind}"
+
+
+def _check_range(f: dataclasses.Field, value: Any, source: str) -> None:
+    md = f.metadata
+    if md.get("choices") and value not in md["choices"]:
+        raise ConfigError(f"{source}: {f.name}={value!r} is not valid; {_valid(f)}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if (md.get("min") is not None and value < md["min"]) or (md.get("max") is not None and value > md["max"]):
+            raise ConfigError(f"{source}: {f.name}={value!r} is out of range; {_valid(f)}")
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def load_yaml(path: str, source_kind: str = "--config") -> dict[str, Any]:
+    """Read a YAML mapping of TrainConfig fields, checking every key and value."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{source_kind} {path}: file not found")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source_kind} {path}: not valid YAML ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source_kind} {path}: expected a mapping of field: value, got {type(data).__name__}")
+    out = {}
+    for key, value in data.items():
+        if key not in _FIELDS or key == "config":
+            raise ConfigError(f"{source_kind} {path}: unknown key {key!r}{_suggest(str(key), list(_FIELDS))}; "
+                              f"valid keys are the flags of `llama-fp8 train --help`")
+        out[key] = coerce(key, value, f"{source_kind} {path}")
+    return out
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    presets = available_presets()
+    if name not in presets:
+        raise ConfigError(f"--model {name!r} is not a preset{_suggest(name, presets)}; valid: {', '.join(presets)}")
+    return load_yaml(str(PRESET_DIR / f"{name}.yaml"), source_kind=f"preset {name}")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that exits 2 with a suggestion for a mistyped flag (never parse_known_args)."""
+
+    def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
+        if "unrecognized arguments" in message:
+            bad = message.split(":", 1)[1].split()
+            names = [a.split("=", 1)[0] for a in bad if a.startswith("-")]
+            opts = [o for a in self._actions for o in a.option_strings]
+            hints = "".join(f"\n  {n}{_suggest(n, opts)}" for n in names) or f" {' '.join(bad)}"
+            message = f"unknown flag(s):{hints}\nsee `{self.prog} --help` for the valid flags"
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_BAD_CONFIG, f"{self.prog}: error: {message}\n")
+
+
+def build_parser(prog: str = "llama-fp8 train") -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, allow_abbrev=False, argument_default=argparse.SUPPRESS,
+                     description="Train a Llama with FSDP2 in BF16 or FP8. Precedence: defaults < --model preset "
+                                 "< --config FILE.yaml < flags.")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in fields(TrainConfig):
+        g = f.metadata["group"]
+        if g not in groups:
+            groups[g] = parser.add_argument_group(g)
+        default = "" if f.default is None else f" (default: {int(f.default) if isinstance(f.default, bool) else f.default})"
+        groups[g].add_argument(f"--{f.name}", type=str, metavar=_metavar(f),
+                               help=(f.metadata["help"] + default).replace("%", "%%"))
+    return parser
+
+
+def _metavar(f: dataclasses.Field) -> str:
+    if f.metadata.get("choices"):
+        return "{" + ",".join(f.metadata["choices"]) + "}"
+    return {bool: "0|1", int: "N", float: "X", dict: "YAML"}.get(_base_type(f), "STR")
+
+
+def parse_args(argv: list[str]) -> TrainConfig:
+    """Flags -> a resolved, validated TrainConfig (raises ConfigError; argparse errors exit 2)."""
+    ns = vars(build_parser().parse_args(argv))
+    flags = {k: coerce(k, v, f"--{k}") for k, v in ns.items()}
+    file_values = load_yaml(flags["config"]) if flags.get("config") else {}
+    model = flags.get("model", file_values.get("model", TrainConfig.model))
+    values = {**load_preset(model), **file_values, **flags, "model": model}
+    return resolve(TrainConfig(**values))
+
+
+def resolve(cfg: TrainConfig) -> TrainConfig:
+    """Fill derived defaults and check cross-field rules. Idempotent."""
+    if cfg.model_type is not None:
+        cfg.rope_theta = ROPE_THETA_BY_TYPE[cfg.model_type]
+    missing = [n for n in MODEL_FIELDS if getattr(cfg, n) is None and n != "rope_scaling"]
+    if missing:
+        raise ConfigError(f"preset {cfg.model!r} does not set {', '.join(missing)}; add them to the preset or "
+                          f"pass --{missing[0]}")
+    if cfg.lr_decay_iters is None:
+        cfg.lr_decay_iters = cfg.max_steps
+    if cfg.max_position_embeddings < cfg.max_context_width:
+        cfg.max_position_embeddings = cfg.max_context_width
+    if cfg.hidden_width % cfg.num_heads:
+        raise ConfigError(f"--hidden_width {cfg.hidden_width} is not divisible by --num_heads {cfg.num_heads}")
+    if cfg.num_heads % cfg.num_key_value_heads:
+        raise ConfigError(f"--num_heads {cfg.num_heads} is not divisible by --num_key_value_heads "
+                          f"{cfg.num_key_value_heads} (GQA groups must be whole)")
+    if cfg.min_lr > cfg.lr:
+        raise ConfigError(f"--min_lr {cfg.min_lr} is larger than --lr {cfg.lr}")
+    if cfg.fp8 and cfg.fp8_recipe != "auto":
+        torchao_recipes, te_recipes = ("tensorwise", "rowwise"), ("delayed", "current", "mxfp8", "block")
+        if cfg.fp8_backend == "torchao" and cfg.fp8_recipe not in torchao_recipes:
+            raise ConfigError(f"--fp8_recipe {cfg.fp8_recipe} is a Transformer Engine recipe; with --fp8_backend "
+                              f"torchao use one of {', '.join(torchao_recipes)}")
+        if cfg.fp8_backend == "te" and cfg.fp8_recipe not in te_recipes:
+            raise ConfigError(f"--fp8_recipe {cfg.fp8_recipe} is a torchao recipe; with --fp8_backend te use one "
+                              f"of {', '.join(te_recipes)}")
+    return cfg
+
+
+def default_run_dir() -> str:
+    job = os.environ.get("SLURM_JOB_ID")
+    if job:
+        return os.path.join("runs", f"job_{job}")
+    return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+
+
+def dump(cfg: TrainConfig, path: Path) -> None:
+    """Write the resolved config as YAML (loadable again with --config)."""
+    data = {k: v for k, v in cfg.to_dict().items() if k != "config"}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))

@@ -1,0 +1,163 @@
+"""Throughput, TFLOPS, MFU and memory, measured on logging steps only; the log line and metrics.jsonl.
+
+Between logging steps nothing here touches the device: no ``.item()``, no synchronize. On a logging
+step the device is synchronized once, so the window [previous log, this log] covers finished work.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Dense (no sparsity) peak tensor-core TFLOPS per GPU, (bf16, fp8). Matched on the CUDA device name,
+# most specific first. Sources: NVIDIA product datasheets (H100: "NVIDIA H100 Tensor Core GPU"
+# datasheet, SXM/NVL/PCIe columns, sparsity figures halved; H200: H200 datasheet; B200 and GB200:
+# DGX B200 / GB200 NVL72 datasheets per GPU, sparsity halved; A100: A100 datasheet (no FP8);
+# L40S: L40S datasheet; L4: L4 datasheet).
+PEAK_TFLOPS: list[tuple[str, float, float | None]] = [
+    ("GB200", 2500.0, 5000.0),
+    ("B200", 2250.0, 4500.0),
+    ("H200", 989.4, 1978.9),
+    ("H100 NVL", 835.0, 1670.0),
+    ("H100 PCIe", 756.0, 1513.0),
+    ("H100", 989.4, 1978.9),  # SXM5 (e.g. "NVIDIA H100 80GB HBM3")
+    ("A100", 312.0, None),
+    ("L40S", 362.05, 733.0),
+    ("L4", 121.0, 242.0),
+]
+
+
+def peak_tflops(device: torch.device, override: float | None = None) -> tuple[str, float | None, float | None]:
+    """(device name, bf16 peak, fp8 peak) for this device; peaks are None when unknown (CPU included).
+    ``override`` (--peak_tflops) is the dense BF16 peak; FP8's is taken as twice that, as on every
+    GPU generation with FP8 tensor cores so far."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if override:
+        return name, override, 2.0 * override
+    if device.type != "cuda":
+        return name, None, None
+    for key, bf16, fp8 in PEAK_TFLOPS:
+        if key in name:
+            return name, bf16, fp8
+    log.warning("no peak TFLOPS known for %r: MFU is reported as null (pass --peak_tflops to set one)", name)
+    return name, None, None
+
+
+def memory_gib(device: torch.device) -> float:
+    """High-water mark: CUDA max allocated, or this process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return rss_kib / 2**20
+
+
+@dataclass
+class StepMeter:
+    """Accumulates per-step loss on the device and wall time, and turns a logging window into numbers."""
+
+    device: torch.device
+    world_size: int
+    global_batch: int  # sequences per optimizer step, all ranks
+    seq_len: int
+    flops_per_token: float
+    peak_bf16: float | None
+    peak_fp8: float | None
+    is_fp8: bool
+
+    def __post_init__(self) -> None:
+        self._loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        self._steps = 0
+        self._data_wait = 0.0
+        self._t0 = time.perf_counter()
+        self.start = self._t0
+
+    def add_step(self, loss: torch.Tensor, data_wait_s: float) -> None:
+        self._loss_sum += loss.detach().float()  # stays on the device: no sync
+        self._steps += 1
+        self._data_wait += data_wait_s
+
+    def window(self, step: int, lr: float, grad_norm: torch.Tensor | None) -> dict:
+        """Close the current window (one sync + one all-reduce) and return the metrics record."""
+        from llama_fp8.parallel import all_reduce_mean
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        elapsed = max(now - self._t0, 1e-9)
+        loss = all_reduce_mean(self._loss_sum / max(self._steps, 1)).item()
+        samples = self._steps * self.global_batch
+        tokens_per_device = samples * self.seq_len / self.world_size / elapsed
+        tflops = tokens_per_device * self.flops_per_token / 1e12
+        rec = {
+            "type": "train", "step": step, "loss": loss, "lr": lr,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "samples_per_sec": samples / elapsed,
+            "samples_per_sec_per_device": samples / elapsed / self.world_size,
+            "tokens_per_sec": tokens_per_device * self.world_size,
+            "tokens_per_sec_per_device": tokens_per_device,
+            "tflops_per_device": tflops,
+            "mfu_vs_bf16_peak": tflops / self.peak_bf16 if self.peak_bf16 else None,
+            "mfu_vs_fp8_peak": tflops / self.peak_fp8 if (self.peak_fp8 and self.is_fp8) else None,
+            "mem_peak_gib": memory_gib(self.device),
+            "data_wait_frac": min(self._data_wait / elapsed, 1.0),
+            "elapsed_s": now - self.start,
+            "time": time.time(),
+        }
+        self._loss_sum.zero_()
+        self._steps, self._data_wait, self._t0 = 0, 0.0, time.perf_counter()
+        return rec
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def format_line(rec: dict) -> str:
+    """``Batch N Loss: x, Speed: y samples/sec, lr: z`` (the prefix log monitors match), then extras."""
+    mfu = rec.get("mfu_vs_fp8_peak") if rec.get("mfu_vs_fp8_peak") is not None else rec.get("mfu_vs_bf16_peak")
+    mfu_label = "MFU(fp8 peak)" if rec.get("mfu_vs_fp8_peak") is not None else "MFU"
+    return (f"Batch {rec['step']} Loss: {rec['loss']:.5f}, Speed: {rec['samples_per_sec']:.2f} samples/sec, "
+            f"lr: {rec['lr']:.6f}, tokens/s/device: {rec['tokens_per_sec_per_device']:.1f}, "
+            f"TFLOPS/device: {_num(rec['tflops_per_device'], '.3f')}, {mfu_label}: {_num(mfu, '.3f')}, "
+            f"mem: {_num(rec['mem_peak_gib'], '.2f')} GiB, grad_norm: {_num(rec['grad_norm'], '.3f')}")
+
+
+class MetricsWriter:
+    """Rank 0's sinks: stdout line and metrics.jsonl (one JSON object per line, flushed each write)."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self._fh = open(self.path, "a") if enabled else None
+
+    def write(self, rec: dict, line: str | None = None) -> None:
+        if not self.enabled:
+            return
+        if line:
+            print(line, flush=True)
+        self._fh.write(json.dumps(rec) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh:
+            self._fh.close()
+            self._fh = None
+
+
+def setup_logging(is_main: bool) -> None:
+    """INFO on rank 0, warnings only elsewhere, to stderr (stdout carries the Batch lines)."""
+    logging.basicConfig(level=logging.INFO if is_main else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    # torchao logs missing CUDA kernels and Triton on every CPU import; torch logs a pytree deprecation.
+    for noisy in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)

@@ -1,0 +1,176 @@
+"""Process group, device mesh and FSDP2: the only place that shards anything.
+
+Ranks come from torchrun's environment, or from Slurm's when ``srun`` launches the training processes
+directly, or a plain ``python -m llama_fp8 train`` runs as a single process. Nothing assumes a GPU
+count per node or a CUDA device.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llama_fp8.config import ConfigError, TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(*names: str, default: int | None = None) -> int | None:
+    for n in names:
+        if os.environ.get(n, "") != "":
+            return int(os.environ[n].split("(")[0].split(",")[0])
+    return default
+
+
+def _from_environment() -> tuple[int, int, int, int]:
+    """(rank, local_rank, world, local_world) from torchrun, else from srun, else a single process."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        world = int(os.environ["WORLD_SIZE"])
+        return (int(os.environ["RANK"]), _env_int("LOCAL_RANK", default=0), world,
+                _env_int("LOCAL_WORLD_SIZE", default=world))
+    ntasks = _env_int("SLURM_NTASKS", default=1)
+    if ntasks > 1 and "SLURM_PROCID" in os.environ and "SLURM_STEP_ID" in os.environ:
+        if "MASTER_ADDR" not in os.environ:
+            raise ConfigError("launched by srun with several tasks but MASTER_ADDR is not set: export "
+                              "MASTER_ADDR (the first node's address) and MASTER_PORT, or use torchrun")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        rank = _env_int("SLURM_PROCID")
+        local_world = _env_int("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", default=ntasks)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(ntasks))
+        return rank, _env_int("SLURM_LOCALID", default=0), ntasks, local_world
+    return 0, 0, 1, 1
+
+
+def init_distributed(cfg: TrainConfig, timeout_s: float = 600.0) -> DistEnv:
+    """Create the process group (nccl on CUDA, gloo on CPU) and pick this rank's device."""
+    rank, local_rank, world, local_world = _from_environment()
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda but torch sees no CUDA device; use --device cpu or auto")
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"local rank {local_rank} but only {torch.cuda.device_count()} CUDA devices visible "
+                              f"on this node: launch one process per GPU")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if use_cuda else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                                    device_id=device if use_cuda else None)
+    return DistEnv(rank, local_rank, world, local_world, device)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@dataclass
+class ParallelDims:
+    """Data-parallel layout: ``dp_replicate`` replicas (HSDP) x ``dp_shard`` ranks each shards over."""
+
+    dp_replicate: int
+    dp_shard: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard"):
+            v = getattr(self, name)
+            if v == 0 or v < -1:
+                raise ConfigError(f"--{name}_size {v} is not valid; valid: a positive integer or -1 (fill)")
+        if self.dp_replicate == -1 and self.dp_shard == -1:
+            raise ConfigError("--dp_replicate_size and --dp_shard_size cannot both be -1")
+        if self.dp_replicate == -1:
+            self.dp_replicate = self._fill("dp_replicate", self.dp_shard)
+        if self.dp_shard == -1:
+            self.dp_shard = self._fill("dp_shard", self.dp_replicate)
+        if self.dp_replicate * self.dp_shard != self.world_size:
+            raise ConfigError(f"--dp_replicate_size {self.dp_replicate} x --dp_shard_size {self.dp_shard} = "
+                              f"{self.dp_replicate * self.dp_shard}, but the world size is {self.world_size}")
+
+    def _fill(self, name: str, other: int) -> int:
+        if self.world_size % other:
+            raise ConfigError(f"world size {self.world_size} is not divisible by {other}, so --{name}_size -1 "
+                              f"has no whole value")
+        return self.world_size // other
+
+    @property
+    def hsdp(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, env: DistEnv) -> ParallelDims:
+        if cfg.sharding_strategy == "hybrid":
+            if (cfg.dp_replicate_size, cfg.dp_shard_size) != (1, -1):
+                raise ConfigError("--sharding_strategy hybrid sets the mesh itself; drop --dp_replicate_size/"
+                                  "--dp_shard_size or use --sharding_strategy full with them")
+            # Replicate across nodes, shard within a node: all-gathers stay on NVLink.
+            return cls(env.world_size // env.local_world_size, env.local_world_size, env.world_size)
+        return cls(cfg.dp_replicate_size, cfg.dp_shard_size, env.world_size)
+
+
+def build_mesh(dims: ParallelDims, env: DistEnv):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dims.hsdp:
+        return init_device_mesh(env.device.type, (dims.dp_replicate, dims.dp_shard),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
+    return init_device_mesh(env.device.type, (dims.dp_shard,), mesh_dim_names=("dp_shard",))
+
+
+def parallelize(model: nn.Module, layers: nn.ModuleList, mesh, cfg: TrainConfig) -> nn.Module:
+    """fully_shard every decoder layer, then the root (embeddings, final norm, head).
+
+    The fixed order, when later options are added: activation checkpointing -> compile -> fully_shard
+    per block -> root. With --bf16 1, parameters are all-gathered in BF16 and gradients reduced in FP32.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.bf16 else None
+    kwargs = {"mesh": mesh}
+    if mp is not None:
+        kwargs["mp_policy"] = mp
+    for i, layer in enumerate(layers):
+        # The last block is needed first in backward: resharding it after forward would only make
+        # backward gather it straight back.
+        fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return model
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """Mean of a tensor over all ranks (a collective: call on logging steps only)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t /= dist.get_world_size()
+    return t
