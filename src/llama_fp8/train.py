@@ -100,6 +100,12 @@ def prepare_run_dir(cfg: TrainConfig, env: parallel.DistEnv) -> Path:
 
 def build(cfg: TrainConfig, env: parallel.DistEnv):
     """Model, precision and mesh in the fixed order; each rank only materializes its own shard."""
+    from llama_fp8 import data
+
+    try:  # a missing path or a tokenizer without EOS fails here, on every rank, before any compute
+        data.validate_data_config(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     impl = model_mod.resolve_model_impl(cfg)
     prec = precision_mod.resolve(cfg, impl, env.device)  # hardware checks before anything is built
     cfg.model_impl = impl
@@ -120,15 +126,18 @@ def build(cfg: TrainConfig, env: parallel.DistEnv):
 
 
 def build_loaders(cfg: TrainConfig, env: parallel.DistEnv):
-    from llama_fp8.synthetic import SyntheticLoader
+    """This rank's endless training batches and, with --validation_freq, its validation batches."""
+    from llama_fp8 import data
 
-    train = SyntheticLoader(cfg.vocab_size, cfg.max_context_width, cfg.train_batch_size, env.rank,
-                            env.world_size, cfg.seed)
-    val = None
-    if cfg.validation_freq:
-        val = SyntheticLoader(cfg.vocab_size, cfg.max_context_width, cfg.val_batch_size, env.rank,
-                              env.world_size, cfg.seed, offset=10**9)
-    return train, val
+    try:
+        train_loader = data.build_train_loader(cfg, env.rank, env.world_size)
+        val_loader = data.build_val_loader(cfg, env.rank, env.world_size) if cfg.validation_freq else None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.validation_freq and val_loader is None:
+        raise ConfigError(f"--validation_freq {cfg.validation_freq} but --dataset {cfg.dataset} has no validation "
+                          f"data: pass --val_data_files or --val_fraction")
+    return train_loader, val_loader
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

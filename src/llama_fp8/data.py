@@ -1,0 +1,370 @@
+"""Training and validation batches: synthetic or packed real text, split by rank, resumable.
+
+Batch format (every source): ``{"input_ids": LongTensor (B, T), "labels": LongTensor (B, T)}``.
+Each row comes from one block of T+1 tokens: ``input_ids = block[:-1]``, ``labels = block[1:]``,
+so the loss is ``cross_entropy(logits.view(-1, V), labels.view(-1), ignore_index=-100)`` with no
+further shift. Every label is a real next token (no -100 padding is ever produced).
+
+Packing: each document becomes ``[BOS] tokens [EOS]`` (BOS only if the tokenizer defines one that
+differs from EOS), documents are concatenated in numpy and cut into T+1 blocks; the leftover tokens
+start the next block. Blocks made from one chunk of documents are permuted before batching.
+
+Rank split: reader slot ``s = dp_rank * W + w`` of ``dp_world * W`` (W = max(1, num_workers)) owns a
+disjoint set of documents (map-style: every n-th document; streaming: ``split_dataset_by_node``).
+Physical DataLoader worker ``p`` plays slot ``(p + offset) % W`` so that a resumed loader continues
+the round-robin order of the workers exactly where the interrupted one stopped.
+
+Determinism: batches depend on the source, tokenizer, T, B, seed, dp_rank/dp_world and num_workers,
+never on precision flags. Synthetic batches are independent of dp_world (see ``SyntheticLoader``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from llama_fp8.data_sources import (
+    MapDocReader,
+    SourceKey,
+    StreamDocReader,
+    check_tokenizer,
+    load_tokenizer,
+    open_sources,
+)
+
+STATE_VERSION = 1
+CHUNK_DOCS = 128  # documents per batched tokenizer call
+SYNTHETIC_MODULUS = 256  # synthetic token ids lie in [0, min(vocab_size, 256))
+SYNTHETIC_MAX_STRIDE = 4  # synthetic sequences step by b in [1, 4]
+
+
+# ----------------------------------------------------------------------------------------- packing
+def pack_documents(token_lists: list[list[int]], bos_id: int | None, eos_id: int) -> np.ndarray:
+    """Token lists of documents -> one int32 stream ``[BOS] doc [EOS] [BOS] doc [EOS] ...``.
+
+    Vectorized: one ``fromiter`` over all tokens, separators written by index, no list concatenation.
+    """
+    n_docs = len(token_lists)
+    lengths = np.fromiter(map(len, token_lists), dtype=np.int64, count=n_docs)
+    flat = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int32,
+                       count=int(lengths.sum()))
+    extra = 1 if bos_id is None else 2
+    ends = np.cumsum(lengths + extra)  # exclusive end of each document incl. separators
+    out = np.empty(int(ends[-1]) if n_docs else 0, dtype=np.int32)
+    is_token = np.ones(len(out), dtype=bool)
+    is_token[ends - 1] = False
+    out[ends - 1] = eos_id
+    if bos_id is not None:
+        starts = ends - lengths - extra
+        is_token[starts] = False
+        out[starts] = bos_id
+    out[is_token] = flat
+    return out
+
+
+class Encoder:
+    """Batched fast-tokenizer call without special tokens (picklable, for DataLoader workers)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        eos, bos = tokenizer.eos_token_id, tokenizer.bos_token_id
+        self.eos_id = int(eos)
+        self.bos_id = None if bos is None or bos == eos else int(bos)
+
+    def __call__(self, texts: list[str]) -> np.ndarray:
+        texts = [t for t in texts if t]  # skip empty/missing documents (e.g. blank .txt lines)
+        if not texts:
+            return np.empty(0, dtype=np.int32)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            ids = [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+        else:
+            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return pack_documents(ids, self.bos_id, self.eos_id)
+
+
+@dataclass(frozen=True)
+class PackSpec:
+    """How one reader slot's documents become batches."""
+
+    seq_len: int  # T
+    batch_size: int  # B
+    seed: int
+    shuffle: bool  # shuffle documents per epoch and blocks per chunk (train) or not (validation)
+    cycle: bool = True  # restart the documents at the end (train) or stop (one validation pass)
+
+
+def _empty_state(spec: PackSpec) -> dict:
+    return {"reader": None, "chunk": 0, "remainder": np.empty(0, np.int32),
+            "pending": np.empty((0, spec.seq_len + 1), np.int32)}
+
+
+def packed_batches(reader: Any, encode: Encoder, spec: PackSpec, slot: int,
+                   state: dict | None) -> Iterator[tuple[np.ndarray, dict]]:
+    """Yield ((B, T+1) int32 blocks, state after this batch); ``state`` resumes exactly.
+
+    The state holds the reader position, the packing remainder (< T+1 tokens) and the blocks of
+    the current chunk not yet batched, so nothing is re-read or re-tokenized on resume.
+    """
+    st = dict(state) if state else _empty_state(spec)
+    rem, pending = np.asarray(st["remainder"], np.int32), np.asarray(st["pending"], np.int32)
+    chunk, width, bsz = int(st["chunk"]), spec.seq_len + 1, spec.batch_size
+    docs = reader.read(st["reader"], cycle=spec.cycle)
+    reader_pos = st["reader"]
+    while True:
+        while len(pending) >= bsz:
+            batch, pending = pending[:bsz], pending[bsz:]
+            yield batch, {"reader": reader_pos, "chunk": chunk, "remainder": rem.copy(),
+                          "pending": pending.copy()}
+        try:
+            texts, reader_pos = next(docs)
+        except StopIteration:
+            return  # finite pass (validation): the partial batch and remainder are dropped
+        stream = np.concatenate([rem, encode(texts)])
+        n_blocks = len(stream) // width
+        blocks = stream[: n_blocks * width].reshape(n_blocks, width)
+        rem = stream[n_blocks * width:]
+        if spec.shuffle and n_blocks > 1:
+            rng = np.random.default_rng([spec.seed & (2**63 - 1), slot, chunk])
+            blocks = blocks[rng.permutation(n_blocks)]
+        chunk += 1
+        pending = np.concatenate([pending, blocks]) if len(pending) else blocks
+
+
+def to_batch(blocks: np.ndarray) -> dict[str, torch.Tensor]:
+    """(B, T+1) token blocks -> the model's input/label tensors (B, T)."""
+    tokens = torch.from_numpy(blocks.astype(np.int64))
+    return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+
+
+# ------------------------------------------------------------------------------ reader factories
+@dataclass
+class SlotFactory:
+    """Everything a DataLoader worker needs to build its reader (picklable)."""
+
+    key: SourceKey
+    tokenizer_name: str
+    spec: PackSpec
+    n_slots: int
+    split: str  # "train" or "validation"
+
+    def reader(self, slot: int) -> Any:
+        src = open_sources(self.key)
+        ds, ids = (src.train, src.train_ids) if self.split == "train" else (src.val, src.val_ids)
+        if hasattr(ds, "__len__"):
+            return MapDocReader(ds, ids, src.text_field, slot, self.n_slots, self.spec.seed,
+                                self.spec.shuffle, CHUNK_DOCS)
+        return StreamDocReader(ds, src.text_field, slot, self.n_slots, CHUNK_DOCS)
+
+    def batches(self, slot: int, state: dict | None) -> Iterator[tuple[np.ndarray, dict]]:
+        encode = Encoder(load_tokenizer(self.tokenizer_name))
+        return packed_batches(self.reader(slot), encode, self.spec, slot, state)
+
+
+def real_factory(cfg: Any, dp_world: int, split: str, n_workers: int) -> SlotFactory:
+    """Validated factory for --dataset != synthetic (``split`` "train" or "validation")."""
+    validate_data_config(cfg)
+    train = split == "train"
+    spec = PackSpec(cfg.max_context_width, cfg.train_batch_size if train else cfg.val_batch_size,
+                    cfg.seed, shuffle=train)
+    return SlotFactory(SourceKey.from_cfg(cfg), cfg.tokenizer, spec, dp_world * n_workers, split)
+
+
+# ------------------------------------------------------------------------------------- synthetic
+def synthetic_sample(seed: int, stream: int, index: int, length: int, modulus: int) -> torch.Tensor:
+    """Sample ``index`` of a stream: ``x_t = (a + b t) mod m``, a and b drawn from its own generator.
+
+    Learnable in-context: after two tokens the stride b is known and the rest is predictable.
+    """
+    words = np.random.SeedSequence([seed & (2**64 - 1), stream, index]).generate_state(2, np.uint32)
+    gen = torch.Generator().manual_seed((int(words[0]) << 31) ^ int(words[1]))
+    a = torch.randint(0, modulus, (1,), generator=gen)
+    b = torch.randint(1, SYNTHETIC_MAX_STRIDE + 1, (1,), generator=gen)
+    return (a + b * torch.arange(length)) % modulus
+
+
+def synthetic_batch(cfg: Any, stream: int, step: int, bsz: int, dp_rank: int,
+                    dp_world: int) -> dict[str, torch.Tensor]:
+    """Rows g = step * B * world + rank * B + i: the union over ranks is independent of world size."""
+    modulus = min(int(cfg.vocab_size or SYNTHETIC_MODULUS), SYNTHETIC_MODULUS)
+    first = step * bsz * dp_world + dp_rank * bsz
+    rows = [synthetic_sample(cfg.seed, stream, g, cfg.max_context_width + 1, modulus)
+            for g in range(first, first + bsz)]
+    return to_batch(torch.stack(rows).numpy())
+
+
+class SyntheticLoader:
+    """Endless synthetic training batches; state = number of batches consumed."""
+
+    def __init__(self, cfg: Any, dp_rank: int, dp_world: int) -> None:
+        self._cfg, self._rank, self._world, self._step = cfg, dp_rank, dp_world, 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            batch = synthetic_batch(self._cfg, 0, self._step, self._cfg.train_batch_size,
+                                    self._rank, self._world)
+            self._step += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        """World-size independent: a run may resume on a different number of ranks."""
+        return {"version": STATE_VERSION, "kind": "synthetic", "step": self._step}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_state(state, "synthetic")
+        self._step = int(state["step"])
+
+
+# --------------------------------------------------------------------------------- train loader
+def _identity(item: Any) -> Any:
+    return item
+
+
+class _SlotIterable(torch.utils.data.IterableDataset):
+    """Runs inside each DataLoader worker: physical worker p serves slot base + (p + offset) % W."""
+
+    def __init__(self, factory: SlotFactory, base: int, n_workers: int, offset: int,
+                 states: list[dict | None]) -> None:
+        self.factory, self.base, self.n_workers = factory, base, n_workers
+        self.offset, self.states = offset, states
+
+    def __iter__(self) -> Iterator[dict]:
+        info = torch.utils.data.get_worker_info()
+        local = ((info.id if info is not None else 0) + self.offset) % self.n_workers
+        for blocks, state in self.factory.batches(self.base + local, self.states[local]):
+            yield {**to_batch(blocks), "_local": local, "_state": state}
+
+
+class PackedLoader:
+    """Endless packed batches of one data-parallel rank, resumable via state_dict/load_state_dict."""
+
+    def __init__(self, factory: SlotFactory, dp_rank: int, dp_world: int, num_workers: int) -> None:
+        self._factory, self._rank, self._world = factory, dp_rank, dp_world
+        self._num_workers = num_workers
+        self._slots = max(1, num_workers)
+        self._states: list[dict | None] = [None] * self._slots
+        self._consumed = 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        dataset = _SlotIterable(self._factory, self._rank * self._slots, self._slots,
+                                self._consumed % self._slots, list(self._states))
+        if self._num_workers == 0:
+            items: Any = iter(dataset)
+        else:
+            items = torch.utils.data.DataLoader(
+                dataset, batch_size=None, num_workers=self._num_workers, collate_fn=_identity,
+                pin_memory=torch.cuda.is_available(), prefetch_factor=2)
+        for item in items:
+            self._states[item.pop("_local")] = item.pop("_state")
+            self._consumed += 1
+            yield item
+
+    def state_dict(self) -> dict:
+        """Position after the last batch handed out (prefetched batches are not counted)."""
+        workers = [None if s is None else {**s, "remainder": torch.from_numpy(s["remainder"]),
+                                           "pending": torch.from_numpy(s["pending"])}
+                   for s in self._states]
+        return {"version": STATE_VERSION, "kind": "packed", "dp_rank": self._rank,
+                "dp_world": self._world, "num_workers": self._num_workers,
+                "consumed": self._consumed, "workers": workers}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_state(state, "packed")
+        for name, mine in (("dp_rank", self._rank), ("dp_world", self._world),
+                           ("num_workers", self._num_workers)):
+            if int(state[name]) != mine:
+                raise ValueError(f"data loader state was saved with {name}={state[name]}, this run "
+                                 f"has {name}={mine}; resume with the same value")
+        self._consumed = int(state["consumed"])
+        self._states = [None if s is None else {**s, "remainder": np.asarray(s["remainder"], np.int32),
+                                                "pending": np.asarray(s["pending"], np.int32)}
+                        for s in state["workers"]]
+
+
+def _check_state(state: dict, kind: str) -> None:
+    if state.get("version") != STATE_VERSION or state.get("kind") != kind:
+        raise ValueError(f"data loader state has version={state.get('version')} "
+                         f"kind={state.get('kind')!r}; expected version={STATE_VERSION} kind={kind!r} "
+                         "(was --dataset changed between runs?)")
+
+
+# ----------------------------------------------------------------------------------- validation
+class ValLoader:
+    """Finite, re-iterable validation batches; the same batches every pass (cached after the first).
+
+    Every rank yields exactly ``n_batches`` batches (its documents are repeated if too few), so a
+    forward pass with collectives (FSDP) never waits on a rank that ran out of data.
+    """
+
+    def __init__(self, make: Any, n_batches: int) -> None:
+        self._make, self._n = make, n_batches
+        self._cache: list[dict[str, torch.Tensor]] | None = None
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        if self._cache is None:
+            self._cache = [self._make(i) for i in range(self._n)] if callable(self._make) else \
+                [to_batch(blocks) for blocks, _ in itertools.islice(self._make, self._n)]
+        return iter(self._cache)
+
+
+# ------------------------------------------------------------------------------------ interface
+def validate_data_config(cfg: Any) -> None:
+    """Fail fast (ValueError naming the flag) on a bad data config; nothing downloaded for local paths."""
+    for name in ("max_context_width", "train_batch_size", "val_batch_size", "vocab_size"):
+        if getattr(cfg, name) is not None and int(getattr(cfg, name)) < 1:
+            raise ValueError(f"--{name}={getattr(cfg, name)} must be >= 1")
+    if cfg.num_workers < 0:
+        raise ValueError(f"--num_workers={cfg.num_workers} must be >= 0")
+    if cfg.dataset == "synthetic":
+        return
+    if not cfg.tokenizer:
+        raise ValueError(f"--dataset={cfg.dataset!r} needs --tokenizer (a local folder or hub id); "
+                         "only --dataset=synthetic works without one")
+    check_tokenizer(load_tokenizer(cfg.tokenizer), cfg.tokenizer, cfg.vocab_size)
+    open_sources(SourceKey.from_cfg(cfg))
+
+
+def build_train_loader(cfg: Any, dp_rank: int, dp_world: int) -> SyntheticLoader | PackedLoader:
+    """Endless training batches of this data-parallel rank (see the module docstring)."""
+    assert 0 <= dp_rank < dp_world, (dp_rank, dp_world)
+    if cfg.dataset == "synthetic":
+        validate_data_config(cfg)
+        return SyntheticLoader(cfg, dp_rank, dp_world)
+    factory = real_factory(cfg, dp_world, "train", max(1, cfg.num_workers))
+    if cfg.num_workers > 0:
+        # Workers are forked processes with one tokenizer thread each; avoids the fork warning.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    src = open_sources(factory.key)
+    n_docs = len(src.train_ids) if src.train_ids is not None else getattr(src.train, "num_rows", None)
+    if n_docs is not None and n_docs < factory.n_slots:
+        raise ValueError(f"--dataset={cfg.dataset!r} has {n_docs} training documents, fewer than "
+                         f"dp_world * max(1, --num_workers) = {factory.n_slots} reader slots")
+    return PackedLoader(factory, dp_rank, dp_world, cfg.num_workers)
+
+
+def build_val_loader(cfg: Any, dp_rank: int, dp_world: int) -> ValLoader | None:
+    """``cfg.validation_batches`` batches of held-out data for this rank, or None if there is none."""
+    assert 0 <= dp_rank < dp_world, (dp_rank, dp_world)
+    if cfg.validation_batches < 1:
+        return None
+    if cfg.dataset == "synthetic":
+        validate_data_config(cfg)
+        return ValLoader(lambda i: synthetic_batch(cfg, 1, i, cfg.val_batch_size, dp_rank, dp_world),
+                         cfg.validation_batches)
+    src = open_sources(SourceKey.from_cfg(cfg))
+    if src.val is None:
+        return None
+    n_docs = len(src.val_ids) if src.val_ids is not None else getattr(src.val, "num_rows", None)
+    # A validation set smaller than the world is read whole by every rank instead of split.
+    world = dp_world if n_docs is None or n_docs >= dp_world else 1
+    factory = real_factory(cfg, world, "validation", 1)
+    return ValLoader(factory.batches(dp_rank % world, None), cfg.validation_batches)

@@ -1,0 +1,18 @@
+"""Run under torchrun by test_distributed.py: the real train() on each rank, then this rank's summary
+(the rank-averaged losses it logged, the parameter elements it holds) as JSON in OUT_DIR/rank<N>.json."""
+
+import json
+import sys
+from pathlib import Path
+
+from llama_fp8 import config, parallel, train
+
+if __name__ == "__main__":
+    out_dir, argv = Path(sys.argv[1]), sys.argv[2:]
+    cfg = config.parse_args(argv)
+    env = parallel.init_distributed(cfg)
+    try:
+        summary = train.train(cfg, env)
+    finally:
+        parallel.destroy_distributed()
+    (out_dir / f"rank{env.rank}.json").write_text(json.dumps({"rank": env.rank, **summary}))
