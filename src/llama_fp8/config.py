@@ -338,3 +338,17 @@ def dump(cfg: TrainConfig, path: Path) -> None:
     """Write the resolved config as YAML (loadable again with --config)."""
     data = {k: v for k, v in cfg.to_dict().items() if k != "config"}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def flag_reference_markdown() -> str:
+    """The README's flag table, generated from the dataclass so that the two cannot drift."""
+    rows, group = [], None
+    for f in fields(TrainConfig):
+        if f.metadata["group"] != group:
+            group = f.metadata["group"]
+            rows.append(f"| **{group}** | | |")
+        default = f.default if not isinstance(f.default, bool) else int(f.default)
+        shown = "preset" if f.name in MODEL_FIELDS else ("-" if default is None else f"`{default}`")
+        text = f.metadata["help"].replace("|", "/")
+        rows.append(f"| `--{f.name}` | {shown} | {text} |")
+    return "\n".join(["| flag | default | what it does |", "|---|---|---|", *rows])
