@@ -11,7 +11,8 @@ import torch
 
 from conftest import read_metrics, train_records
 from llama_fp8 import config as C
-from llama_fp8 import metrics, train as T
+from llama_fp8 import faults, metrics
+from llama_fp8 import train as T
 from llama_fp8.parallel import DistEnv
 
 CPU_ENV = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
@@ -124,11 +125,13 @@ def test_grad_clip_limits_the_update(tmp_path, tiny_args):
     def first_step_delta(clip: str) -> float:
         cfg = C.parse_args([*base, str(tmp_path / f"clip{clip}"), "--max_steps", "1", "--grad_clip", clip,
                             "--warmup", "0"])
-        model, prec, _ = T.build(cfg, CPU_ENV_INIT())
+        impl, prec = T.resolve_run(cfg, CPU_ENV_INIT())
+        model, _ = T.build(cfg, CPU_ENV, impl, prec)
         before = model.model.layers[0].mlp.up_proj.weight.detach().to_local().clone()
         opt = T.build_optimizer(model, cfg, torch.device("cpu"))
         batch = next(iter(T.build_loaders(cfg, CPU_ENV)[0]))
-        T.train_step(model, prec, opt, batch, cfg, torch.device("cpu"), log_now=True)
+        guard = faults.NanGuard(torch.device("cpu"), "error", 0)
+        T.train_step(model, prec, opt, batch, cfg, torch.device("cpu"), 1, guard)
         return (model.model.layers[0].mlp.up_proj.weight.detach().to_local() - before).abs().mean().item()
 
     try:

@@ -8,6 +8,7 @@ import sys
 COMMANDS = {
     "train": "train a model (torchrun, srun or a single process)",
     "compare": "A/B report of two runs: table + plots",
+    "launch": "torchrun that keeps the workers' exit code (used by 1.train_llama.sbatch)",
     "submit": "submit a training job to Slurm through submitit",
     "convert": "export a checkpoint to a Hugging Face folder",
     "preflight": "check a node: GPUs, FP8 support, TE, NCCL, EFA, file systems",

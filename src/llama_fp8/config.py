@@ -25,6 +25,8 @@ import yaml
 EXIT_BAD_CONFIG = 2
 EXIT_REQUEUE = 85
 """Exit code meaning "checkpoint saved after SIGUSR1/SIGTERM, requeue me" (read by 1.train_llama.sbatch)."""
+EXIT_NONFINITE = 3
+"""Exit code of a run stopped by a non-finite loss or gradient norm (--nan_policy error)."""
 
 PRESET_DIR = Path(__file__).parent / "configs"
 
@@ -125,6 +127,24 @@ class TrainConfig:
                             group="parallel")
     device: str = _f("auto", "auto (cuda if available), cuda, or cpu", choices=("auto", "cuda", "cpu"),
                      group="parallel")
+    # --- checkpoints and faults -------------------------------------------------------------------
+    checkpoint_dir: str | None = _f(None, "where step_N checkpoints go (default: <run_dir>/checkpoints; use a shared "
+                                    "file system on a cluster)", group="checkpoint")
+    checkpoint_freq: int = _f(0, "save a checkpoint every N steps and at the end (0 = only on SIGUSR1/SIGTERM)",
+                              min=0, group="checkpoint")
+    keep_last_k: int = _f(2, "complete checkpoints to keep (0 = all)", min=0, group="checkpoint")
+    async_checkpoint: bool = _f(False, "1: write checkpoints in the background (DCP async_save) while training "
+                                "goes on", group="checkpoint")
+    resume_from_checkpoint: str = _f("auto", "auto (latest complete checkpoint in --checkpoint_dir, if any), "
+                                     "none, or a step_N folder", group="checkpoint")
+    init_from_hf: str | None = _f(None, "start from a Hugging Face checkpoint folder (safetensors); each rank "
+                                  "reads only its shard", group="checkpoint")
+    nan_policy: str = _f("error", "non-finite loss or grad norm: error (stop, naming the step) or skip (skip the "
+                         "update; costs a host sync per step)", choices=("error", "skip"), group="checkpoint")
+    max_nan_skips: int = _f(10, "with --nan_policy skip: stop after this many skipped steps", min=0,
+                            group="checkpoint")
+    process_group_timeout: float = _f(600.0, "seconds a collective may wait before the job fails (a dead rank "
+                                      "then stops the others instead of hanging)", min=1.0, group="checkpoint")
     # --- logging -------------------------------------------------------------------------------------
     logging_freq: int = _f(1, "print the Batch/Loss/Speed line and write metrics every N steps", min=1,
                            group="logging")

@@ -60,8 +60,11 @@ def _from_environment() -> tuple[int, int, int, int]:
     return 0, 0, 1, 1
 
 
-def init_distributed(cfg: TrainConfig, timeout_s: float = 600.0) -> DistEnv:
-    """Create the process group (nccl on CUDA, gloo on CPU) and pick this rank's device."""
+def init_distributed(cfg: TrainConfig) -> DistEnv:
+    """Create the process group (nccl on CUDA, gloo on CPU) and pick this rank's device.
+
+    --process_group_timeout bounds every collective: when a rank dies, the others fail after at most
+    that long instead of hanging until the Slurm time limit (torchrun usually stops them sooner)."""
     rank, local_rank, world, local_world = _from_environment()
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda:
@@ -75,7 +78,7 @@ def init_distributed(cfg: TrainConfig, timeout_s: float = 600.0) -> DistEnv:
     else:
         device = torch.device("cpu")
     backend = "nccl" if use_cuda else "gloo"
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=cfg.process_group_timeout)
     if not dist.is_initialized():
         if world == 1 and "MASTER_ADDR" not in os.environ:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

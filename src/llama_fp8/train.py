@@ -16,9 +16,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from llama_fp8 import checkpoint, faults, metrics, parallel
 from llama_fp8 import config as config_mod
-from llama_fp8 import metrics, model as model_mod, parallel, precision as precision_mod
-from llama_fp8.config import EXIT_BAD_CONFIG, ConfigError, TrainConfig
+from llama_fp8 import model as model_mod
+from llama_fp8 import precision as precision_mod
+from llama_fp8.config import EXIT_BAD_CONFIG, EXIT_NONFINITE, EXIT_REQUEUE, ConfigError, TrainConfig
 
 log = logging.getLogger("llama_fp8.train")
 
@@ -46,6 +48,13 @@ def run(cfg: TrainConfig) -> int:
     except ConfigError as e:
         print(f"llama-fp8 train: error (rank {env.rank}): {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    except faults.Preempted as e:
+        if env.is_main:
+            print(f"llama-fp8 train: {e} (exit code {EXIT_REQUEUE})", file=sys.stderr, flush=True)
+        return EXIT_REQUEUE
+    except faults.NonFinite as e:
+        print(f"llama-fp8 train: error (rank {env.rank}): {e}", file=sys.stderr)
+        return EXIT_NONFINITE
     finally:
         parallel.destroy_distributed()
 
@@ -77,29 +86,41 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
                              fused=device.type == "cuda")
 
 
-def prepare_run_dir(cfg: TrainConfig, env: parallel.DistEnv) -> Path:
-    """Rank 0 picks and creates the run dir and writes config.yaml; every rank learns the path or the error."""
-    out: list = [None, None]
+def prepare_run_dir(cfg: TrainConfig, env: parallel.DistEnv) -> tuple[Path, Path, Path | None]:
+    """Rank 0 picks the run dir, the checkpoint dir and the checkpoint to resume from (if any), refuses to
+    write over another run's metrics, writes config.yaml; every rank learns the same answer or error."""
+    out: list = [None]
     if env.is_main:
-        run_dir = Path(cfg.run_dir or config_mod.default_run_dir())
-        if (run_dir / "metrics.jsonl").exists():
-            out[1] = (f"--run_dir {run_dir} already holds metrics.jsonl from another run; choose a new --run_dir "
-                      f"(nothing was overwritten)")
-        else:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            cfg.run_dir = str(run_dir)
-            config_mod.dump(cfg, run_dir / "config.yaml")
-            out[0] = str(run_dir)
+        try:
+            out[0] = _decide_run_dir(cfg)
+        except (ConfigError, ValueError) as e:
+            out[0] = str(e)
     if env.world_size > 1:
         dist.broadcast_object_list(out, src=0)
-    if out[1]:
-        raise ConfigError(out[1])
-    cfg.run_dir = out[0]
-    return Path(out[0])
+    if isinstance(out[0], str):
+        raise ConfigError(out[0])
+    run_dir, ckpt_dir, resume = out[0]
+    cfg.run_dir, cfg.checkpoint_dir = str(run_dir), str(ckpt_dir)
+    return run_dir, ckpt_dir, resume
 
 
-def build(cfg: TrainConfig, env: parallel.DistEnv):
-    """Model, precision and mesh in the fixed order; each rank only materializes its own shard."""
+def _decide_run_dir(cfg: TrainConfig) -> tuple[Path, Path, Path | None]:
+    run_dir = Path(cfg.run_dir or config_mod.default_run_dir())
+    ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else run_dir / "checkpoints"
+    resume = checkpoint.find_resume(cfg.resume_from_checkpoint, ckpt_dir)
+    if (run_dir / "metrics.jsonl").exists() and resume is None:
+        raise ConfigError(f"--run_dir {run_dir} already holds metrics.jsonl and there is no checkpoint to resume "
+                          f"from in {ckpt_dir}; choose a new --run_dir (nothing was overwritten)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.run_dir, cfg.checkpoint_dir = str(run_dir), str(ckpt_dir)
+    name = "config.yaml" if resume is None else f"config.resume_{resume.name}.yaml"
+    config_mod.dump(cfg, run_dir / name)
+    return run_dir, ckpt_dir, resume
+
+
+def resolve_run(cfg: TrainConfig, env: parallel.DistEnv) -> tuple[str, precision_mod.Precision]:
+    """Cheap checks before anything is built or written: data config, model implementation, precision
+    and the hardware it needs. Fills the resolved choices into cfg (so config.yaml records them)."""
     from llama_fp8 import data
 
     try:  # a missing path or a tokenizer without EOS fails here, on every rank, before any compute
@@ -107,10 +128,16 @@ def build(cfg: TrainConfig, env: parallel.DistEnv):
     except ValueError as e:
         raise ConfigError(str(e)) from None
     impl = model_mod.resolve_model_impl(cfg)
-    prec = precision_mod.resolve(cfg, impl, env.device)  # hardware checks before anything is built
+    prec = precision_mod.resolve(cfg, impl, env.device)
     cfg.model_impl = impl
     if cfg.fp8:
         cfg.fp8_backend, cfg.fp8_recipe = prec.backend, prec.recipe
+    return impl, prec
+
+
+def build(cfg: TrainConfig, env: parallel.DistEnv, impl: str, prec: precision_mod.Precision):
+    """Model in the fixed order (meta -> FP8 convert -> fully_shard -> to_empty -> init): each rank only
+    materializes its own shard."""
     model = model_mod.build_model(cfg, impl)
     size = model_mod.model_size(model, cfg)
     model = prec.convert(model)
@@ -118,11 +145,17 @@ def build(cfg: TrainConfig, env: parallel.DistEnv):
     mesh = parallel.build_mesh(dims, env)
     parallel.parallelize(model, model_mod.decoder_layers(model), mesh, cfg)
     model.to_empty(device=env.device)
-    model_mod.init_weights(model, cfg, env.device)
-    model_mod.check_weights(model, cfg)
+    if cfg.init_from_hf:
+        from llama_fp8.convert import load_hf_into_model
+
+        load_hf_into_model(model, cfg.init_from_hf, impl)
+        model_mod.reset_rope_buffers(model, env.device)
+    else:
+        model_mod.init_weights(model, cfg, env.device)
+        model_mod.check_weights(model, cfg)
     log.info("model %s (%s): %.3fM parameters, %.3g FLOPs/token; mesh %s; precision %s", cfg.model, impl,
              size.num_params / 1e6, size.flops_per_token, dict(zip(mesh.mesh_dim_names, mesh.shape)), prec.name)
-    return model, prec, size
+    return model, size
 
 
 def build_loaders(cfg: TrainConfig, env: parallel.DistEnv):
@@ -154,11 +187,32 @@ def local_numel(model: nn.Module) -> int:
 def train(cfg: TrainConfig, env: parallel.DistEnv) -> dict:
     """Train; returns this rank's summary: logged (rank-averaged) losses and parameter counts."""
     torch.manual_seed(cfg.seed)
-    model, prec, size = build(cfg, env)
-    run_dir = prepare_run_dir(cfg, env)
+    impl, prec = resolve_run(cfg, env)
+    run_dir, ckpt_dir, resume = prepare_run_dir(cfg, env)
+    model, size = build(cfg, env, impl, prec)
     optimizer = build_optimizer(model, cfg, env.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg) / cfg.lr if cfg.lr else 0.0)
     train_loader, val_loader = build_loaders(cfg, env)
+    ckpt = checkpoint.Checkpointer(ckpt_dir, cfg.keep_last_k, cfg.async_checkpoint, env.rank, env.world_size)
+    start = ckpt.load(resume, model, optimizer, scheduler, train_loader, cfg.train_batch_size) if resume else 0
+    meter, writer = start_metrics(cfg, env, run_dir, prec, size, start)
+    watch = faults.SignalWatch(env.world_size)
+    guard = faults.NanGuard(env.device, cfg.nan_policy, cfg.max_nan_skips)
+    losses: list[float] = []
+    try:
+        losses = loop(cfg, env, model, prec, optimizer, scheduler, train_loader, val_loader, ckpt, meter, writer,
+                      watch, guard, start)
+    finally:
+        ckpt.wait()
+        watch.close()
+        writer.close()
+    if env.is_main:
+        print(f"Training finished: {cfg.max_steps} steps, run dir {run_dir}", flush=True)
+    return {"losses": losses, "local_numel": local_numel(model), "num_params": size.num_params,
+            "start_step": start}
+
+
+def start_metrics(cfg, env, run_dir: Path, prec, size, start: int):
     device_name, peak_bf16, peak_fp8 = metrics.peak_tflops(env.device, cfg.peak_tflops)
     meter = metrics.StepMeter(env.device, env.world_size, cfg.train_batch_size * env.world_size,
                               cfg.max_context_width, size.flops_per_token, peak_bf16, peak_fp8, cfg.fp8)
@@ -168,49 +222,64 @@ def train(cfg: TrainConfig, env: parallel.DistEnv) -> dict:
                   "peak_tflops_bf16": peak_bf16, "peak_tflops_fp8": peak_fp8, "seq_len": cfg.max_context_width,
                   "global_batch_size": cfg.train_batch_size * env.world_size,
                   "flops_per_token": size.flops_per_token, "num_params": size.num_params,
-                  "fp8_emulated": prec.emulated})
-    batches = iter(train_loader)
-    losses: list[float] = []
+                  "fp8_emulated": prec.emulated, "start_step": start})
+    return meter, writer
+
+
+def loop(cfg, env, model, prec, optimizer, scheduler, train_loader, val_loader, ckpt, meter, writer, watch, guard,
+         start: int) -> list[float]:
+    """Steps start+1 .. max_steps. Host syncs happen on logging, validation and checkpoint steps only."""
+    batches, losses = iter(train_loader), []
     model.train()
-    for step in range(1, cfg.max_steps + 1):
+    for step in range(start + 1, cfg.max_steps + 1):
         log_now = step % cfg.logging_freq == 0 or step == cfg.max_steps
         t0 = time.perf_counter()
         batch = next(batches)
         data_wait = time.perf_counter() - t0
-        loss, grad_norm = train_step(model, prec, optimizer, batch, cfg, env.device, log_now)
         lr = optimizer.param_groups[0]["lr"]
+        loss, grad_norm = train_step(model, prec, optimizer, batch, cfg, env.device, step, guard)
         scheduler.step()
         meter.add_step(loss, data_wait)
         if log_now:
+            guard.check()
             rec = meter.window(step, lr, grad_norm)
             rec.update(precision=prec.name, world_size=env.world_size)
             losses.append(rec["loss"])
             writer.write(rec, metrics.format_line(rec))
         if val_loader is not None and step % cfg.validation_freq == 0:
             writer.write(*validate(model, prec, val_loader, cfg, env, step))
-    writer.close()
-    if env.is_main:
-        print(f"Training finished: {cfg.max_steps} steps, run dir {run_dir}", flush=True)
-    return {"losses": losses, "local_numel": local_numel(model), "num_params": size.num_params}
+        stop = watch.requested()
+        periodic = cfg.checkpoint_freq and (step % cfg.checkpoint_freq == 0 or step == cfg.max_steps)
+        if periodic or stop:
+            guard.check()  # never write a non-finite model over the last good checkpoint
+            ckpt.save(step, model, optimizer, scheduler, train_loader, cfg)
+        if stop:
+            ckpt.wait()
+            raise faults.Preempted(step)
+    return losses
 
 
-def train_step(model, prec, optimizer, batch, cfg: TrainConfig, device: torch.device, log_now: bool):
-    """One optimizer step. Returns (loss tensor on device, grad norm or None); no host sync here."""
+def train_step(model, prec, optimizer, batch, cfg: TrainConfig, device: torch.device, step: int, guard):
+    """One optimizer step. Returns (loss tensor on device, grad norm or None); no host sync here
+    (except under --nan_policy skip, which must decide before the update)."""
     input_ids = batch["input_ids"].to(device, non_blocking=True)
     labels = batch["labels"].to(device, non_blocking=True)
     with prec.autocast():  # forward only: TE wants backward outside its FP8 autocast
         logits = model(input_ids=input_ids).logits  # (B, T, V)
-    loss = loss_fn(logits, labels)
+    loss = guard.maybe_inject(loss_fn(logits, labels), step)
     loss.backward()
-    grad_norm = None
-    if cfg.grad_clip > 0 or log_now:
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+    # The norm is computed every step: clipping needs it, and the NaN guard reads it (on device).
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    if guard.policy == "skip" and guard.step_is_bad(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm
+    guard.record(step, loss, grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     prec.post_step(model)
-    return loss, (grad_norm if log_now else None)
+    return loss, grad_norm
 
 
 @torch.no_grad()

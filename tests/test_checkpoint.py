@@ -1,0 +1,250 @@
+"""Checkpoints and faults with real runs: exact resume, other world size, interrupted saves, keep_last_k,
+SIGUSR1 -> save + requeue code, SIGKILL of a rank, NaN guard, HF export and import."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, cli_env, read_metrics, run_cli, train_records
+from llama_fp8 import checkpoint as K
+from llama_fp8 import config as C
+from llama_fp8 import train as T
+from llama_fp8.config import EXIT_NONFINITE, EXIT_REQUEUE
+
+BASE = ["--model", "tiny", "--device", "cpu", "--num_layers", "2", "--max_context_width", "32",
+        "--train_batch_size", "2", "--logging_freq", "1", "--lr_decay_iters", "8", "--seed", "3"]
+
+
+def run(run_dir: Path, *args: str) -> int:
+    return T.run(C.parse_args([*BASE, "--run_dir", str(run_dir), *args]))
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in train_records(run_dir)}
+
+
+@pytest.mark.parametrize("async_save", ["0", "1"])
+def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, async_save):
+    assert run(tmp_path / "a", "--max_steps", "8") == 0
+    b = tmp_path / "b"
+    assert run(b, "--max_steps", "4", "--checkpoint_freq", "4", "--async_checkpoint", async_save) == 0
+    assert [s for s, _ in K.complete_checkpoints(b / "checkpoints")] == [4]
+    assert run(b, "--max_steps", "8", "--checkpoint_freq", "4", "--async_checkpoint", async_save) == 0
+    full, resumed = losses_by_step(tmp_path / "a"), losses_by_step(b)
+    # Bitwise on CPU: same weights, optimizer moments, LR step and data position; same kernels.
+    assert [resumed[s] for s in range(5, 9)] == [full[s] for s in range(5, 9)]
+    metas = [r for r in read_metrics(b) if r["type"] == "meta"]
+    assert [m["start_step"] for m in metas] == [0, 4]
+    assert (b / "config.resume_step_4.yaml").is_file()
+
+
+def test_interrupted_save_is_ignored_and_previous_stays_loadable(tmp_path):
+    b = tmp_path / "b"
+    assert run(b, "--max_steps", "4", "--checkpoint_freq", "2") == 0
+    ck = b / "checkpoints"
+    half = ck / "step_6.tmp"             # a save killed half-way: partial files, no marker
+    shutil.copytree(ck / "step_4", half)
+    (half / K.MARKER).unlink()
+    (half / "__0_0.distcp").write_bytes(b"trunc")
+    unmarked = ck / "step_8"             # even a final name without the marker is not trusted
+    shutil.copytree(half, unmarked)
+    assert K.find_resume("auto", ck) == ck / "step_4"
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        K.find_resume(str(unmarked), ck)
+    assert run(b, "--max_steps", "6", "--checkpoint_freq", "2") == 0
+    assert [r for r in read_metrics(b) if r["type"] == "meta"][-1]["start_step"] == 4
+    assert not half.exists()             # the next save cleaned the interrupted one up
+    assert [s for s, _ in K.complete_checkpoints(ck)] == [4, 6]   # keep_last_k 2 (step_8 is not complete)
+
+
+def test_keep_last_k_and_resume_none(tmp_path):
+    b = tmp_path / "b"
+    assert run(b, "--max_steps", "5", "--checkpoint_freq", "1", "--keep_last_k", "2") == 0
+    assert [s for s, _ in K.complete_checkpoints(b / "checkpoints")] == [4, 5]
+    # An explicit step folder resumes from there; `none` refuses to write over the existing metrics.
+    assert run(b, "--max_steps", "6", "--resume_from_checkpoint", str(b / "checkpoints" / "step_4")) == 0
+    assert [r for r in read_metrics(b) if r["type"] == "meta"][-1]["start_step"] == 4
+    assert run(b, "--max_steps", "6", "--resume_from_checkpoint", "none") == 2
+
+
+def test_nan_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LLAMA_FP8_FAULT_NAN_AT_STEP", "5")
+    b = tmp_path / "b"
+    assert run(b, "--max_steps", "8", "--checkpoint_freq", "2") == EXIT_NONFINITE
+    assert "non-finite loss or gradient norm at step 5" in capsys.readouterr().err
+    assert [s for s, _ in K.complete_checkpoints(b / "checkpoints")] == [2, 4]
+    assert not list((b / "checkpoints").glob("step_6*"))
+    state = torch.load(b / "checkpoints" / "step_4" / "rank0.pt", weights_only=False)
+    assert state["loader"]["step"] == 4
+
+
+def test_nan_skip_policy_skips_and_counts(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMA_FP8_FAULT_NAN_AT_STEP", "3")
+    assert run(tmp_path / "s", "--max_steps", "5", "--nan_policy", "skip") == 0
+    losses = losses_by_step(tmp_path / "s")
+    assert losses[3] != losses[3] and all(losses[s] == losses[s] for s in (4, 5))  # NaN only at step 3
+    assert run(tmp_path / "t", "--max_steps", "5", "--nan_policy", "skip", "--max_nan_skips", "0") == EXIT_NONFINITE
+
+
+def test_hf_export_gives_the_trained_models_logits(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    from llama_fp8 import model as M
+
+    b = tmp_path / "b"
+    assert run(b, "--max_steps", "3", "--checkpoint_freq", "3") == 0
+    r = run_cli(["convert", str(b / "checkpoints"), str(tmp_path / "hf"), "--dtype", "fp32"], timeout=180)
+    assert r.returncode == 0, r.stderr
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32)
+    # The reference: the raw DCP state, read by torch's own converter, in an independently built model.
+    dcp_to_torch_save(str(b / "checkpoints" / "step_3"), str(tmp_path / "raw.pt"))
+    raw = torch.load(tmp_path / "raw.pt", weights_only=False)["model"]
+    cfg = C.parse_args([*BASE])
+    ref = M.build_model(cfg, "hf").to_empty(device="cpu")
+    ref.load_state_dict(raw)
+    M.reset_rope_buffers(ref, torch.device("cpu"))
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(exported(input_ids=ids).logits, ref(input_ids=ids).logits)
+    again = run_cli(["convert", str(b / "checkpoints"), str(tmp_path / "hf")], timeout=180)
+    assert again.returncode == 2 and "is not empty" in again.stderr   # nothing overwritten
+
+
+def make_hf_checkpoint(path: Path, **shape) -> dict[str, torch.Tensor]:
+    from transformers import LlamaForCausalLM
+
+    from llama_fp8 import model as M
+
+    cfg = C.parse_args([*BASE, *[f"--{k}={v}" for k, v in shape.items()]])
+    torch.manual_seed(11)
+    hf = LlamaForCausalLM(M.hf_config(cfg))
+    hf.save_pretrained(str(path), safe_serialization=True, max_shard_size="200KB")  # several shards
+    return {k: v.clone() for k, v in hf.state_dict().items()}
+
+
+def test_init_from_hf_loads_every_weight(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    want = make_hf_checkpoint(tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    b = tmp_path / "b"
+    assert run(b, "--max_steps", "1", "--lr", "0", "--min_lr", "0", "--weight_decay", "0", "--checkpoint_freq", "1",
+               "--init_from_hf", str(tmp_path / "hf")) == 0
+    dcp_to_torch_save(str(b / "checkpoints" / "step_1"), str(tmp_path / "raw.pt"))
+    got = torch.load(tmp_path / "raw.pt", weights_only=False)["model"]
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_init_from_hf_shape_mismatch_names_the_tensor(tmp_path, capsys):
+    make_hf_checkpoint(tmp_path / "hf", intermediate_size=384)
+    assert run(tmp_path / "b", "--max_steps", "1", "--init_from_hf", str(tmp_path / "hf")) == 2
+    import re
+
+    err = capsys.readouterr().err
+    assert re.search(r"mlp\.(gate|up|down)_proj\.weight has shape \((384, 128|128, 384)\), the model expects", err), err
+
+
+# --- real processes ----------------------------------------------------------------------------------
+def spawn(args: list[str], nproc: int) -> subprocess.Popen:
+    # `llama-fp8 launch` is torchrun that keeps the workers' exit code (85 survives), as the sbatch uses it.
+    cmd = [sys.executable, "-m", "llama_fp8", "launch", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "llama_fp8", "train", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(), cwd=REPO)
+
+
+def worker_pids(parent: int) -> dict[int, int]:
+    """{rank: pid} of torchrun's workers, read from /proc."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(stat[1]) != parent:
+                continue
+            env = dict(kv.split("=", 1) for kv in (d / "environ").read_text().split("\0") if "=" in kv)
+        except (OSError, ValueError):
+            continue
+        if "RANK" in env:
+            out[int(env["RANK"])] = int(d.name)
+    return out
+
+
+def wait_for(pred, timeout: float, what: str) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow
+def test_sigusr1_to_one_rank_saves_and_exits_with_the_requeue_code(tmp_path):
+    b = tmp_path / "b"
+    p = spawn([*BASE, "--run_dir", str(b), "--max_steps", "10000", "--lr_decay_iters", "10000"], 2)
+    try:
+        wait_for(lambda: (b / "metrics.jsonl").is_file() and len(train_records(b)) >= 2, 240, "two logged steps")
+        pids = worker_pids(p.pid)
+        assert set(pids) == {0, 1}, pids
+        os.kill(pids[1], signal.SIGUSR1)      # only one rank hears it: both must stop at the same step
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == EXIT_REQUEUE, err[-3000:]
+    (step, path), = K.complete_checkpoints(b / "checkpoints")
+    assert step == train_records(b)[-1]["step"] and sorted(x.name for x in path.glob("rank*.pt")) == \
+        ["rank0.pt", "rank1.pt"]
+    r = run_cli(["train", *BASE, "--run_dir", str(b), "--max_steps", str(step + 2)], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [m["start_step"] for m in read_metrics(b) if m["type"] == "meta"] == [0, step]
+
+
+@pytest.mark.slow
+def test_sigkill_of_one_rank_fails_fast_and_the_rerun_resumes(tmp_path):
+    b = tmp_path / "b"
+    p = spawn([*BASE, "--run_dir", str(b), "--max_steps", "10000", "--lr_decay_iters", "10000",
+               "--checkpoint_freq", "2", "--process_group_timeout", "30"], 2)
+    try:
+        wait_for(lambda: len(K.complete_checkpoints(b / "checkpoints")) >= 1, 240, "a complete checkpoint")
+        os.kill(worker_pids(p.pid)[1], signal.SIGKILL)
+        t0 = time.time()
+        p.communicate(timeout=90)
+        elapsed = time.time() - t0
+    finally:
+        p.kill()
+    assert p.returncode != 0 and elapsed < 90
+    last = K.complete_checkpoints(b / "checkpoints")[-1][0]
+    r = run_cli(["train", *BASE, "--run_dir", str(b), "--max_steps", str(last + 1), "--checkpoint_freq", "2"],
+                nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [m["start_step"] for m in read_metrics(b) if m["type"] == "meta"][-1] == last
+
+
+@pytest.mark.slow
+def test_resume_with_a_different_world_size(tmp_path):
+    """Saved by 2 ranks x batch 2, resumed by 1 rank x batch 4: same global batch, same samples."""
+    full = tmp_path / "full"
+    assert run_cli(["train", *BASE, "--run_dir", str(full), "--max_steps", "8"], nproc=2).returncode == 0
+    b = tmp_path / "b"
+    r = run_cli(["train", *BASE, "--run_dir", str(b), "--max_steps", "4", "--checkpoint_freq", "4"], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_cli(["train", *BASE, "--run_dir", str(b), "--max_steps", "8", "--train_batch_size", "4"], nproc=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, c = losses_by_step(full), losses_by_step(b)
+    # BF16 compute, different reduction order between 2 shards and 1: relative tolerance 2e-3.
+    assert [c[s] for s in range(5, 9)] == pytest.approx([a[s] for s in range(5, 9)], rel=2e-3)
+    assert json.loads((b / "checkpoints" / "step_4" / "train_state.json").read_text())["world_size"] == 2
