@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,7 +102,7 @@ class PackSpec:
 
 def _empty_state(spec: PackSpec) -> dict:
     return {"reader": None, "chunk": 0, "remainder": np.empty(0, np.int32),
-            "pending": np.empty((0, spec.seq_len + 1), np.int32)}
+            "pending": np.empty((0, spec.seq_len + 1), np.int32), "offset": 0}
 
 
 def packed_batches(reader: Any, encode: Encoder, spec: PackSpec, slot: int,
@@ -110,18 +110,20 @@ def packed_batches(reader: Any, encode: Encoder, spec: PackSpec, slot: int,
     """Yield ((B, T+1) int32 blocks, state after this batch); ``state`` resumes exactly.
 
     The state holds the reader position, the packing remainder (< T+1 tokens) and the blocks of
-    the current chunk not yet batched, so nothing is re-read or re-tokenized on resume.
+    the current chunk not yet batched (``pending[offset:]``), so nothing is re-read or
+    re-tokenized on resume. The arrays are shared between consecutive states, never copied here
+    and never written in place.
     """
     st = dict(state) if state else _empty_state(spec)
     rem, pending = np.asarray(st["remainder"], np.int32), np.asarray(st["pending"], np.int32)
-    chunk, width, bsz = int(st["chunk"]), spec.seq_len + 1, spec.batch_size
+    chunk, offset, width, bsz = int(st["chunk"]), int(st["offset"]), spec.seq_len + 1, spec.batch_size
     docs = reader.read(st["reader"], cycle=spec.cycle)
     reader_pos = st["reader"]
     while True:
-        while len(pending) >= bsz:
-            batch, pending = pending[:bsz], pending[bsz:]
-            yield batch, {"reader": reader_pos, "chunk": chunk, "remainder": rem.copy(),
-                          "pending": pending.copy()}
+        while len(pending) - offset >= bsz:
+            offset += bsz
+            yield pending[offset - bsz:offset], {"reader": reader_pos, "chunk": chunk, "remainder": rem,
+                                                 "pending": pending, "offset": offset}
         try:
             texts, reader_pos = next(docs)
         except StopIteration:
@@ -134,7 +136,7 @@ def packed_batches(reader: Any, encode: Encoder, spec: PackSpec, slot: int,
             rng = np.random.default_rng([spec.seed & (2**63 - 1), slot, chunk])
             blocks = blocks[rng.permutation(n_blocks)]
         chunk += 1
-        pending = np.concatenate([pending, blocks]) if len(pending) else blocks
+        pending, offset = (np.concatenate([pending[offset:], blocks]) if offset < len(pending) else blocks), 0
 
 
 def to_batch(blocks: np.ndarray) -> dict[str, torch.Tensor]:
@@ -213,7 +215,8 @@ class SyntheticLoader:
             yield batch
 
     def state_dict(self) -> dict:
-        """World-size independent: a run may resume on a different number of ranks."""
+        """Batches consumed; the next global sample is ``step * B * dp_world`` (rescale ``step`` to
+        resume with another B * dp_world)."""
         return {"version": STATE_VERSION, "kind": "synthetic", "step": self._step}
 
     def load_state_dict(self, state: dict) -> None:
@@ -222,6 +225,9 @@ class SyntheticLoader:
 
 
 # --------------------------------------------------------------------------------- train loader
+_SHARED = ("remainder", "pending")  # state arrays sent from a worker only when they change
+
+
 def _identity(item: Any) -> Any:
     return item
 
@@ -237,8 +243,13 @@ class _SlotIterable(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         info = torch.utils.data.get_worker_info()
         local = ((info.id if info is not None else 0) + self.offset) % self.n_workers
+        sent: dict[str, Any] = {}
         for blocks, state in self.factory.batches(self.base + local, self.states[local]):
-            yield {**to_batch(blocks), "_local": local, "_state": state}
+            # The chunk's arrays travel to the main process once, not with every batch.
+            delta = {k: None if k in _SHARED and sent.get(k) is v else v for k, v in state.items()}
+            sent.update({k: state[k] for k in _SHARED})
+            # numpy travels pickled in the worker pipe: cheaper than a shared-memory segment per tensor.
+            yield {"blocks": blocks, "_local": local, "_state": delta}
 
 
 class PackedLoader:
@@ -257,18 +268,22 @@ class PackedLoader:
         if self._num_workers == 0:
             items: Any = iter(dataset)
         else:
-            items = torch.utils.data.DataLoader(
-                dataset, batch_size=None, num_workers=self._num_workers, collate_fn=_identity,
-                pin_memory=torch.cuda.is_available(), prefetch_factor=2)
+            items = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=self._num_workers,
+                                                collate_fn=_identity, prefetch_factor=4)
         for item in items:
-            self._states[item.pop("_local")] = item.pop("_state")
+            local, delta = item.pop("_local"), item.pop("_state")
+            previous = self._states[local]
+            self._states[local] = {k: previous[k] if k in _SHARED and v is None else v  # type: ignore[index]
+                                   for k, v in delta.items()}
             self._consumed += 1
-            yield item
+            yield to_batch(item["blocks"])
 
     def state_dict(self) -> dict:
         """Position after the last batch handed out (prefetched batches are not counted)."""
-        workers = [None if s is None else {**s, "remainder": torch.from_numpy(s["remainder"]),
-                                           "pending": torch.from_numpy(s["pending"])}
+        # Copies, so that a saved tensor does not drag the whole chunk's storage along.
+        workers = [None if s is None else {**s, "remainder": torch.from_numpy(s["remainder"].copy()),
+                                           "pending": torch.from_numpy(s["pending"][s["offset"]:].copy()),
+                                           "offset": 0}
                    for s in self._states]
         return {"version": STATE_VERSION, "kind": "packed", "dp_rank": self._rank,
                 "dp_world": self._world, "num_workers": self._num_workers,
@@ -302,7 +317,7 @@ class ValLoader:
     forward pass with collectives (FSDP) never waits on a rank that ran out of data.
     """
 
-    def __init__(self, make: Any, n_batches: int) -> None:
+    def __init__(self, make: Callable[[], Iterator[dict[str, torch.Tensor]]], n_batches: int) -> None:
         self._make, self._n = make, n_batches
         self._cache: list[dict[str, torch.Tensor]] | None = None
 
@@ -311,8 +326,8 @@ class ValLoader:
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         if self._cache is None:
-            self._cache = [self._make(i) for i in range(self._n)] if callable(self._make) else \
-                [to_batch(blocks) for blocks, _ in itertools.islice(self._make, self._n)]
+            self._cache = list(itertools.islice(self._make(), self._n))
+            assert len(self._cache) == self._n, (len(self._cache), self._n)
         return iter(self._cache)
 
 
@@ -358,8 +373,8 @@ def build_val_loader(cfg: Any, dp_rank: int, dp_world: int) -> ValLoader | None:
         return None
     if cfg.dataset == "synthetic":
         validate_data_config(cfg)
-        return ValLoader(lambda i: synthetic_batch(cfg, 1, i, cfg.val_batch_size, dp_rank, dp_world),
-                         cfg.validation_batches)
+        return ValLoader(lambda: (synthetic_batch(cfg, 1, i, cfg.val_batch_size, dp_rank, dp_world)
+                                  for i in itertools.count()), cfg.validation_batches)
     src = open_sources(SourceKey.from_cfg(cfg))
     if src.val is None:
         return None
@@ -367,4 +382,5 @@ def build_val_loader(cfg: Any, dp_rank: int, dp_world: int) -> ValLoader | None:
     # A validation set smaller than the world is read whole by every rank instead of split.
     world = dp_world if n_docs is None or n_docs >= dp_world else 1
     factory = real_factory(cfg, world, "validation", 1)
-    return ValLoader(factory.batches(dp_rank % world, None), cfg.validation_batches)
+    return ValLoader(lambda: (to_batch(blocks) for blocks, _ in factory.batches(dp_rank % world, None)),
+                     cfg.validation_batches)
