@@ -1,0 +1,201 @@
+"""`python -m llama_fp8 submit`: launch training on Slurm through submitit (no sbatch file).
+
+    python -m llama_fp8 submit --nodes 2 --gpus_per_node 8 --partition p5 --wait -- --model llama3.1-8b --fp8=1
+
+Own flags come first; everything after `--` goes to `python -m llama_fp8 train` unchanged (the same flags
+as `sbatch 1.train_llama.sbatch ...`). One Slurm task per GPU (or --tasks_per_node on CPU); each task
+takes its rank/world from Slurm's environment. With --image, tasks run in that Enroot image via Pyxis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llama_fp8.config import EXIT_BAD_CONFIG, EXIT_REQUEUE, ConfigError, parse_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The submit command's own flags (train flags go after `--`)."""
+    p = argparse.ArgumentParser(
+        prog="python -m llama_fp8 submit",
+        description="Submit `python -m llama_fp8 train TRAIN_FLAGS` to Slurm with submitit.",
+        usage="%(prog)s [own flags] -- TRAIN_FLAGS...",
+        allow_abbrev=False,
+    )
+    p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--gpus_per_node", type=int, default=0, help="GPUs per node; 0 = CPU job (default 0)")
+    p.add_argument("--tasks_per_node", type=int, default=None,
+                   help="processes per node (default: --gpus_per_node, or 1 on CPU)")
+    p.add_argument("--cpus_per_task", type=int, default=None, help="CPUs per process (default: Slurm's)")
+    p.add_argument("--partition", default=None, help="Slurm partition (default: the cluster default)")
+    p.add_argument("--time", type=int, default=60, help="time limit in minutes (default 60)")
+    p.add_argument("--image", default=None, help="Enroot .sqsh image; tasks run in it through Pyxis")
+    p.add_argument("--container_mounts", default=None,
+                   help="Pyxis mounts SRC:DST[,...] (default: the current dir and --folder)")
+    p.add_argument("--account", default=None, help="Slurm account")
+    p.add_argument("--qos", default=None, help="Slurm quality of service")
+    p.add_argument("--constraint", default=None, help="Slurm node features, e.g. p5.48xlarge")
+    p.add_argument("--job_name", default="llama-fp8", help="Slurm job name (default llama-fp8)")
+    p.add_argument("--folder", default="logs/submitit", help="submitit folder: logs and pickles (default logs/submitit)")
+    p.add_argument("--python", default=None,
+                   help="python on the nodes (default: this interpreter, or `python` with --image)")
+    p.add_argument("--wait", action="store_true", help="stream the log and return the job's exit status")
+    return p
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(own flags, train flags): train flags are everything after the first `--`."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def validate(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for impossible values."""
+    for name in ("nodes", "time"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.gpus_per_node < 0:
+        raise ValueError(f"--gpus_per_node must be >= 0, got {args.gpus_per_node}")
+    if args.tasks_per_node is not None and args.tasks_per_node < 1:
+        raise ValueError(f"--tasks_per_node must be >= 1, got {args.tasks_per_node}")
+    if args.image is not None and not args.image.startswith(("docker://", "/", "./")) and not Path(args.image).exists():
+        raise ValueError(f"--image {args.image}: no such file (give a .sqsh path or a docker:// URI)")
+
+
+def executor_parameters(args: argparse.Namespace) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters for the parsed own flags."""
+    tasks = args.tasks_per_node or (args.gpus_per_node or 1)
+    params: dict[str, Any] = {
+        "job_name": args.job_name,
+        "nodes": args.nodes,
+        "ntasks_per_node": tasks,
+        "time": args.time,
+        "stderr_to_stdout": True,
+        # USR1 120 s before the limit (training saves and asks for a requeue), like the sbatch.
+        "additional_parameters": {"signal": "USR1@120", "requeue": True},
+    }
+    if args.gpus_per_node:
+        params["gpus_per_node"] = args.gpus_per_node
+    for name in ("cpus_per_task", "partition", "account", "qos", "constraint"):
+        if getattr(args, name) is not None:
+            params[name] = getattr(args, name)
+    if args.image:
+        folder = str(Path(args.folder).resolve())
+        mounts = args.container_mounts or f"{Path.cwd()}:{Path.cwd()},{folder}:{folder}"
+        params["srun_args"] = [f"--container-image={args.image}", f"--container-mounts={mounts}",
+                               f"--container-workdir={Path.cwd()}"]
+    return params
+
+
+def first_node_address(first: str) -> str:
+    """Address of node `first` as Slurm knows it (node names need not resolve); the name itself when
+    scontrol is absent (inside a container)."""
+    try:
+        info = subprocess.run(["scontrol", "-o", "show", "node", first], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return first
+    fields = dict(tok.partition("=")[::2] for tok in info.stdout.split() if "=" in tok)
+    return fields.get("NodeAddr") or first
+
+
+@dataclass
+class TrainTask:
+    """What submitit pickles and runs in every Slurm task: `llama_fp8.train.main(train_args)`."""
+
+    train_args: list[str]
+
+    def __call__(self) -> int:
+        import submitit
+
+        env = submitit.JobEnvironment()
+        os.environ.setdefault("MASTER_ADDR", first_node_address(env.hostnames[0]))
+        os.environ.setdefault("MASTER_PORT", str(29500 + int(env.job_id.split("_")[0]) % 1000))
+        os.environ.update(RANK=str(env.global_rank), WORLD_SIZE=str(env.num_tasks), LOCAL_RANK=str(env.local_rank),
+                          LOCAL_WORLD_SIZE=str(env.num_tasks // env.num_nodes))
+        from llama_fp8 import train
+
+        try:
+            rc = train.main(list(self.train_args))
+        except SystemExit as e:  # argparse-style exits inside training
+            rc = e.code if isinstance(e.code, int) else 1
+        if rc == EXIT_REQUEUE and env.global_rank == 0:
+            subprocess.run(["scontrol", "requeue", env.job_id.split("_")[0]], check=False)
+        if rc not in (0, EXIT_REQUEUE):
+            raise RuntimeError(f"training exited with code {rc} on rank {env.global_rank}")
+        return rc
+
+
+def stream_until_done(job: Any, poll_s: float = 2.0) -> int:
+    """Print the task-0 log as it grows until the job ends; return 0 if every task returned 0."""
+    log, offset = Path(job.paths.stdout), 0
+    while True:
+        done = job.done()
+        if log.is_file():
+            with log.open("rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            offset += len(chunk)
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+        if done:
+            break
+        time.sleep(poll_s)
+    try:
+        codes = job.results()
+    except Exception as e:  # noqa: BLE001 - any task failure, cancellation or missing result
+        state = job.watcher.get_state(job.job_id, mode="force")
+        print(f"job {job.job_id} failed ({state}): {' '.join(str(e).strip().splitlines()[-1:])}", file=sys.stderr)
+        return 1
+    return next((int(c) for c in codes if c), 0)
+
+
+def submit(args: argparse.Namespace, train_args: list[str]) -> int:
+    """Submit the job; print its id and log; with --wait, stream the log and return its status."""
+    try:
+        import submitit
+    except ImportError as e:
+        raise ImportError("`submit` needs submitit: pip install submitit") from e
+    python = args.python or ("python" if args.image else sys.executable)
+    executor = submitit.SlurmExecutor(folder=Path(args.folder) / "%j", python=python)
+    executor.update_parameters(**executor_parameters(args))
+    job = executor.submit(TrainTask(train_args))
+    print(f"submitted job {job.job_id}: train {shlex.join(train_args)}")
+    print(f"log: {job.paths.stdout}")
+    if not args.wait:
+        return 0
+    rc = stream_until_done(job)
+    print(f"job {job.job_id} finished with exit status {rc}")
+    return rc
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of `python -m llama_fp8 submit`; returns the exit code."""
+    own, train_args = split_argv(argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(own)
+        validate(args)
+        parse_args(train_args)  # fail here, not after queueing: same parser as `train`
+    except SystemExit as e:  # argparse already printed the error naming the flag
+        return int(e.code or 0)
+    except ConfigError as e:
+        print(f"llama-fp8 submit: error in the train flags: {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    except ValueError as e:
+        print(f"llama-fp8 submit: error: {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    return submit(args, train_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,77 @@
+"""Helpers for the launcher tests: the local cluster module, job submission and polling.
+
+The cluster comes from scripts/slurm/local_cluster.py (installs slurm-wlm/munge with apt if missing).
+Where that is impossible (not root, no apt) the tests skip with the reason, except in CI (CI=true),
+where they fail: the acceptance criterion is that CI runs them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+            "PREEMPTED"}
+# A smaller-than-tiny model: a few seconds per run on two shared cores.
+SMALL = ["--model", "tiny", "--device", "cpu", "--num_layers", "2", "--max_context_width", "32",
+         "--train_batch_size", "2"]
+
+
+def _load_local_cluster():
+    spec = importlib.util.spec_from_file_location("local_cluster", REPO / "scripts" / "slurm" / "local_cluster.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["local_cluster"] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+local_cluster = _load_local_cluster()
+
+
+def unavailable(reason: str) -> None:
+    """Skip with `reason`, or fail in CI where these tests must run."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true but the local Slurm cluster is unavailable: {reason}")
+    pytest.skip(reason)
+
+
+def sbatch(args: list[str], env: dict[str, str], cwd: Path) -> str:
+    """Submit; return the job id."""
+    proc = subprocess.run(["sbatch", "--parsable", *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=30, check=False)
+    assert proc.returncode == 0, f"sbatch {args} failed: {proc.stderr}"
+    return proc.stdout.strip().split(";")[0]
+
+
+def job_info(job_id: str, env: dict[str, str]) -> dict[str, str]:
+    """`scontrol -o show job ID` as a dict (first line: the job itself)."""
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=env, capture_output=True, text=True,
+                         timeout=30, check=False).stdout
+    line = out.splitlines()[0] if out else ""
+    return dict(tok.partition("=")[::2] for tok in line.split() if "=" in tok)
+
+
+def wait_job(job_id: str, env: dict[str, str], timeout: float = 180, until=None) -> dict[str, str]:
+    """Poll scontrol (not `sbatch --wait`, which polls slowly and reports 0 for cancelled jobs) until the
+    job reaches a terminal state, or `until(info)` holds; cancel it and fail on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = job_info(job_id, env)
+        if (until and until(info)) or info.get("JobState") in TERMINAL:
+            return info
+        time.sleep(2)
+    subprocess.run(["scancel", job_id], env=env, check=False)
+    pytest.fail(f"job {job_id} did not finish in {timeout:.0f}s: {job_info(job_id, env)}")
+
+
+def batch_lines(log: Path) -> list[int]:
+    """Step numbers of the `Batch N Loss:` lines in a log."""
+    return [int(m) for m in re.findall(r"^Batch (\d+) Loss: [0-9.]+", log.read_text(), flags=re.M)]
