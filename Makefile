@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS ?= torchao,report,slurm,tensorboard,dev
+EXTRAS ?= torchao,report,slurm,tensorboard,wandb,dev
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast lint bench test-te install clean

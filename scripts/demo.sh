@@ -5,13 +5,21 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY="$VENV/bin/python"
-STEPS=${DEMO_STEPS:-60}
+STEPS=${DEMO_STEPS:-100}
 NPROC=${DEMO_NPROC:-2}
 OUT=${DEMO_DIR:-runs/demo-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 
+# Real text: docstrings of the Python standard library (ships with every CPython), packed into
+# 128-token blocks by a 4096-token BPE tokenizer trained on it here; cached under runs/demo_data.
+DATA=${DEMO_DATA:-runs/demo_data}
+echo "== preparing the demo corpus and tokenizer in $DATA"
+"$PY" -m llama_fp8.demo_data "$DATA" >/dev/null
+
 # Training settings shared by both halves of the A/B pair: only --fp8 differs.
-common=(--model tiny --device cpu --max_steps "$STEPS" --logging_freq 5 --seed 1234)
+common=(--model tiny --device cpu --max_steps "$STEPS" --logging_freq 5 --seed 1234
+        --dataset "$DATA/corpus" --tokenizer "$DATA/tokenizer" --num_workers 0
+        --validation_freq 25 --validation_batches 4)
 if [ -n "${DEMO_EXTRA:-}" ]; then
   read -r -a extra <<<"$DEMO_EXTRA"
   common+=("${extra[@]}")

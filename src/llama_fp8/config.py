@@ -151,6 +151,11 @@ class TrainConfig:
     peak_tflops: float | None = _f(None, "dense BF16 peak TFLOPS per device for MFU (FP8 peak taken as 2x); "
                                    "default: the built-in table for known GPUs, none on CPU", min=0.0,
                                    group="logging")
+    tensorboard_dir: str | None = _f(None, "also write scalars for TensorBoard here (needs tensorboard)",
+                                     group="logging")
+    wandb_project: str | None = _f(None, "also log to this Weights & Biases project (needs wandb)", group="logging")
+    wandb_mode: str = _f("offline", "wandb mode: offline (no network; `wandb sync` later) or online",
+                         choices=("offline", "online"), group="logging")
     run_dir: str | None = _f(None, "where config.yaml and metrics.jsonl go (default: runs/<SLURM_JOB_ID or "
                              "timestamp>)", group="logging")
 

@@ -61,6 +61,16 @@ def memory_gib(device: torch.device) -> float:
     return rss_kib / 2**20
 
 
+def cuda_memory_extras(device: torch.device) -> dict:
+    """CUDA only: reserved high-water mark and allocator retries (a retry = a cudaMalloc failure that
+    forced a cache flush: the sign that memory is nearly full and steps are slowing down)."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"mem_reserved_peak_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+            "alloc_retries": int(stats.get("num_alloc_retries", 0))}
+
+
 @dataclass
 class StepMeter:
     """Accumulates per-step loss on the device and wall time, and turns a logging window into numbers."""
@@ -109,6 +119,7 @@ class StepMeter:
             "mfu_vs_bf16_peak": tflops / self.peak_bf16 if self.peak_bf16 else None,
             "mfu_vs_fp8_peak": tflops / self.peak_fp8 if (self.peak_fp8 and self.is_fp8) else None,
             "mem_peak_gib": memory_gib(self.device),
+            **cuda_memory_extras(self.device),
             "data_wait_frac": min(self._data_wait / elapsed, 1.0),
             "elapsed_s": now - self.start,
             "time": time.time(),
@@ -133,12 +144,18 @@ def format_line(rec: dict) -> str:
 
 
 class MetricsWriter:
-    """Rank 0's sinks: stdout line and metrics.jsonl (one JSON object per line, flushed each write)."""
+    """Rank 0's sinks: the stdout line, metrics.jsonl (flushed each write), and optionally TensorBoard
+    and Weights & Biases (imported only when asked for)."""
 
-    def __init__(self, run_dir: Path, enabled: bool):
+    def __init__(self, run_dir: Path, enabled: bool, cfg=None):
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self._fh = open(self.path, "a") if enabled else None
+        self._tb = self._wandb = None
+        if enabled and cfg is not None and cfg.tensorboard_dir:
+            self._tb = _tensorboard_writer(cfg.tensorboard_dir)
+        if enabled and cfg is not None and cfg.wandb_project:
+            self._wandb = _wandb_run(cfg, run_dir)
 
     def write(self, rec: dict, line: str | None = None) -> None:
         if not self.enabled:
@@ -147,11 +164,41 @@ class MetricsWriter:
             print(line, flush=True)
         self._fh.write(json.dumps(rec) + "\n")
         self._fh.flush()
+        if rec.get("type") in ("train", "val"):
+            scalars = {f"{rec['type']}/{k}": v for k, v in rec.items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time")}
+            if self._tb is not None:
+                for k, v in scalars.items():
+                    self._tb.add_scalar(k, v, rec["step"])
+                self._tb.flush()
+            if self._wandb is not None:
+                self._wandb.log(scalars, step=rec["step"])
 
     def close(self) -> None:
         if self._fh:
             self._fh.close()
             self._fh = None
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _tensorboard_writer(log_dir: str):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ImportError("--tensorboard_dir needs tensorboard: pip install 'llama-fp8[tensorboard]'") from e
+    return SummaryWriter(log_dir=log_dir)
+
+
+def _wandb_run(cfg, run_dir: Path):
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError("--wandb_project needs wandb: pip install 'llama-fp8[wandb]'") from e
+    return wandb.init(project=cfg.wandb_project, mode=cfg.wandb_mode, dir=str(run_dir),
+                      name=run_dir.name, config={k: v for k, v in vars(cfg).items() if not k.startswith("_")})
 
 
 def setup_logging(is_main: bool) -> None:

@@ -127,6 +127,11 @@ def resolve_run(cfg: TrainConfig, env: parallel.DistEnv) -> tuple[str, precision
         data.validate_data_config(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    import importlib.util
+
+    for flag, module, extra in (("tensorboard_dir", "tensorboard", "tensorboard"), ("wandb_project", "wandb", "wandb")):
+        if getattr(cfg, flag) and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"--{flag} needs {module}: pip install 'llama-fp8[{extra}]'")
     impl = model_mod.resolve_model_impl(cfg)
     prec = precision_mod.resolve(cfg, impl, env.device)
     cfg.model_impl = impl
@@ -216,7 +221,7 @@ def start_metrics(cfg, env, run_dir: Path, prec, size, start: int):
     device_name, peak_bf16, peak_fp8 = metrics.peak_tflops(env.device, cfg.peak_tflops)
     meter = metrics.StepMeter(env.device, env.world_size, cfg.train_batch_size * env.world_size,
                               cfg.max_context_width, size.flops_per_token, peak_bf16, peak_fp8, cfg.fp8)
-    writer = metrics.MetricsWriter(run_dir, enabled=env.is_main)
+    writer = metrics.MetricsWriter(run_dir, enabled=env.is_main, cfg=cfg)
     writer.write({"type": "meta", "precision": prec.name, "model": cfg.model, "model_impl": cfg.model_impl,
                   "world_size": env.world_size, "device": env.device.type, "device_name": device_name,
                   "peak_tflops_bf16": peak_bf16, "peak_tflops_fp8": peak_fp8, "seq_len": cfg.max_context_width,
