@@ -100,7 +100,7 @@ class Checkpointer:
         torch.save({"loader": loader.state_dict(), "rng": _rng_state()}, tmp / f"rank{self.rank}.pt")
         if self.rank == 0:
             (tmp / "train_state.json").write_text(json.dumps({
-                "step": step, "world_size": self.world, "scheduler": scheduler.state_dict(),
+                "step": step, "world_size": self.world, "scheduler": _jsonable(scheduler.state_dict()),
                 "config": asdict(cfg)}, default=str, indent=1))
         state = {"model": model_sd, "optim": optim_sd}
         if self.async_save:
@@ -165,6 +165,17 @@ class Checkpointer:
         log.warning("checkpoint %s was saved by %d ranks, this run has %d: model and optimizer are resharded, "
                     "but the data stream restarts from its beginning (per-rank reader positions do not map "
                     "to a new world size)", path, meta["world_size"], self.world)
+
+
+def _jsonable(obj: Any) -> Any:
+    """Scheduler state as JSON: tensors (torchao.optim keeps LRs as tensors) become numbers."""
+    if isinstance(obj, torch.Tensor):
+        return obj.item() if obj.numel() == 1 else obj.tolist()
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
 
 
 def _barrier() -> None:

@@ -86,6 +86,8 @@ class TrainConfig:
                          "auto: tensorwise (torchao) / delayed (te)",
                          choices=("auto", "tensorwise", "rowwise", "delayed", "current", "mxfp8", "block"),
                          group="precision")
+    fp8_all_gather: bool = _f(False, "1: all-gather FSDP parameters in FP8 (torchao tensorwise; TE: FP8 "
+                              "parameters) - half the all-gather bytes of BF16", group="precision")
     fp8_amax_history_len: int = _f(1024, "TE delayed scaling: amax history length", min=1, group="precision")
     fp8_amax_compute_algo: str = _f("max", "TE delayed scaling: amax from the history's max or most_recent",
                                     choices=("max", "most_recent"), group="precision")
@@ -103,6 +105,10 @@ class TrainConfig:
     beta1: float = _f(0.9, "AdamW beta1", min=0.0, max=1.0)
     beta2: float = _f(0.95, "AdamW beta2", min=0.0, max=1.0)
     grad_clip: float = _f(1.0, "clip the global gradient norm to this value (0 = no clipping)", min=0.0)
+    grad_accum_steps: int = _f(1, "micro-batches per optimizer step (gradients are reduced on the last one only)",
+                               min=1)
+    optimizer: str = _f("adamw", "adamw (FP32 states), adamw8bit or adamw_fp8 (torchao.optim low-precision "
+                        "states; adamw_fp8 needs CUDA)", choices=("adamw", "adamw8bit", "adamw_fp8"))
     # --- data ----------------------------------------------------------------------------------------
     dataset: str = _f("synthetic", "synthetic, a hub dataset name, or a local file/folder "
                       "(.jsonl .json .parquet .txt arrow)", group="data")
@@ -125,6 +131,13 @@ class TrainConfig:
                                 group="parallel")
     dp_shard_size: int = _f(-1, "ranks each replica shards over (-1 = the rest of the world)", min=-1,
                             group="parallel")
+    activation_checkpointing: str = _f("0", "recompute activations in backward: 0 off, 1 every decoder block, "
+                                       "selective (HF model: keep matmul outputs, recompute the rest)",
+                                       choices=("0", "1", "selective"), group="parallel")
+    compile: bool = _f(False, "1: torch.compile each decoder block (after activation checkpointing, before "
+                       "fully_shard)", group="parallel")
+    cpu_offload: bool = _f(False, "1: keep sharded parameters, gradients and optimizer states in host memory "
+                           "(FSDP2 CPUOffloadPolicy; needs CUDA)", group="parallel")
     device: str = _f("auto", "auto (cuda if available), cuda, or cpu", choices=("auto", "cuda", "cpu"),
                      group="parallel")
     # --- checkpoints and faults -------------------------------------------------------------------
@@ -341,6 +354,8 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
                           f"{cfg.num_key_value_heads} (GQA groups must be whole)")
     if cfg.min_lr > cfg.lr:
         raise ConfigError(f"--min_lr {cfg.min_lr} is larger than --lr {cfg.lr}")
+    if cfg.fp8_all_gather and not cfg.fp8:
+        raise ConfigError("--fp8_all_gather 1 needs --fp8 1 (it all-gathers the FP8 weights)")
     if cfg.fp8 and cfg.fp8_recipe != "auto":
         torchao_recipes, te_recipes = ("tensorwise", "rowwise"), ("delayed", "current", "mxfp8", "block")
         if cfg.fp8_backend == "torchao" and cfg.fp8_recipe not in torchao_recipes:

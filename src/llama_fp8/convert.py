@@ -53,7 +53,7 @@ def load_hf_into_model(model: nn.Module, hf_dir: str, impl: str) -> None:
     from safetensors import safe_open
 
     root = Path(hf_dir)
-    params = dict(model.named_parameters())  # tied weights appear once
+    params = {model_mod.canonical_name(n): p for n, p in model.named_parameters()}  # tied weights appear once
     if impl == "te":
         from llama_fp8 import te_weights
 

@@ -109,7 +109,7 @@ class StepMeter:
         tokens_per_device = samples * self.seq_len / self.world_size / elapsed
         tflops = tokens_per_device * self.flops_per_token / 1e12
         rec = {
-            "type": "train", "step": step, "loss": loss, "lr": lr,
+            "type": "train", "step": step, "loss": loss, "lr": float(lr),  # a tensor for torchao.optim
             "grad_norm": None if grad_norm is None else float(grad_norm),
             "samples_per_sec": samples / elapsed,
             "samples_per_sec_per_device": samples / elapsed / self.world_size,

@@ -150,6 +150,12 @@ def fill_normal_(p: torch.Tensor, std: float, seed: int, name: str) -> None:
         local[lo - row0:hi - row0].copy_(values[lo - b0:hi - b0])
 
 
+def canonical_name(name: str) -> str:
+    """A parameter's name without wrapper prefixes (activation checkpointing, torch.compile), so init
+    seeds, HF names and checkpoints do not depend on those options."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, cfg: TrainConfig, device: torch.device) -> None:
     """Initialize every parameter after ``to_empty`` (HF Llama init: N(0, initializer_range) for matrices,
@@ -160,7 +166,7 @@ def init_weights(model: nn.Module, cfg: TrainConfig, device: torch.device) -> No
             continue
         seen.add(id(p))
         if p.dim() >= 2:
-            fill_normal_(p, cfg.initializer_range, cfg.seed, name)
+            fill_normal_(p, cfg.initializer_range, cfg.seed, canonical_name(name))
         elif name.endswith("bias"):
             (p.to_local() if hasattr(p, "to_local") else p).zero_()
         else:  # RMSNorm weights

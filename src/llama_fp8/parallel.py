@@ -150,24 +150,65 @@ def build_mesh(dims: ParallelDims, env: DistEnv):
     return init_device_mesh(env.device.type, (dims.dp_shard,), mesh_dim_names=("dp_shard",))
 
 
-def parallelize(model: nn.Module, layers: nn.ModuleList, mesh, cfg: TrainConfig) -> nn.Module:
-    """fully_shard every decoder layer, then the root (embeddings, final norm, head).
+def parallelize(model: nn.Module, layers: nn.ModuleList, mesh, cfg: TrainConfig, impl: str = "hf") -> nn.Module:
+    """The fixed order: activation checkpointing -> torch.compile per block -> fully_shard per block -> root.
 
-    The fixed order, when later options are added: activation checkpointing -> compile -> fully_shard
-    per block -> root. With --bf16 1, parameters are all-gathered in BF16 and gradients reduced in FP32.
+    With --bf16 1, parameters are all-gathered in BF16 and gradients reduced in FP32.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.bf16 else None
+    for i, layer in enumerate(layers):
+        layer = apply_activation_checkpointing(layer, cfg.activation_checkpointing, impl)
+        if cfg.compile:
+            layer.compile()  # in place: parameter names (and checkpoints) stay the same
+        layers[i] = layer
     kwargs = {"mesh": mesh}
-    if mp is not None:
-        kwargs["mp_policy"] = mp
+    if cfg.bf16:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if cfg.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
     for i, layer in enumerate(layers):
         # The last block is needed first in backward: resharding it after forward would only make
         # backward gather it straight back.
         fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
+
+
+def _save_matmuls_policy(ctx, op, *args, **kwargs):
+    """Selective AC: keep the outputs of matmuls and attention (expensive to recompute, and the
+    bulk of FLOPs), recompute everything else (norms, activations, rotary: cheap, memory-heavy)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    keep = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten._scaled_dot_product_flash_attention.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(layer: nn.Module, mode: str, impl: str) -> nn.Module:
+    """0: as is; 1: recompute the whole block in backward; selective: per-op policy (HF model only).
+    TE blocks use TE's own checkpoint, which recomputes under the same FP8 state."""
+    if mode == "0":
+        return layer
+    if impl == "te":
+        if mode == "selective":
+            raise ConfigError("--activation_checkpointing selective is for the Hugging Face model; the TE model "
+                              "checkpoints whole blocks with TE's checkpoint: use --activation_checkpointing 1")
+        from llama_fp8 import te_llama
+
+        return te_llama.te_checkpoint_wrap(layer)
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    if mode == "selective":
+        return checkpoint_wrapper(layer, preserve_rng_state=False,
+                                  context_fn=partial(create_selective_checkpoint_contexts, _save_matmuls_policy))
+    return checkpoint_wrapper(layer, preserve_rng_state=False)
 
 
 def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:

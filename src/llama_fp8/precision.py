@@ -45,12 +45,13 @@ class Precision:
     backend: str  # "none" | "torchao" | "te"
     recipe: str | None = None
     emulated: bool = False
+    all_gather: bool = False  # FP8 all-gather of FSDP parameters
     _te_recipe: object | None = field(default=None, repr=False)
 
     def convert(self, model: nn.Module) -> nn.Module:
         """Swap layers for their FP8 versions (torchao), before sharding, on the meta model."""
         if self.backend == "torchao":
-            return _torchao_convert(model, self.recipe, self.emulated)
+            return _torchao_convert(model, self.recipe, self.emulated, self.all_gather)
         return model
 
     def autocast(self):
@@ -64,10 +65,13 @@ class Precision:
         return contextlib.nullcontext()
 
     def post_step(self, model: nn.Module) -> None:
-        """Hook after optimizer.step(): nothing to do for the current backends' options."""
+        """After optimizer.step(): with torchao FP8 all-gather, compute every weight's FP8 scale for the
+        next all-gather in one fused pass (instead of one all-reduce per layer during forward)."""
+        if self.backend == "torchao" and self.all_gather:
+            torchao_import().precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-def resolve(cfg: TrainConfig, model_impl: str, device: torch.device) -> Precision:
+def resolve(cfg: TrainConfig, model_impl: str, device: torch.device, world_size: int = 1) -> Precision:
     """Pick the backend and recipe and check the hardware before any model is built."""
     plain = "bf16" if cfg.bf16 else "fp32"
     if not cfg.fp8:
@@ -86,12 +90,19 @@ def resolve(cfg: TrainConfig, model_impl: str, device: torch.device) -> Precisio
         raise ConfigError(f"--fp8_recipe {recipe} is not a torchao recipe; valid with torchao: "
                           f"{', '.join(TORCHAO_RECIPES)}")
     torchao_import()
+    if cfg.fp8_all_gather and recipe != "tensorwise":
+        raise ConfigError(f"--fp8_all_gather 1 works with the tensorwise recipe only (one scale per weight can be "
+                          f"computed before the all-gather); got --fp8_recipe {recipe}")
+    if cfg.fp8_all_gather and device.type == "cpu" and world_size > 1:
+        raise ConfigError("--fp8_all_gather 1 needs NCCL: gloo (CPU) has no float8 dtype to all-gather; on CPU it "
+                          "runs with one process only")
     emulated = capability is None or capability < FP8_MIN_CAPABILITY
     if emulated:
         where = "CPU" if capability is None else f"{torch.cuda.get_device_name(device)} (SM {capability[0]}.{capability[1]})"
         log.warning("FP8 is EMULATED on %s (no FP8 tensor cores): loss is representative, speed numbers are "
                     "meaningless", where)
-    return Precision(name=f"fp8-torchao-{recipe}", backend="torchao", recipe=recipe, emulated=emulated)
+    return Precision(name=f"fp8-torchao-{recipe}", backend="torchao", recipe=recipe, emulated=emulated,
+                     all_gather=cfg.fp8_all_gather)
 
 
 def _resolve_te(cfg: TrainConfig, model_impl: str, device: torch.device,
@@ -116,6 +127,10 @@ def _resolve_te(cfg: TrainConfig, model_impl: str, device: torch.device,
         te_llama.check_recipe_supported(recipe, capability, torch.version.cuda, te_llama.te_version())
     except ValueError as e:
         raise ConfigError(f"--fp8_recipe {recipe} on {torch.cuda.get_device_name(device)}: {e}") from None
+    try:
+        te_llama.check_combination(recipe, cfg.compile, cfg.fp8_all_gather, te_llama.te_version())
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     te_recipe = te_llama.make_recipe(recipe, cfg.fp8_amax_history_len, cfg.fp8_amax_compute_algo)
     return Precision(name=f"fp8-te-{recipe}", backend="te", recipe=recipe, _te_recipe=te_recipe)
 
@@ -130,9 +145,10 @@ def fp8_linear_filter(module: nn.Module, fqn: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def _torchao_convert(model: nn.Module, recipe: str, emulated: bool) -> nn.Module:
+def _torchao_convert(model: nn.Module, recipe: str, emulated: bool, all_gather: bool = False) -> nn.Module:
     ao = torchao_import()
-    config = dataclasses.replace(ao.Float8LinearConfig.from_recipe_name(recipe), emulate=emulated)
+    config = dataclasses.replace(ao.Float8LinearConfig.from_recipe_name(recipe), emulate=emulated,
+                                 enable_fsdp_float8_all_gather=all_gather)
     total = sum(isinstance(m, nn.Linear) for m in model.modules())
     ao.convert_to_float8_training(model, config=config, module_filter_fn=fp8_linear_filter)
     converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())

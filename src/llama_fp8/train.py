@@ -74,7 +74,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW without weight decay on norms, biases and embeddings; fused on CUDA."""
+    """AdamW without weight decay on norms, biases and embeddings: torch's (fused on CUDA), or
+    torchao.optim's with 8-bit / FP8 states (--optimizer)."""
     decay, no_decay, seen = [], [], set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
@@ -82,8 +83,19 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
         seen.add(id(p))
         (no_decay if p.dim() < 2 or "embed_tokens" in name else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
-                             fused=device.type == "cuda")
+    kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": 1e-8}
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, fused=device.type == "cuda", **kwargs)
+    from torchao.optim import AdamW8bit, AdamWFp8
+
+    opt = (AdamW8bit if cfg.optimizer == "adamw8bit" else AdamWFp8)(groups, **kwargs)
+    numel = local_numel(model)
+    # AdamW keeps 2 FP32 moments (8 bytes/param); torchao's keep 2 one-byte moments plus one FP32 scale
+    # per block of 256 values (8-bit) or one byte each (FP8, block scales likewise).
+    low = numel * (2 + 2 * 4 / 256)
+    log.info("optimizer %s: states ~%.1f MiB on this rank vs %.1f MiB for FP32 AdamW (saves %.0f %%)",
+             cfg.optimizer, low / 2**20, 8 * numel / 2**20, 100 * (1 - low / (8 * numel)))
+    return opt
 
 
 def prepare_run_dir(cfg: TrainConfig, env: parallel.DistEnv) -> tuple[Path, Path, Path | None]:
@@ -133,11 +145,26 @@ def resolve_run(cfg: TrainConfig, env: parallel.DistEnv) -> tuple[str, precision
         if getattr(cfg, flag) and importlib.util.find_spec(module) is None:
             raise ConfigError(f"--{flag} needs {module}: pip install 'llama-fp8[{extra}]'")
     impl = model_mod.resolve_model_impl(cfg)
-    prec = precision_mod.resolve(cfg, impl, env.device)
+    prec = precision_mod.resolve(cfg, impl, env.device, env.world_size)
     cfg.model_impl = impl
+    check_device_options(cfg, env)
     if cfg.fp8:
         cfg.fp8_backend, cfg.fp8_recipe = prec.backend, prec.recipe
     return impl, prec
+
+
+def check_device_options(cfg: TrainConfig, env: parallel.DistEnv) -> None:
+    """Options that need CUDA say so on CPU instead of failing deep inside a library."""
+    if env.device.type == "cuda":
+        return
+    if cfg.cpu_offload:
+        raise ConfigError("--cpu_offload 1 moves parameters between GPU and host memory and needs CUDA; on CPU "
+                          "they are in host memory already: drop it")
+    if cfg.optimizer == "adamw_fp8":
+        raise ConfigError("--optimizer adamw_fp8 needs CUDA (torchao's FP8 optimizer states have no CPU kernels); "
+                          "on CPU use --optimizer adamw8bit")
+    if cfg.optimizer != "adamw":
+        precision_mod.torchao_import()
 
 
 def build(cfg: TrainConfig, env: parallel.DistEnv, impl: str, prec: precision_mod.Precision):
@@ -148,7 +175,7 @@ def build(cfg: TrainConfig, env: parallel.DistEnv, impl: str, prec: precision_mo
     model = prec.convert(model)
     dims = parallel.ParallelDims.from_config(cfg, env)
     mesh = parallel.build_mesh(dims, env)
-    parallel.parallelize(model, model_mod.decoder_layers(model), mesh, cfg)
+    parallel.parallelize(model, model_mod.decoder_layers(model), mesh, cfg, impl)
     model.to_empty(device=env.device)
     if cfg.init_from_hf:
         from llama_fp8.convert import load_hf_into_model
@@ -219,13 +246,13 @@ def train(cfg: TrainConfig, env: parallel.DistEnv) -> dict:
 
 def start_metrics(cfg, env, run_dir: Path, prec, size, start: int):
     device_name, peak_bf16, peak_fp8 = metrics.peak_tflops(env.device, cfg.peak_tflops)
-    meter = metrics.StepMeter(env.device, env.world_size, cfg.train_batch_size * env.world_size,
+    meter = metrics.StepMeter(env.device, env.world_size, cfg.train_batch_size * env.world_size * cfg.grad_accum_steps,
                               cfg.max_context_width, size.flops_per_token, peak_bf16, peak_fp8, cfg.fp8)
     writer = metrics.MetricsWriter(run_dir, enabled=env.is_main, cfg=cfg)
     writer.write({"type": "meta", "precision": prec.name, "model": cfg.model, "model_impl": cfg.model_impl,
                   "world_size": env.world_size, "device": env.device.type, "device_name": device_name,
                   "peak_tflops_bf16": peak_bf16, "peak_tflops_fp8": peak_fp8, "seq_len": cfg.max_context_width,
-                  "global_batch_size": cfg.train_batch_size * env.world_size,
+                  "global_batch_size": cfg.train_batch_size * env.world_size * cfg.grad_accum_steps,
                   "flops_per_token": size.flops_per_token, "num_params": size.num_params,
                   "fp8_emulated": prec.emulated, "start_step": start})
     return meter, writer
@@ -238,11 +265,8 @@ def loop(cfg, env, model, prec, optimizer, scheduler, train_loader, val_loader, 
     model.train()
     for step in range(start + 1, cfg.max_steps + 1):
         log_now = step % cfg.logging_freq == 0 or step == cfg.max_steps
-        t0 = time.perf_counter()
-        batch = next(batches)
-        data_wait = time.perf_counter() - t0
         lr = optimizer.param_groups[0]["lr"]
-        loss, grad_norm = train_step(model, prec, optimizer, batch, cfg, env.device, step, guard)
+        loss, grad_norm, data_wait = train_step(model, prec, optimizer, batches, cfg, env.device, step, guard)
         scheduler.step()
         meter.add_step(loss, data_wait)
         if log_now:
@@ -264,27 +288,36 @@ def loop(cfg, env, model, prec, optimizer, scheduler, train_loader, val_loader, 
     return losses
 
 
-def train_step(model, prec, optimizer, batch, cfg: TrainConfig, device: torch.device, step: int, guard):
-    """One optimizer step. Returns (loss tensor on device, grad norm or None); no host sync here
-    (except under --nan_policy skip, which must decide before the update)."""
-    input_ids = batch["input_ids"].to(device, non_blocking=True)
-    labels = batch["labels"].to(device, non_blocking=True)
-    with prec.autocast():  # forward only: TE wants backward outside its FP8 autocast
-        logits = model(input_ids=input_ids).logits  # (B, T, V)
-    loss = guard.maybe_inject(loss_fn(logits, labels), step)
-    loss.backward()
+def train_step(model, prec, optimizer, batches, cfg: TrainConfig, device: torch.device, step: int, guard):
+    """One optimizer step over --grad_accum_steps micro-batches. Returns (mean loss tensor, grad norm
+    tensor, seconds blocked on the loader). No host sync (except under --nan_policy skip)."""
+    loss_sum, data_wait, accum = None, 0.0, cfg.grad_accum_steps
+    for micro in range(accum):
+        t0 = time.perf_counter()
+        batch = next(batches)
+        data_wait += time.perf_counter() - t0
+        if accum > 1:  # reduce-scatter gradients on the last micro-batch only
+            model.set_requires_gradient_sync(micro == accum - 1)
+        input_ids = batch["input_ids"].to(device, non_blocking=True)
+        labels = batch["labels"].to(device, non_blocking=True)
+        with prec.autocast():  # forward only: TE wants backward outside its FP8 autocast
+            logits = model(input_ids=input_ids).logits  # (B, T, V)
+        loss = guard.maybe_inject(loss_fn(logits, labels), step)
+        (loss / accum).backward()
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+    loss = loss_sum / accum
     # The norm is computed every step: clipping needs it, and the NaN guard reads it (on device).
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
     if guard.policy == "skip" and guard.step_is_bad(grad_norm):
         optimizer.zero_grad(set_to_none=True)
-        return loss, grad_norm
+        return loss, grad_norm, data_wait
     guard.record(step, loss, grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     prec.post_step(model)
-    return loss, grad_norm
+    return loss, grad_norm, data_wait
 
 
 @torch.no_grad()
