@@ -248,3 +248,24 @@ def test_resume_with_a_different_world_size(tmp_path):
     # BF16 compute, different reduction order between 2 shards and 1: relative tolerance 2e-3.
     assert [c[s] for s in range(5, 9)] == pytest.approx([a[s] for s in range(5, 9)], rel=2e-3)
     assert json.loads((b / "checkpoints" / "step_4" / "train_state.json").read_text())["world_size"] == 2
+
+
+def test_checkpoint_dir_flag_puts_checkpoints_there(tmp_path):
+    b, ck = tmp_path / "b", tmp_path / "shared" / "ckpts"
+    assert run(b, "--max_steps", "2", "--checkpoint_freq", "2", "--checkpoint_dir", str(ck)) == 0
+    assert [s for s, _ in K.complete_checkpoints(ck)] == [2] and not (b / "checkpoints").exists()
+    assert C.load_yaml(str(b / "config.yaml"))["checkpoint_dir"] == str(ck)
+
+
+def test_process_group_timeout_reaches_the_process_group(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from llama_fp8 import parallel
+
+    seen = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: seen.update(kw))
+    parallel.init_distributed(C.parse_args([*BASE, "--process_group_timeout", "42"]))
+    assert seen["timeout"] == datetime.timedelta(seconds=42)

@@ -71,3 +71,19 @@ def test_missing_optional_sink_is_a_clear_config_error(tmp_path, monkeypatch, ca
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     assert T.run(tiny(tmp_path, "--wandb_project", "p")) == 2
     assert "pip install 'llama-fp8[wandb]'" in capsys.readouterr().err
+
+
+def test_wandb_flags_reach_wandb_init(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb", reason="wandb is an optional extra (make installs it)")
+    seen = {}
+
+    class Run:
+        def log(self, data, step):
+            seen.setdefault("steps", []).append(step)
+
+        def finish(self):
+            seen["finished"] = True
+
+    monkeypatch.setattr(wandb, "init", lambda **kw: (seen.update(kw), Run())[1])
+    assert T.run(tiny(tmp_path, "--wandb_project", "proj", "--wandb_mode", "online")) == 0
+    assert (seen["project"], seen["mode"], seen["steps"], seen["finished"]) == ("proj", "online", [1, 2, 3], True)

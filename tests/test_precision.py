@@ -82,3 +82,26 @@ def test_emulated_forward_backward_close_to_bf16():
     exact = x @ lin.weight.T
     assert (y - exact).abs().max() / exact.abs().max() < 0.1   # e4m3 has a 3-bit mantissa
     assert not torch.equal(y, exact) and lin.weight.grad is not None and ref.shape == y.shape
+
+
+def test_te_backend_plumbs_recipe_flags_and_checks_before_building(monkeypatch):
+    """On a (pretended) Hopper with TE, --fp8_recipe/--fp8_amax_* reach TE's recipe; the capability and
+    combination checks run first. TE's own classes are replaced by a recorder: no CUDA here."""
+    from llama_fp8 import te_llama
+
+    calls = {}
+    monkeypatch.setattr(P, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(te_llama, "te_import", lambda: object())
+    monkeypatch.setattr(te_llama, "te_version", lambda: "2.8.0")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(te_llama, "make_recipe", lambda *a: calls.setdefault("recipe", a))
+    cfg = cfg_for("--fp8", "1", "--fp8_backend", "te", "--fp8_recipe", "delayed", "--fp8_amax_history_len", "16",
+                  "--fp8_amax_compute_algo", "most_recent")
+    prec = P.resolve(cfg, "te", torch.device("cuda", 0))
+    assert prec.name == "fp8-te-delayed" and calls["recipe"] == ("delayed", 16, "most_recent")
+    assert te_llama.recipe_spec("delayed", 16, "most_recent") == (
+        "DelayedScaling", {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "most_recent"})
+    with pytest.raises(C.ConfigError, match="delayed cannot be combined with --compile 1"):
+        P.resolve(cfg_for("--fp8", "1", "--fp8_backend", "te", "--compile", "1"), "te", torch.device("cuda", 0))
+    with pytest.raises(C.ConfigError, match="mxfp8 on NVIDIA H100"):
+        P.resolve(cfg_for("--fp8", "1", "--fp8_backend", "te", "--fp8_recipe", "mxfp8"), "te", torch.device("cuda", 0))

@@ -201,3 +201,10 @@ def test_log_line_prefix_is_what_monitors_match():
     assert metrics.format_line(rec).startswith("Batch 20 Loss: 8.42184, Speed: 47.06 samples/sec, lr: 0.000100, ")
     assert "MFU: 0.410" in metrics.format_line(rec)
     json.dumps(rec)
+
+
+def test_val_batch_size_sets_the_validation_batch(tiny_args):
+    cfg = C.parse_args([*tiny_args, "--validation_freq", "1", "--val_batch_size", "3", "--validation_batches", "2"])
+    _, val = T.build_loaders(cfg, CPU_ENV)
+    batches = list(val)
+    assert len(batches) == 2 and batches[0]["input_ids"].shape == (3, cfg.max_context_width)

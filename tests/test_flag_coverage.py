@@ -1,0 +1,104 @@
+"""Every flag the parser accepts has an effect, shown by a named test. Adding a flag without a test
+fails here; a renamed or deleted test fails here too."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+
+from conftest import REPO
+from llama_fp8.config import TrainConfig
+
+FLAG_TESTS: dict[str, list[str]] = {
+    "config": ["test_config::test_precedence_defaults_preset_file_flags"],
+    "model": ["test_config::test_model_can_come_from_config_file", "test_model::test_preset_parameter_counts_match_published"],
+    "model_type": ["test_config::test_model_type_sets_rope_family"],
+    "model_impl": ["test_model::test_model_impl_te_without_te_says_how_to_get_it",
+                   "test_precision::test_backend_and_model_impl_mismatch_errors"],
+    **{f: ["test_model::test_shape_flags_reach_the_model"] for f in (
+        "vocab_size", "hidden_width", "num_layers", "num_heads", "num_key_value_heads", "intermediate_size",
+        "initializer_range", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings")},
+    "max_context_width": ["test_model::test_max_context_width_raises_rope_range",
+                          "test_train::test_batch_size_and_context_width_set_the_batch"],
+    "rope_theta": ["test_model::test_rope_flags_reach_the_model"],
+    "rope_scaling": ["test_model::test_rope_flags_reach_the_model"],
+    "bf16": ["test_train::test_bf16_flag_sets_compute_dtype"],
+    "fp8": ["test_train::test_fp8_run_is_labelled_and_uses_float8",
+            "test_distributed::test_fp8_emulated_loss_tracks_bf16_through_the_cli"],
+    "fp8_backend": ["test_precision::test_backend_and_model_impl_mismatch_errors",
+                    "test_precision::test_backend_auto_picks_torchao_for_hf_and_te_for_te"],
+    "fp8_recipe": ["test_precision::test_fp8_recipe_reaches_torchao"],
+    "fp8_all_gather": ["test_scale::test_fp8_all_gather_sets_torchao_and_refuses_what_cannot_work",
+                       "test_scale::test_fp8_all_gather_tracks_plain_fp8"],
+    "fp8_amax_history_len": ["test_precision::test_te_backend_plumbs_recipe_flags_and_checks_before_building"],
+    "fp8_amax_compute_algo": ["test_precision::test_te_backend_plumbs_recipe_flags_and_checks_before_building"],
+    "train_batch_size": ["test_train::test_batch_size_and_context_width_set_the_batch"],
+    "val_batch_size": ["test_train::test_val_batch_size_sets_the_validation_batch"],
+    "max_steps": ["test_train::test_max_steps_and_logging_freq"],
+    "seed": ["test_train::test_same_seed_same_losses_other_seed_differs"],
+    **{f: ["test_train::test_lr_schedule_warmup_then_cosine_to_min", "test_train::test_lr_decay_styles_and_iters"]
+       for f in ("lr", "min_lr", "warmup", "lr_decay_style", "lr_decay_iters")},
+    **{f: ["test_train::test_optimizer_groups_betas_and_weight_decay"] for f in ("weight_decay", "beta1", "beta2")},
+    "grad_clip": ["test_train::test_grad_clip_limits_the_update"],
+    "grad_accum_steps": ["test_scale::test_grad_accumulation_equals_the_larger_batch"],
+    "optimizer": ["test_scale::test_adamw8bit_trains_checkpoints_and_resumes_exactly",
+                  "test_scale::test_cpu_offload_and_fp8_optimizer_say_they_need_cuda"],
+    "dataset": ["test_data::test_all_local_formats_give_the_same_batches", "test_data::test_error_messages"],
+    "dataset_config_name": ["test_data::test_hub_streaming_path_with_a_local_stand_in"],
+    "text_field": ["test_data::test_error_messages"],
+    "data_files": ["test_data::test_data_files_globs_inside_a_folder"],
+    "val_data_files": ["test_data::test_val_data_files"],
+    "val_fraction": ["test_data::test_val_fraction_holds_out_documents"],
+    "tokenizer": ["test_data::test_unshuffled_blocks_are_the_document_stream_cut_into_t_plus_1",
+                  "test_data::test_error_messages"],
+    "streaming": ["test_data::test_hub_streaming_path_with_a_local_stand_in"],
+    "num_workers": ["test_data::test_ranks_never_share_a_block_or_a_document",
+                    "test_data::test_resume_yields_exactly_the_uninterrupted_batches"],
+    "validation_freq": ["test_train::test_validation_flags"],
+    "validation_batches": ["test_train::test_validation_flags"],
+    "sharding_strategy": ["test_scale::test_hybrid_is_replicate_across_nodes_shard_within"],
+    "dp_replicate_size": ["test_scale::test_parallel_dims_fill_and_validate",
+                          "test_distributed::test_hsdp_and_fsdp_match_one_rank_with_the_same_global_batch"],
+    "dp_shard_size": ["test_scale::test_parallel_dims_fill_and_validate"],
+    "activation_checkpointing": ["test_scale::test_activation_checkpointing_keeps_losses_and_checkpoint_names",
+                                 "test_scale::test_activation_checkpointing_wraps_every_block"],
+    "compile": ["test_scale::test_compile_per_block_trains_like_eager"],
+    "cpu_offload": ["test_scale::test_cpu_offload_and_fp8_optimizer_say_they_need_cuda"],
+    "device": ["test_train::test_device_cuda_without_gpu_is_a_config_error"],
+    "checkpoint_dir": ["test_checkpoint::test_checkpoint_dir_flag_puts_checkpoints_there"],
+    "checkpoint_freq": ["test_checkpoint::test_keep_last_k_and_resume_none"],
+    "keep_last_k": ["test_checkpoint::test_keep_last_k_and_resume_none"],
+    "async_checkpoint": ["test_checkpoint::test_resume_reproduces_the_uninterrupted_run_bitwise"],
+    "resume_from_checkpoint": ["test_checkpoint::test_keep_last_k_and_resume_none",
+                               "test_checkpoint::test_interrupted_save_is_ignored_and_previous_stays_loadable"],
+    "init_from_hf": ["test_checkpoint::test_init_from_hf_loads_every_weight"],
+    "nan_policy": ["test_checkpoint::test_nan_skip_policy_skips_and_counts",
+                   "test_checkpoint::test_nan_stops_naming_the_step_and_keeps_the_last_good_checkpoint"],
+    "max_nan_skips": ["test_checkpoint::test_nan_skip_policy_skips_and_counts"],
+    "process_group_timeout": ["test_checkpoint::test_process_group_timeout_reaches_the_process_group",
+                              "test_checkpoint::test_sigkill_of_one_rank_fails_fast_and_the_rerun_resumes"],
+    "logging_freq": ["test_train::test_max_steps_and_logging_freq"],
+    "peak_tflops": ["test_train::test_peak_tflops_gives_mfu"],
+    "tensorboard_dir": ["test_metrics::test_tensorboard_sink_writes_the_scalars"],
+    "wandb_project": ["test_metrics::test_wandb_offline_sink_needs_no_network"],
+    "wandb_mode": ["test_metrics::test_wandb_flags_reach_wandb_init"],
+    "run_dir": ["test_train::test_run_writes_config_metrics_and_log_line",
+                "test_train::test_existing_run_dir_is_not_overwritten"],
+}
+
+
+def _test_names(module: str) -> set[str]:
+    tree = ast.parse((REPO / "tests" / f"{module}.py").read_text())
+    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+
+
+def test_every_flag_has_a_test_of_its_effect():
+    flags = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert flags - set(FLAG_TESTS) == set(), "flags without an effect test"
+    assert set(FLAG_TESTS) - flags == set(), "tests listed for flags that no longer exist"
+
+
+def test_the_named_tests_exist():
+    missing = [ref for refs in FLAG_TESTS.values() for ref in refs
+               if ref.split("::")[1] not in _test_names(ref.split("::")[0])]
+    assert not missing, missing
