@@ -1,44 +1,8 @@
-"""Shared helpers: run the real CLI (one process or torchrun) and read a run's metrics."""
+"""Fixtures shared by the tests in this folder (helpers live in helpers.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def cli_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO / "src"))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_PROCID"):
-        env.pop(k, None)
-    env.update(extra)
-    return env
-
-
-def run_cli(args: list[str], nproc: int = 1, timeout: float = 300, module: str = "llama_fp8",
-            script: str | None = None) -> subprocess.CompletedProcess:
-    """`python -m llama_fp8 ARGS` in a fresh process, or under torchrun with nproc ranks."""
-    target = [script] if script else ["-m", module]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target]
-    else:
-        cmd = [sys.executable, *target]
-    return subprocess.run(cmd + args, capture_output=True, text=True, timeout=timeout, env=cli_env(), cwd=REPO)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def train_records(run_dir: Path) -> list[dict]:
-    return [r for r in read_metrics(run_dir) if r["type"] == "train"]
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, cli_env, read_metrics, run_cli, train_records
+from helpers import REPO, cli_env, read_metrics, run_cli, train_records
 from llama_fp8 import checkpoint as K
 from llama_fp8 import config as C
 from llama_fp8 import train as T

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import yaml
 
-from conftest import run_cli
+from helpers import run_cli
 from llama_fp8 import config as C
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli, train_records
+from helpers import REPO, run_cli, train_records
 
 pytestmark = pytest.mark.slow
 

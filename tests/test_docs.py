@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from conftest import REPO
+from helpers import REPO
 from llama_fp8.config import flag_reference_markdown
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 
-from conftest import REPO
+from helpers import REPO
 from llama_fp8.config import TrainConfig
 
 FLAG_TESTS: dict[str, list[str]] = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import read_metrics, train_records
+from helpers import read_metrics, train_records
 from llama_fp8 import checkpoint as K
 from llama_fp8 import config as C
 from llama_fp8 import precision as P

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import read_metrics, train_records
+from helpers import read_metrics, train_records
 from llama_fp8 import config as C
 from llama_fp8 import faults, metrics
 from llama_fp8 import train as T

@@ -1,0 +1,415 @@
+"""A/B report of two training runs: ``python -m llama_fp8 compare RUN_A RUN_B``.
+
+Each run is a run directory (``metrics.jsonl`` + ``config.yaml``), a ``metrics.jsonl`` file, or
+a plain Slurm log with ``Batch N Loss: x, Speed: y samples/sec, lr: z[, key: value ...]`` lines
+(so logs of other recipes work too). Writes ``report.md``, ``summary.json`` and PNG plots; the
+rendering lives in report_plots.py, this file loads, summarises and judges.
+
+Summary rules (also printed in the report):
+- Throughput, TFLOPS, MFU and data-wait are medians over logged steps ``> --warmup_steps_excluded``.
+  Default: ``max(ceil(10 % of the last step), first logged step)``, so the first logging window,
+  which holds compilation and allocator warm-up, never counts. Peak memory is the max (a high-water mark).
+- Final train loss: mean of the last ``k = max(5, ceil(5 % of records))`` logged losses, taken on the
+  steps both runs logged when they share any. Final validation loss: the last step both evaluated.
+- Verdict: PASS when every available loss gap ``(B-A)/A`` (train, and validation when both runs
+  have it) lies within ``+/- --loss_tolerance`` percent, else FAIL. The exit code stays 0 either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llama_fp8 import report_plots
+from llama_fp8.report_plots import METRICS, fmt, ratio, render_report
+
+_NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+|(?i:nan|inf))"
+_TRAIN_RE = re.compile(
+    rf"Batch\s+(?P<step>\d+)\s+Loss:\s*(?P<loss>{_NUM}),\s*Speed:\s*(?P<speed>{_NUM})\s*"
+    rf"samples/sec,\s*lr:\s*(?P<lr>{_NUM})(?P<rest>.*)$"
+)
+# Validation lines: ours ("Validation loss at step 20: 7.1, ...") and the AWS recipe's
+# ("Batch 20 Validation loss: 7.1").
+_VAL_RES = [
+    re.compile(rf"\bval(?:idation)?[ _]loss\s+at\s+(?:step|batch)\s+(?P<step>\d+)\s*[:=]\s*(?P<loss>{_NUM})", re.I),
+    re.compile(rf"(?:Batch|step)\s+(?P<step>\d+)\b.*?\bval(?:idation)?[ _]loss\s*[:=]\s*(?P<loss>{_NUM})", re.I),
+]
+# train.py's start-up line "...; precision fp8-torchao-tensorwise" (stderr, often merged into the log)
+_PRECISION_RE = re.compile(r"\bprecision[:=]?\s+(?P<precision>fp8[\w.-]*|bf16|fp16|fp32)\b")
+_VALUE_RE = re.compile(rf"^(?P<num>{_NUM})\s*(?P<unit>\S*)")
+_MEM_UNITS_GIB = {"": 1.0, "gib": 1.0, "gb": 1e9 / 2**30, "mib": 1 / 1024, "mb": 1e6 / 2**30}
+
+DEFAULT_TOLERANCE_PCT = 1.0
+
+
+class CompareError(ValueError):
+    """User-facing input error; main() prints it and exits 2."""
+
+
+@dataclass
+class Run:
+    """One side of the comparison, normalised to metrics.jsonl record keys."""
+
+    name: str
+    source: Path
+    kind: str  # "jsonl" | "log"
+    train: list[dict[str, Any]]
+    val: list[dict[str, Any]] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    label: str = ""
+
+
+# ----------------------------------------------------------------------------- loading
+def _extra_field(key: str, value: str) -> tuple[str, float | None] | None:
+    """Map one ``key: value`` field of a log line to a record key, or None when unknown."""
+    k = key.strip().lower()
+    if value.strip().lower() in ("n/a", "na", "none", "null", "-"):
+        num, unit = None, ""
+    else:
+        m = _VALUE_RE.match(value.strip())
+        if not m:
+            return None
+        num, unit = float(m["num"]), m["unit"].lower()
+    if "token" in k:
+        return ("tokens_per_sec_per_device" if "device" in k or "gpu" in k else "tokens_per_sec"), num
+    if "tflops" in k and ("device" in k or "gpu" in k):
+        return "tflops_per_device", num
+    if "mfu" in k:
+        # train.py prints "MFU(fp8 peak)" for FP8 runs and a plain "MFU" against the BF16 peak.
+        name = "mfu_vs_fp8_peak" if "fp8" in k else "mfu_vs_bf16_peak"
+        return name, (num / 100 if num is not None and unit == "%" else num)
+    if k in ("mem", "memory", "mem_peak", "peak_mem", "max_mem"):
+        if unit not in _MEM_UNITS_GIB:
+            return None
+        return "mem_peak_gib", (num * _MEM_UNITS_GIB[unit] if num is not None else None)
+    return None
+
+
+def parse_log_line(line: str) -> dict[str, Any] | None:
+    """Parse a ``Batch N Loss: ...`` (train) or validation-loss line; prefixes are ignored.
+
+    Returns a record in the metrics.jsonl schema (``type`` train or val), or None.
+    """
+    m = _TRAIN_RE.search(line)
+    if m:
+        rec: dict[str, Any] = {"type": "train", "step": int(m["step"]), "loss": float(m["loss"]),
+                               "samples_per_sec": float(m["speed"]), "lr": float(m["lr"])}
+        for part in m["rest"].split(","):
+            key, sep, value = part.partition(":")
+            mapped = _extra_field(key, value) if sep else None
+            if mapped:
+                rec[mapped[0]] = mapped[1]
+        return rec
+    for regex in _VAL_RES:
+        m = regex.search(line)
+        if m:
+            return {"type": "val", "step": int(m["step"]), "val_loss": float(m["loss"])}
+    return None
+
+
+def _dedupe(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per step, the last one written wins (a requeued run re-logs steps)."""
+    by_step = {int(r["step"]): r for r in records}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _read_jsonl(path: Path) -> tuple[list[dict], list[dict], dict]:
+    train, val, meta, bad = [], [], {}, 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1  # e.g. a last line cut short when the job was killed
+            continue
+        kind = rec.get("type") or ("val" if "val_loss" in rec else "train" if "loss" in rec else "")
+        if kind == "meta" and not meta:
+            meta = rec
+        elif kind == "train" and "step" in rec and "loss" in rec:
+            train.append(rec)
+        elif kind == "val" and "step" in rec and "val_loss" in rec:
+            val.append(rec)
+    if bad:
+        print(f"compare: warning: skipped {bad} unparsable line(s) in {path}", file=sys.stderr)
+    return train, val, meta
+
+
+def _read_log(path: Path) -> tuple[list[dict], list[dict], dict]:
+    """Train/val records of a plain log, and a meta dict with the precision if the log names it."""
+    train, val, meta = [], [], {}
+    for line in path.read_text(errors="replace").splitlines():
+        rec = parse_log_line(line)
+        if rec is not None:
+            (train if rec["type"] == "train" else val).append(rec)
+        elif not meta and (m := _PRECISION_RE.search(line)):
+            meta = {"precision": m["precision"]}
+    return train, val, meta
+
+
+def _is_jsonl(path: Path) -> bool:
+    if path.suffix == ".jsonl":
+        return True
+    with path.open(errors="replace") as f:
+        for line in f:
+            if line.strip():
+                return line.lstrip().startswith("{")
+    return False
+
+
+def load_run(arg: str, which: str) -> Run:
+    """Load RUN_A/RUN_B (``which`` names the argument in errors)."""
+    path = Path(arg)
+    if not path.exists():
+        raise CompareError(f"{which} path does not exist: {path}")
+    config: dict[str, Any] = {}
+    if path.is_dir():
+        metrics = path / "metrics.jsonl"
+        if not metrics.is_file():
+            raise CompareError(f"{which} is a directory without metrics.jsonl: {path} "
+                               "(give a run dir, a metrics.jsonl file or a Slurm log file)")
+        config, name, file = _read_config(path / "config.yaml"), path.resolve().name, metrics
+    else:
+        file = path
+        name = path.resolve().parent.name if path.name == "metrics.jsonl" else path.stem
+        if path.name == "metrics.jsonl":
+            config = _read_config(path.parent / "config.yaml")
+    if _is_jsonl(file):
+        train, val, meta = _read_jsonl(file)
+        kind = "jsonl"
+    else:
+        (train, val, meta), kind = _read_log(file), "log"
+    if not train:
+        raise CompareError(f"{which}: no training records in {file} (expected metrics.jsonl "
+                           "'type: train' records or 'Batch N Loss: x, Speed: y samples/sec, lr: z' lines)")
+    run = Run(name, file, kind, _dedupe(train), _dedupe(val), meta, config)
+    run.label = precision_label(run)
+    return run
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        print(f"compare: warning: cannot parse {path}: {e}", file=sys.stderr)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _find_key(cfg: dict[str, Any], key: str) -> Any:
+    """Look up ``key`` at the top level or one level down (flat or sectioned config.yaml)."""
+    if key in cfg:
+        return cfg[key]
+    for sub in cfg.values():
+        if isinstance(sub, dict) and key in sub:
+            return sub[key]
+    return None
+
+
+def precision_label(run: Run) -> str:
+    """meta precision > train record precision > config.yaml fp8 fields > the run's name."""
+    if run.meta.get("precision"):
+        return str(run.meta["precision"])
+    if run.train and run.train[-1].get("precision"):
+        return str(run.train[-1]["precision"])
+    fp8 = _find_key(run.config, "fp8")
+    if fp8 is not None:
+        if not fp8 or str(fp8).lower() in ("0", "false"):
+            return "bf16" if str(_find_key(run.config, "bf16")).lower() not in ("0", "false") else "fp32"
+        parts = ["fp8"] + [str(v) for v in (_find_key(run.config, "fp8_backend"),
+                                           _find_key(run.config, "fp8_recipe")) if v and v != "auto"]
+        return "-".join(parts)
+    return run.name
+
+
+# ----------------------------------------------------------------------------- summary
+def default_warmup(run: Run) -> int:
+    """Steps excluded by default: 10 % of the last step, at least the first logged window."""
+    steps = [r["step"] for r in run.train]
+    if len(steps) < 2:
+        return -1  # a single record: keep it (nothing else to summarise)
+    return max(math.ceil(0.1 * steps[-1]), steps[0])
+
+
+def final_loss_k(n: int) -> int:
+    """How many trailing logged losses are averaged for the final train loss."""
+    return min(n, max(5, math.ceil(0.05 * n)))
+
+
+def _finite(values: list[Any]) -> list[float]:
+    return [float(v) for v in values if v is not None and math.isfinite(float(v))]
+
+
+def summarize_run(run: Run, warmup: int) -> dict[str, Any]:
+    """Medians (max for memory) over records with step > warmup; None when a metric is absent."""
+    kept = [r for r in run.train if r["step"] > warmup]
+    out: dict[str, Any] = {"label": run.label, "name": run.name, "source": str(run.source),
+                           "kind": run.kind, "warmup_steps_excluded": max(warmup, 0),
+                           "records_used": len(kept), "last_step": run.train[-1]["step"],
+                           "fp8_emulated": bool(run.meta.get("fp8_emulated"))}
+    for key, _, _ in METRICS:
+        pool = run.train if key == "mem_peak_gib" else kept
+        vals = _finite([r.get(key) for r in pool])
+        out[key] = (max(vals) if key == "mem_peak_gib" else statistics.median(vals)) if vals else None
+    return out
+
+
+def _gap_pct(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None:
+        return None
+    return (b - a) / a * 100 if a != 0 else math.nan
+
+
+def loss_summary(a: Run, b: Run) -> dict[str, Any]:
+    """Final train/val losses of both runs, on common steps when the runs share any."""
+    common = sorted({r["step"] for r in a.train} & {r["step"] for r in b.train})
+    res: dict[str, Any] = {"common_steps": bool(common)}
+    if common:
+        k = final_loss_k(len(common))
+        steps = set(common[-k:])
+        la = [r["loss"] for r in a.train if r["step"] in steps]
+        lb = [r["loss"] for r in b.train if r["step"] in steps]
+        res["train_steps"] = [common[-k], common[-1]]
+    else:
+        k = min(final_loss_k(len(a.train)), final_loss_k(len(b.train)))
+        la, lb = [r["loss"] for r in a.train[-k:]], [r["loss"] for r in b.train[-k:]]
+        res["train_steps"] = None
+    res.update(k=k, train_loss_a=statistics.fmean(la), train_loss_b=statistics.fmean(lb))
+    res["train_gap_pct"] = _gap_pct(res["train_loss_a"], res["train_loss_b"])
+    va, vb = {r["step"]: r["val_loss"] for r in a.val}, {r["step"]: r["val_loss"] for r in b.val}
+    both = sorted(set(va) & set(vb))
+    res["val_step"] = both[-1] if both else None
+    res["val_loss_a"] = va[both[-1]] if both else (a.val[-1]["val_loss"] if a.val else None)
+    res["val_loss_b"] = vb[both[-1]] if both else (b.val[-1]["val_loss"] if b.val else None)
+    res["val_gap_pct"] = _gap_pct(res["val_loss_a"], res["val_loss_b"])
+    return res
+
+
+def verdict(losses: dict[str, Any], tolerance: float) -> tuple[bool, str]:
+    """PASS iff every available loss gap is finite and within +-tolerance percent."""
+    gaps = {"train": losses["train_gap_pct"], "validation": losses["val_gap_pct"]}
+    reasons = []
+    for name, gap in gaps.items():
+        if gap is None:
+            continue
+        if not math.isfinite(gap):
+            reasons.append(f"{name} loss gap is not finite (a loss is nan/inf or zero)")
+        elif abs(gap) > tolerance:
+            reasons.append(f"{name} loss gap {gap:+.3f} % exceeds +-{tolerance:g} %")
+    checked = " and ".join(n for n, g in gaps.items() if g is not None)
+    if reasons:
+        return False, "FAIL: " + "; ".join(reasons)
+    return True, f"PASS: {checked} loss gap within +-{tolerance:g} %"
+
+
+# ----------------------------------------------------------------------------- report
+def _json_safe(obj: Any) -> Any:
+    """NaN/inf -> None and Paths -> str, so summary.json is strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return str(obj) if isinstance(obj, Path) else obj
+
+
+def default_out_dir(a: Run, b: Run, arg_a: str, arg_b: str) -> Path:
+    """``compare_<A>_vs_<B>`` in the runs' common parent directory, else the current directory."""
+    def clean(s: str) -> str:
+        return re.sub(r"[^A-Za-z0-9._-]+", "_", s)
+    locs = [Path(x).resolve() for x in (arg_a, arg_b)]
+    locs = [p.parent if p.name == "metrics.jsonl" else p for p in locs]  # the run dir or the log file
+    parent = locs[0].parent if locs[0].parent == locs[1].parent else Path.cwd()
+    return parent / f"compare_{clean(a.name)}_vs_{clean(b.name)}"
+
+
+# ----------------------------------------------------------------------------- CLI
+def _nonneg_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llama_fp8 compare", allow_abbrev=False,
+                                description="A/B report (markdown + PNG plots) of two training runs.")
+    p.add_argument("run_a", metavar="RUN_A", help="baseline: run dir, metrics.jsonl or Slurm log")
+    p.add_argument("run_b", metavar="RUN_B", help="candidate (e.g. the FP8 run), same forms as RUN_A")
+    p.add_argument("--out", help="output dir (default: compare_<A>_vs_<B> next to the runs)")
+    p.add_argument("--loss_tolerance", type=_nonneg_float, default=DEFAULT_TOLERANCE_PCT,
+                   help="max |loss gap| in percent for PASS (default %(default)s)")
+    p.add_argument("--warmup_steps_excluded", type=_nonneg_int, default=None,
+                   help="leave steps <= N out of the medians (default: 10%% of the last step, "
+                        "at least the first logged window)")
+    return p
+
+
+def compare(args: argparse.Namespace) -> dict[str, Any]:
+    """Load, summarise, plot and write; returns the summary dict (also written as JSON)."""
+    a, b = load_run(args.run_a, "RUN_A"), load_run(args.run_b, "RUN_B")
+    if a.label == b.label:
+        a.label, b.label = f"{a.label} [{a.name}]", f"{b.label} [{b.name}]"
+    n = args.warmup_steps_excluded
+    warm = [default_warmup(r) if n is None else n for r in (a, b)]
+    for which, r, w in (("RUN_A", a, warm[0]), ("RUN_B", b, warm[1])):
+        if not any(t["step"] > w for t in r.train):
+            raise CompareError(f"--warmup_steps_excluded {w} leaves no step of {which} "
+                               f"({r.source}, last step {r.train[-1]['step']})")
+    out = Path(args.out) if args.out else default_out_dir(a, b, args.run_a, args.run_b)
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {"run_a": summarize_run(a, warm[0]), "run_b": summarize_run(b, warm[1]),
+                               "loss": loss_summary(a, b), "loss_tolerance_pct": args.loss_tolerance}
+    summary["speedup"] = ratio(summary["run_a"]["samples_per_sec"], summary["run_b"]["samples_per_sec"])
+    ok, line = verdict(summary["loss"], args.loss_tolerance)
+    summary.update(verdict="PASS" if ok else "FAIL", verdict_line=line)
+    plots = report_plots.plot_all([a, b], warm, out, args.loss_tolerance)
+    report = out / "report.md"
+    report.write_text(render_report(summary, plots))
+    summary.update(report=report, plots=plots)
+    (out / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2) + "\n")
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    """CLI entry: returns 0 on success (either verdict), 2 on bad flags or inputs."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse already printed the message naming the flag
+        return int(e.code or 0)
+    try:
+        summary = compare(args)
+    except (CompareError, OSError) as e:
+        print(f"compare: error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {summary['report']}")
+    print(f"summary: {summary['report'].parent / 'summary.json'}")
+    for name, path in summary["plots"].items():
+        print(f"plot ({name}): {path}")
+    print(f"speedup B/A: {fmt(summary['speedup']) + 'x' if summary['speedup'] else 'n/a'}")
+    print(f"verdict: {summary['verdict_line']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,53 @@
+"""Smoke tests of the CPU benchmarks: each runs end to end on a tiny setting, prints its table and one
+JSON line with the ratio. Speed and memory are measured by the benchmarks, never asserted here."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, cli_env
+
+pytestmark = pytest.mark.slow
+
+
+def run_bench(name: str, *args: str) -> tuple[str, dict]:
+    """Run benchmarks/<name> in a fresh process; return its stdout and its one JSON line."""
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / name), *args], capture_output=True, text=True,
+                       timeout=600, env=cli_env(), cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    json_lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    assert len(json_lines) == 1, r.stdout
+    rec = json.loads(json_lines[0])
+    assert isinstance(rec["ratio"], float) and math.isfinite(rec["ratio"]) and rec["ratio"] > 0, rec
+    return r.stdout, rec
+
+
+def table_rows(stdout: str, first_word: str) -> list[list[str]]:
+    return [ln.split() for ln in stdout.splitlines() if ln.split()[:1] == [first_word]]
+
+
+def test_bench_loop_prints_table_and_ratio():
+    out, rec = run_bench("bench_loop.py", "--seq_len", "32", "--batch_size", "1", "--num_layers", "2",
+                         "--steps", "1", "--rounds", "2", "--warmup", "1")
+    assert "median s/step" in out
+    assert len(table_rows(out, "ours")) == 1 and len(table_rows(out, "bare")) == 1, out
+    assert rec["bench"] == "loop" and rec["world_size"] == 2 and rec["num_layers"] == 2
+    assert rec["ours_median_s"] > 0 and rec["bare_median_s"] > 0
+    # Same weights, same batch: both loops compute the same first loss (otherwise the timing compares
+    # two different computations).
+    assert rec["first_loss_ours"] == pytest.approx(rec["first_loss_bare"], rel=1e-3), rec
+
+
+def test_bench_init_memory_prints_table_and_ratio():
+    out, rec = run_bench("bench_init_memory.py", "--model", "tiny")
+    assert "peak RSS MiB" in out
+    assert len(table_rows(out, "ours")) == 2 and len(table_rows(out, "baseline")) == 2, out
+    assert rec["bench"] == "init_memory" and rec["model"] == "tiny" and rec["world_size"] == 2
+    assert rec["ours_peak_rss_mib"] > 0 and rec["baseline_peak_rss_mib"] > 0
+    # Both variants end with the same sharded model: half of the parameters on each rank.
+    assert rec["local_params"]["ours"] == rec["local_params"]["baseline"] == rec["num_params"] // 2, rec
