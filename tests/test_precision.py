@@ -102,6 +102,9 @@ def test_te_backend_plumbs_recipe_flags_and_checks_before_building(monkeypatch):
     assert te_llama.recipe_spec("delayed", 16, "most_recent") == (
         "DelayedScaling", {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "most_recent"})
     with pytest.raises(C.ConfigError, match="delayed cannot be combined with --compile 1"):
-        P.resolve(cfg_for("--fp8", "1", "--fp8_backend", "te", "--compile", "1"), "te", torch.device("cuda", 0))
+        P.resolve(cfg_for("--fp8", "1", "--fp8_backend", "te", "--fp8_recipe", "delayed", "--compile", "1"), "te",
+                  torch.device("cuda", 0))
+    # auto picks current scaling under torch.compile (TE rejects delayed there)
+    assert P.resolve(cfg_for("--fp8", "1", "--compile", "1"), "te", torch.device("cuda", 0)).recipe == "current"
     with pytest.raises(C.ConfigError, match="mxfp8 on NVIDIA H100"):
         P.resolve(cfg_for("--fp8", "1", "--fp8_backend", "te", "--fp8_recipe", "mxfp8"), "te", torch.device("cuda", 0))

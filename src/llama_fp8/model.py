@@ -59,13 +59,20 @@ def resolve_model_impl(cfg: TrainConfig) -> str:
         return "hf"
     from llama_fp8 import te_llama
 
-    return "te" if te_llama.te_version() is not None else "hf"
+    try:  # "TE imports": its metadata alone can exist without a working extension
+        te_llama.te_import()
+    except ImportError:
+        return "hf"
+    return "te"
 
 
-def build_model(cfg: TrainConfig, impl: str) -> nn.Module:
-    """The model on the meta device: no memory is allocated until parallelize + to_empty."""
+def build_model(cfg: TrainConfig, impl: str, init_context=None) -> nn.Module:
+    """The model on the meta device: no memory is allocated until parallelize + to_empty.
+    ``init_context`` (from the precision backend) wraps construction, e.g. TE's FP8-parameter init."""
+    import contextlib
+
     hfc = hf_config(cfg)
-    with torch.device("meta"):
+    with torch.device("meta"), (init_context or contextlib.nullcontext()):
         if impl == "hf":
             from transformers import LlamaForCausalLM
 

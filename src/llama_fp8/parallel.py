@@ -167,11 +167,18 @@ def parallelize(model: nn.Module, layers: nn.ModuleList, mesh, cfg: TrainConfig,
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    te_attrs = None
+    if impl == "te":  # fully_shard swaps parameters for DTensors and drops TE's attributes on them
+        from llama_fp8 import te_llama
+
+        te_attrs = te_llama.save_param_attrs(model)
     for i, layer in enumerate(layers):
         # The last block is needed first in backward: resharding it after forward would only make
         # backward gather it straight back.
         fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    if te_attrs is not None:
+        te_llama.restore_param_attrs(model, te_attrs)
     return model
 
 

@@ -64,6 +64,15 @@ class Precision:
             return te_llama.autocast(True, self._te_recipe, dist.group.WORLD if dist.is_initialized() else None)
         return contextlib.nullcontext()
 
+    def model_init_context(self):
+        """Context for building the model: TE with --fp8_all_gather creates FP8 primary weights (so FSDP2
+        all-gathers FP8); nothing otherwise."""
+        if self.backend == "te" and self.all_gather:
+            from llama_fp8 import te_llama
+
+            return te_llama.quantized_init(True, self._te_recipe)
+        return contextlib.nullcontext()
+
     def post_step(self, model: nn.Module) -> None:
         """After optimizer.step(): with torchao FP8 all-gather, compute every weight's FP8 scale for the
         next all-gather in one fused pass (instead of one all-reduce per layer during forward)."""
@@ -112,7 +121,9 @@ def _resolve_te(cfg: TrainConfig, model_impl: str, device: torch.device,
     if model_impl != "te":
         raise ConfigError("--fp8_backend te needs the Transformer Engine model: add --model_impl te (or auto on a "
                           "CUDA node with TE); the Hugging Face model's nn.Linear layers are not TE modules")
-    recipe = "delayed" if cfg.fp8_recipe == "auto" else cfg.fp8_recipe
+    # auto: delayed scaling (TE's long-standing default), or current scaling under torch.compile,
+    # which TE does not support with delayed scaling.
+    recipe = ("current" if cfg.compile else "delayed") if cfg.fp8_recipe == "auto" else cfg.fp8_recipe
     if recipe not in TE_RECIPES:
         raise ConfigError(f"--fp8_recipe {recipe} is not a Transformer Engine recipe; valid with te: "
                           f"{', '.join(TE_RECIPES)}")
@@ -132,7 +143,8 @@ def _resolve_te(cfg: TrainConfig, model_impl: str, device: torch.device,
     except ValueError as e:
         raise ConfigError(str(e)) from None
     te_recipe = te_llama.make_recipe(recipe, cfg.fp8_amax_history_len, cfg.fp8_amax_compute_algo)
-    return Precision(name=f"fp8-te-{recipe}", backend="te", recipe=recipe, _te_recipe=te_recipe)
+    return Precision(name=f"fp8-te-{recipe}", backend="te", recipe=recipe, all_gather=cfg.fp8_all_gather,
+                     _te_recipe=te_recipe)
 
 
 def fp8_linear_filter(module: nn.Module, fqn: str) -> bool:

@@ -170,7 +170,7 @@ def check_device_options(cfg: TrainConfig, env: parallel.DistEnv) -> None:
 def build(cfg: TrainConfig, env: parallel.DistEnv, impl: str, prec: precision_mod.Precision):
     """Model in the fixed order (meta -> FP8 convert -> fully_shard -> to_empty -> init): each rank only
     materializes its own shard."""
-    model = model_mod.build_model(cfg, impl)
+    model = model_mod.build_model(cfg, impl, prec.model_init_context())
     size = model_mod.model_size(model, cfg)
     model = prec.convert(model)
     dims = parallel.ParallelDims.from_config(cfg, env)

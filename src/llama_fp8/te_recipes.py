@@ -1,0 +1,229 @@
+"""Transformer Engine availability, version/capability checks, FP8 recipes and autocast.
+
+``transformer_engine`` is imported lazily inside functions, so importing this module works on a
+machine without TE. The checks and the API selection are pure functions, tested on CPU with fake
+capabilities and fake TE modules (tests/test_te_cpu.py).
+
+Every TE name used here was checked in TE's sources (NVIDIA/TransformerEngine tags v2.0 ... v2.18
+and main 2.20.0.dev0): ``transformer_engine/pytorch/quantization.py`` (fp8.py before 2.9),
+``transformer_engine/common/recipe/__init__.py``, ``transformer_engine/pytorch/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import re
+from typing import Any
+
+RECIPES = ("delayed", "current", "mxfp8", "block")
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+
+# First TE release that ships each recipe class in transformer_engine.common.recipe. 2.0 is also
+# the oldest TE whose APIs we use as written (fp8_model_init(enabled, recipe), checkpoint(...,
+# use_reentrant=...), TransformerLayer(normalization="RMSNorm", activation="swiglu", ...)).
+MIN_TE_VERSION_BY_RECIPE = {"delayed": "2.0", "mxfp8": "2.0", "current": "2.2", "block": "2.3"}
+# FP8 parameters (quantized_model_init) under FSDP2 need TE's QuantizedTensor to implement
+# fsdp_pre_all_gather/fsdp_post_all_gather (FP8 all-gather). TE 2.0's rewrite dropped an earlier
+# attempt; "FSDP2 Support for TE" (NVIDIA/TransformerEngine#2245) brought it back in 2.10 for
+# Float8Tensor (delayed, current) and MXFP8Tensor; Float8BlockwiseQTensor (block) has it from 2.14.
+MIN_TE_FP8_PARAMS_FSDP2 = "2.10"
+MIN_TE_FP8_PARAMS_FSDP2_BY_RECIPE = {
+    "delayed": "2.10",
+    "current": "2.10",
+    "mxfp8": "2.10",
+    "block": "2.14",
+}
+# te.autocast(recipe=..., amax_reduction_group=...) and te.quantized_model_init appear in TE 2.9;
+# older releases have fp8_autocast(fp8_recipe=..., fp8_group=...) and fp8_model_init.
+TE_INSTALL_HINT = (
+    "Transformer Engine is not importable. To get it, use the NGC PyTorch container "
+    "(0.transformer-engine.dockerfile, which ships TE) or "
+    "`pip install transformer-engine[pytorch]` "
+    "on a CUDA machine; or pass --model_impl hf --fp8_backend torchao."
+)
+
+
+# --------------------------------------------------------------------------- TE import / versions
+
+
+def te_import() -> Any:
+    """Return the ``transformer_engine.pytorch`` module, or raise ImportError saying how to get it.
+
+    ``torch`` is imported first on purpose: TE finds ``libnccl.so.2`` through torch's libraries.
+    """
+    import torch  # noqa: F401,F811  (order matters, see docstring)
+
+    try:
+        import transformer_engine.pytorch as te
+    except (ImportError, OSError) as e:  # OSError: a shared library of a partial install is missing
+        raise ImportError(f"{TE_INSTALL_HINT} (import error: {e})") from e
+    return te
+
+
+def te_version() -> str | None:
+    """Installed TE version from package metadata (no import of TE), or None if not installed."""
+    for dist in ("transformer_engine", "transformer-engine", "transformer_engine_torch"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def parse_version(version: str) -> tuple[int, int, int]:
+    """Leading ``major.minor[.patch]`` of a version such as ``2.10.0.dev0+abc`` -> (2, 10, 0)."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version.strip())
+    if m is None:
+        raise ValueError(f"cannot parse version {version!r} (expected major.minor[.patch])")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def _older(version: str, minimum: str) -> bool:
+    return parse_version(version) < parse_version(minimum)
+
+
+# --------------------------------------------------------------------------- recipe checks (pure)
+
+
+def _check_recipe_name(recipe: str) -> None:
+    if recipe not in RECIPES:
+        raise ValueError(f"--fp8_recipe {recipe!r} is not one of {', '.join(RECIPES)}")
+
+
+def _hardware_problem(recipe: str, cap: tuple[int, int], cuda: tuple[int, int] | None) -> str:
+    """Why ``recipe`` cannot run on SM ``cap`` with CUDA ``cuda`` (as TE checks it), or ''."""
+    if recipe in ("delayed", "current"):
+        if cap < (8, 9):
+            return "needs compute capability >= 8.9 (Ada, Hopper, Blackwell)"
+        if cap < (9, 0) and cuda is not None and cuda < (12, 1):
+            return "needs CUDA >= 12.1 on Ada (SM 8.9)"
+    elif recipe == "mxfp8":
+        if not (10, 0) <= cap < (11, 0):
+            return "needs Blackwell data-center GPUs, compute capability 10.x"
+    elif recipe == "block":
+        if cap < (9, 0):
+            return "needs compute capability >= 9.0 and CUDA >= 12.9"
+        if cuda is None or cuda < (12, 9):
+            return "needs compute capability >= 9.0 and CUDA >= 12.9"
+    return ""
+
+
+def check_recipe_supported(
+    recipe: str,
+    capability: tuple[int, int] | None,
+    cuda_version: str | None,
+    te_version: str | None,
+) -> None:
+    """Fail early (before building a model) if ``recipe`` cannot run here.
+
+    ``capability`` is ``torch.cuda.get_device_capability()`` (None: no GPU), ``cuda_version`` is
+    ``torch.version.cuda`` and ``te_version`` is :func:`te_version` (None: not installed; then the
+    import error reports it). Raises ValueError naming recipe, GPU capability and requirement.
+    """
+    _check_recipe_name(recipe)
+    if capability is None:
+        raise ValueError(
+            f"--fp8_recipe {recipe} needs an NVIDIA GPU, but no CUDA device is visible; "
+            "use --fp8 0 or --fp8_backend torchao (emulated on CPU)"
+        )
+    cuda = parse_version(cuda_version)[:2] if cuda_version else None
+    problem = _hardware_problem(recipe, tuple(capability), cuda)
+    if problem:
+        raise ValueError(
+            f"--fp8_recipe {recipe} {problem}; this GPU is SM {capability[0]}.{capability[1]} "
+            f"with CUDA {cuda_version or 'unknown'}"
+        )
+    minimum = MIN_TE_VERSION_BY_RECIPE[recipe]
+    if te_version is not None and _older(te_version, minimum):
+        raise ValueError(f"--fp8_recipe {recipe} needs Transformer Engine >= {minimum}, found {te_version}")
+
+
+def check_combination(recipe: str, compile: bool, fp8_params: bool, te_version: str | None) -> None:
+    """Reject flag combinations that TE rejects or does not support under FSDP2."""
+    _check_recipe_name(recipe)
+    if recipe == "delayed" and compile:
+        # TE's check_recipe_support raises "DelayedScaling is not supported under torch.compile".
+        raise ValueError(
+            "--fp8_recipe delayed cannot be combined with --compile 1 (TE does not support "
+            "DelayedScaling under torch.compile); "
+            "use --fp8_recipe current|mxfp8|block or --compile 0"
+        )
+    if fp8_params:
+        minimum = MIN_TE_FP8_PARAMS_FSDP2_BY_RECIPE[recipe]
+        if te_version is None or _older(te_version, minimum):
+            raise ValueError(
+                f"FP8 parameters with --fp8_recipe {recipe} under FSDP2 need Transformer Engine "
+                f">= {minimum} (FP8 all-gather), found {te_version or 'none'}; "
+                "turn FP8 parameters off or upgrade TE"
+            )
+
+
+# --------------------------------------------------------------------------- recipes and contexts
+
+
+def recipe_spec(recipe: str, amax_history_len: int, amax_compute_algo: str) -> tuple[str, dict]:
+    """(class in ``transformer_engine.common.recipe``, kwargs); ``fp8_format`` as a Format name."""
+    _check_recipe_name(recipe)
+    if recipe == "delayed":
+        if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(
+                f"--fp8_amax_compute_algo {amax_compute_algo!r} is not one of {', '.join(AMAX_COMPUTE_ALGOS)}"
+            )
+        if amax_history_len < 1:
+            raise ValueError(f"--fp8_amax_history_len must be >= 1, got {amax_history_len}")
+        kwargs = {
+            "fp8_format": "HYBRID",  # E4M3 forward, E5M2 gradients
+            "amax_history_len": amax_history_len,
+            "amax_compute_algo": amax_compute_algo,
+        }
+        return "DelayedScaling", kwargs
+    if recipe == "current":
+        return "Float8CurrentScaling", {"fp8_format": "HYBRID"}
+    if recipe == "mxfp8":
+        return "MXFP8BlockScaling", {}  # TE default: E4M3, 1x32 blocks with E8M0 scales
+    return "Float8BlockScaling", {}  # TE default: E4M3, 1x128 activations, 128x128 weights
+
+
+def make_recipe(recipe: str, amax_history_len: int = 1024, amax_compute_algo: str = "max") -> Any:
+    """Build the TE recipe object for ``--fp8_recipe``."""
+    name, kwargs = recipe_spec(recipe, amax_history_len, amax_compute_algo)
+    te_import()
+    from transformer_engine.common import recipe as te_recipe
+
+    if "fp8_format" in kwargs:
+        kwargs = {**kwargs, "fp8_format": getattr(te_recipe.Format, kwargs["fp8_format"])}
+    return getattr(te_recipe, name)(**kwargs)
+
+
+def select_autocast(te_module: Any) -> tuple[str, tuple[str, str, str]]:
+    """Autocast function of the installed TE: (name, kwarg names for enabled, recipe, group)."""
+    if hasattr(te_module, "autocast"):  # TE >= 2.9
+        return "autocast", ("enabled", "recipe", "amax_reduction_group")
+    if hasattr(te_module, "fp8_autocast"):  # TE < 2.9 (deprecated alias afterwards)
+        return "fp8_autocast", ("enabled", "fp8_recipe", "fp8_group")
+    raise ImportError("transformer_engine.pytorch has neither autocast nor fp8_autocast")
+
+
+def select_quantized_init(te_module: Any) -> str:
+    """Name of TE's FP8-parameter context: quantized_model_init (>= 2.9) or fp8_model_init."""
+    for name in ("quantized_model_init", "fp8_model_init"):
+        if hasattr(te_module, name):
+            return name
+    raise ImportError("transformer_engine.pytorch has neither quantized_model_init nor fp8_model_init")
+
+
+def autocast(
+    enabled: bool, recipe: Any, amax_group: Any = None, te_module: Any = None
+) -> contextlib.AbstractContextManager:
+    """TE FP8 autocast for the forward pass. ``amax_group``: the data-parallel process group, so
+    every rank that holds a replica of a weight agrees on its scale."""
+    te = te_module if te_module is not None else te_import()
+    name, (k_enabled, k_recipe, k_group) = select_autocast(te)
+    return getattr(te, name)(**{k_enabled: enabled, k_recipe: recipe, k_group: amax_group})
+
+
+def quantized_init(enabled: bool, recipe: Any, te_module: Any = None) -> contextlib.AbstractContextManager:
+    """Context under which TE modules are created with FP8 (quantized) primary weights."""
+    te = te_module if te_module is not None else te_import()
+    return getattr(te, select_quantized_init(te))(enabled=enabled, recipe=recipe)
