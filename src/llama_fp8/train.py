@@ -246,13 +246,14 @@ def train(cfg: TrainConfig, env: parallel.DistEnv) -> dict:
 
 def start_metrics(cfg, env, run_dir: Path, prec, size, start: int):
     device_name, peak_bf16, peak_fp8 = metrics.peak_tflops(env.device, cfg.peak_tflops)
-    meter = metrics.StepMeter(env.device, env.world_size, cfg.train_batch_size * env.world_size * cfg.grad_accum_steps,
-                              cfg.max_context_width, size.flops_per_token, peak_bf16, peak_fp8, cfg.fp8)
+    global_batch = cfg.train_batch_size * env.world_size * cfg.grad_accum_steps  # sequences per optimizer step
+    meter = metrics.StepMeter(env.device, env.world_size, global_batch, cfg.max_context_width, size.flops_per_token,
+                              peak_bf16, peak_fp8, cfg.fp8)
     writer = metrics.MetricsWriter(run_dir, enabled=env.is_main, cfg=cfg)
     writer.write({"type": "meta", "precision": prec.name, "model": cfg.model, "model_impl": cfg.model_impl,
                   "world_size": env.world_size, "device": env.device.type, "device_name": device_name,
                   "peak_tflops_bf16": peak_bf16, "peak_tflops_fp8": peak_fp8, "seq_len": cfg.max_context_width,
-                  "global_batch_size": cfg.train_batch_size * env.world_size * cfg.grad_accum_steps,
+                  "global_batch_size": global_batch,
                   "flops_per_token": size.flops_per_token, "num_params": size.num_params,
                   "fp8_emulated": prec.emulated, "start_step": start})
     return meter, writer
