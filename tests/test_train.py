@@ -131,7 +131,7 @@ def test_grad_clip_limits_the_update(tmp_path, tiny_args):
         opt = T.build_optimizer(model, cfg, torch.device("cpu"))
         batch = next(iter(T.build_loaders(cfg, CPU_ENV)[0]))
         guard = faults.NanGuard(torch.device("cpu"), "error", 0)
-        T.train_step(model, prec, opt, batch, cfg, torch.device("cpu"), 1, guard)
+        T.train_step(model, prec, opt, iter([batch]), cfg, torch.device("cpu"), 1, guard)
         return (model.model.layers[0].mlp.up_proj.weight.detach().to_local() - before).abs().mean().item()
 
     try:

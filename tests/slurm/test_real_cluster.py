@@ -62,11 +62,11 @@ def test_sbatch_two_nodes_rendezvous(job_env, tmp_path):
 
 def fake_package(root: Path) -> Path:
     """A repo whose `train` asks for a requeue (exit 85) on the first attempt and succeeds after it;
-    the launcher modules (__main__, submit, config) are the real ones."""
+    the launcher modules (__main__, launch, config) are the real ones."""
     pkg = root / "src" / "llama_fp8"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    for name in ("__main__.py", "submit.py", "config.py", "configs"):
+    for name in ("__main__.py", "launch.py", "submit.py", "config.py", "configs"):
         (pkg / name).symlink_to(REPO / "src" / "llama_fp8" / name)
     (pkg / "train.py").write_text(
         "import os\n"
