@@ -51,3 +51,12 @@ def test_bench_init_memory_prints_table_and_ratio():
     assert rec["ours_peak_rss_mib"] > 0 and rec["baseline_peak_rss_mib"] > 0
     # Both variants end with the same sharded model: half of the parameters on each rank.
     assert rec["local_params"]["ours"] == rec["local_params"]["baseline"] == rec["num_params"] // 2, rec
+
+
+def test_bench_activation_memory_prints_table_and_ratio():
+    out, rec = run_bench("bench_activation_memory.py", "--seq_len", "32", "--batch_size", "1", "--num_layers", "1",
+                         "--steps", "1")
+    assert rec["bench"] == "activation_memory" and set(rec["results"]) == {"0", "selective", "1"}
+    # Recomputation does not change the numbers: the same loss in every mode.
+    assert len({r["loss"] for r in rec["results"].values()}) == 1
+    assert "activation_checkpointing" in out
