@@ -25,10 +25,10 @@ demo: $(STAMP)
 	VENV=$(VENV) bash scripts/demo.sh
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu and not te"
+	$(PY) -m pytest -q -m "not gpu and not te" --ignore=tests/te_real
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu and not te and not slow and not slurm"
+	$(PY) -m pytest -q -m "not gpu and not te and not slow and not slurm" --ignore=tests/te_real
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
