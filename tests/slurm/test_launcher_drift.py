@@ -1,5 +1,5 @@
 """Lint and "no launcher drift": the shell scripts and the Dockerfile pass their linters, and every file,
-module, command and flag they (and docs/cluster.md) name exists and is accepted by its parser."""
+module, command and flag they (and the README) name exists and is accepted by its parser."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from slurm_helpers import REPO
 SHELL_FILES = sorted([*REPO.glob("*.sh"), *REPO.glob("*.sbatch"), *REPO.glob("scripts/**/*.sh")])
 CLUSTER_SCRIPTS = [REPO / "1.train_llama.sbatch", REPO / "2.ab_fp8_vs_bf16.sh", REPO / "scripts" / "build_image.sh"]
 DOCKERFILES = sorted(REPO.glob("*.dockerfile"))
-LAUNCHER_FILES = [*SHELL_FILES, *DOCKERFILES, REPO / "docs" / "cluster.md"]
+LAUNCHER_FILES = [*SHELL_FILES, *DOCKERFILES, REPO / "README.md"]
 # Where a training command line starts; the flags after it are train flags.
 TRAIN_ENTRY = re.compile(r"(?:1\.train_llama\.sbatch|2\.ab_fp8_vs_bf16\.sh|llama[_-]fp8 train)\b\S*")
 COMMAND = re.compile(r"-m (llama_fp8(?:\.\w+)?)(?: (\w+))?|llama-fp8 (\w+)")
@@ -57,7 +57,7 @@ def help_text(command: str, capsys) -> str:
 def test_launcher_files_present():
     names = {p.name for p in LAUNCHER_FILES if p.exists()}
     assert {"1.train_llama.sbatch", "2.ab_fp8_vs_bf16.sh", "build_image.sh", "0.transformer-engine.dockerfile",
-            "cluster.md"} <= names
+            "README.md"} <= names
 
 
 @pytest.mark.parametrize("path", SHELL_FILES, ids=lambda p: p.name)
@@ -155,10 +155,10 @@ def test_sbatch_directives():
 
 
 def test_env_vars_documented():
-    """Every variable the cluster scripts read with a default (${NAME:-...}) is listed in docs/cluster.md."""
-    doc = (REPO / "docs" / "cluster.md").read_text()
+    """Every variable the cluster scripts read with a default (${NAME:-...}) is listed in the README."""
+    doc = (REPO / "README.md").read_text()
     names = set()
     for path in CLUSTER_SCRIPTS:
         names.update(re.findall(r"\$\{([A-Z][A-Z0-9_]*):[-=]", path.read_text()))
     undocumented = sorted(n for n in names if not n.startswith("SLURM_") and n != "PYTHONPATH" and n not in doc)
-    assert not undocumented, f"add to docs/cluster.md: {undocumented}"
+    assert not undocumented, f"add to README.md (Environment variables): {undocumented}"
