@@ -5,12 +5,14 @@ byte-level BPE), built once into --work_dir. Measured in one run:
 
 - baseline: iterate the ``datasets`` rows one by one, ``tokenizer(text)`` per document, append to a
   Python list, slice (B, T+1) batches off the list (what common FSDP examples do), one process;
-- pipeline (in-process): ``build_train_loader`` with --num_workers=0;
+- pipeline (in-process): ``build_train_loader`` with --num_workers=0 (one tokenizer thread);
 - pipeline: ``build_train_loader`` with 1 worker and with --num_workers workers.
 
 Each is timed for --seconds after its first batch (worker start-up excluded, reported separately),
---rounds times interleaved; the best round counts (the machine may be shared). Also reported: CPU
-seconds per million tokens including workers. Prints a table, then one JSON line. Run: ``PYTHONPATH=src python benchmarks/bench_data.py``.
+once per round in a rotated order, for --rounds rounds. Reported: the median and best tokens/s of
+each, and the ratio pipeline / baseline as the median of the ratios within a round (the machine may
+be shared: a busy spell then slows both sides of a ratio). Also reported: CPU seconds per million
+tokens including workers (how much cheaper the pipeline is per CPU second, whatever the load). Prints a table, then one JSON line. Run: ``PYTHONPATH=src python benchmarks/bench_data.py``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import gc
 import json
 import os
 import resource
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -73,6 +76,21 @@ def baseline_batches(cfg: Cfg) -> Iterator[torch.Tensor]:
                     samples = []
 
 
+def same_tokens(cfg: Cfg, n_docs: int = 64) -> bool:
+    """Both sides do the same work: the pipeline's batched encoder turns the first documents into
+    exactly the stream the baseline builds one document at a time."""
+    import datasets
+
+    tok = data_sources.load_tokenizer(cfg.tokenizer)
+    ds = datasets.load_dataset("json", data_files=str(Path(cfg.dataset) / "train.jsonl"), split="train")
+    texts = [t for t in ds.select(range(min(n_docs, len(ds))))["text"] if t]
+    one_by_one: list[int] = []
+    for text in texts:
+        one_by_one = one_by_one + [tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"] + [
+            tok.eos_token_id]
+    return data.Encoder(tok)(texts).tolist() == one_by_one
+
+
 def _cpu_seconds() -> float:
     """User+system CPU of this process and of its exited (joined) children, e.g. DataLoader workers."""
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -99,39 +117,70 @@ def measure(make: Callable[[], Iterator], seconds: float, tokens_per_batch: int)
             "cpu_s_per_mtok": cpu / ((n + 1) * tokens_per_batch) * 1e6}
 
 
-def best_of(runs: list[tuple[str, int, Callable[[], Iterator]]], rounds: int, seconds: float,
-            tokens: int) -> list[tuple[str, int, dict]]:
-    """Interleave the runs ``rounds`` times and keep each one's best round (the machine is shared)."""
-    best: dict[str, dict] = {}
-    for _ in range(rounds):
-        for name, _, make in runs:
-            r = measure(make, seconds, tokens)
-            if name not in best or r["tokens_per_s"] > best[name]["tokens_per_s"]:
-                best[name] = {**r, "cpu_s_per_mtok": min(r["cpu_s_per_mtok"],
-                                                         best.get(name, r)["cpu_s_per_mtok"])}
-    return [(name, procs, best[name]) for name, procs, _ in runs]
+def interleaved(runs: list[tuple[str, int, Callable[[], Iterator]]], rounds: int, seconds: float,
+                tokens: int) -> list[tuple[str, int, list[dict]]]:
+    """Measure every run once per round, in a rotated order, ``rounds`` times; all rounds kept."""
+    per_run: dict[str, list[dict]] = {name: [] for name, _, _ in runs}
+    for i in range(rounds):
+        for name, _, make in runs[i % len(runs):] + runs[:i % len(runs)]:
+            per_run[name].append(measure(make, seconds, tokens))
+    return [(name, procs, per_run[name]) for name, procs, _ in runs]
 
 
-def report(results: list[tuple[str, int, dict]], args: argparse.Namespace, corpus: Path) -> None:
-    """The table, then one JSON line."""
+def summarize(results: list[tuple[str, int, list[dict]]]) -> dict:
+    """Per run: median and best tokens/s, median CPU s/Mtok, median start-up; and the ratios of the
+    last run (the pipeline with --num_workers) to the first (the baseline). The headline ratio is the
+    median over rounds of the ratio within a round, so a slow or fast spell of the shared machine
+    affects both sides of it; the ratio of the best rounds is reported next to it."""
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs)
+
+    rows = {name: {"procs": procs,
+                   "tokens_per_s": med([r["tokens_per_s"] for r in rs]),
+                   "best_tokens_per_s": max(r["tokens_per_s"] for r in rs),
+                   "cpu_s_per_mtok": med([r["cpu_s_per_mtok"] for r in rs]),
+                   "startup_s": med([r["startup_s"] for r in rs])}
+            for name, procs, rs in results}
     base, pipe = results[0][2], results[-1][2]
-    print(f"data pipeline, T={args.seq_len} B={args.batch_size}, {os.cpu_count()} CPUs, "
-          f"load avg {os.getloadavg()[0]:.1f}, best of {args.rounds} rounds, corpus {corpus}")
-    print(f"{'source':40s} {'procs':>5s} {'tokens/s':>10s} {'tok/s/proc':>10s} {'vs base':>7s} "
-          f"{'CPU s/Mtok':>10s} {'startup':>8s}")
-    for name, procs, r in results:
-        print(f"{name:40s} {procs:5d} {r['tokens_per_s']:10,.0f} {r['tokens_per_s'] / procs:10,.0f} "
-              f"{r['tokens_per_s'] / base['tokens_per_s']:6.2f}x {r['cpu_s_per_mtok']:10.2f} "
-              f"{r['startup_s']:7.2f}s")
+    paired = [p["tokens_per_s"] / b["tokens_per_s"] for b, p in zip(base, pipe)]
+    base_row, pipe_row = rows[results[0][0]], rows[results[-1][0]]
+    return {"rows": rows, "ratio_rounds": paired, "ratio": med(paired),
+            "ratio_best": pipe_row["best_tokens_per_s"] / base_row["best_tokens_per_s"]}
+
+
+def report(results: list[tuple[str, int, list[dict]]], args: argparse.Namespace, corpus: Path,
+           load_before: float, same: bool) -> None:
+    """The table, then one JSON line."""
+    s = summarize(results)
+    rows, base_name, pipe_name = s["rows"], results[0][0], results[-1][0]
+    base = rows[base_name]
+    print(f"data pipeline, T={args.seq_len} B={args.batch_size}, {os.cpu_count()} CPUs, load avg "
+          f"{load_before:.1f} before / {os.getloadavg()[0]:.1f} after, {args.rounds} rounds of "
+          f"{args.seconds:g} s (medians), corpus {corpus}")
+    print(f"{'source':40s} {'procs':>5s} {'tokens/s':>10s} {'best':>10s} {'tok/s/proc':>10s} "
+          f"{'vs base':>7s} {'CPU s/Mtok':>10s} {'startup':>8s}")
+    for name, procs, _ in results:
+        r = rows[name]
+        print(f"{name:40s} {procs:5d} {r['tokens_per_s']:10,.0f} {r['best_tokens_per_s']:10,.0f} "
+              f"{r['tokens_per_s'] / procs:10,.0f} {r['tokens_per_s'] / base['tokens_per_s']:6.2f}x "
+              f"{r['cpu_s_per_mtok']:10.2f} {r['startup_s']:7.2f}s")
+    print(f"ratio pipeline / baseline, per round: {' '.join(f'{x:.2f}' for x in s['ratio_rounds'])}; "
+          f"median {s['ratio']:.2f}x, best rounds {s['ratio_best']:.2f}x (target >= 3x); "
+          f"same token stream on both sides: {same}")
+    pipe = rows[pipe_name]
     print(json.dumps({
         "bench": "data", "seq_len": args.seq_len, "batch_size": args.batch_size,
-        "num_workers": args.num_workers, "cpus": os.cpu_count(), "load_avg_1min": round(os.getloadavg()[0], 2),
+        "num_workers": args.num_workers, "cpus": os.cpu_count(), "rounds": args.rounds, "same_tokens": same,
+        "seconds": args.seconds, "load_avg_1min_before": round(load_before, 2),
+        "load_avg_1min": round(os.getloadavg()[0], 2),
         "baseline_tokens_per_s": round(base["tokens_per_s"]),
         "pipeline_tokens_per_s": round(pipe["tokens_per_s"]),
         "tokens_per_s_per_worker": round(pipe["tokens_per_s"] / max(1, args.num_workers)),
-        "ratio": round(pipe["tokens_per_s"] / base["tokens_per_s"], 2),
-        "tokens_per_s": {name: round(r["tokens_per_s"]) for name, _, r in results},
-        "cpu_s_per_mtok": {name: round(r["cpu_s_per_mtok"], 3) for name, _, r in results},
+        "ratio": round(s["ratio"], 2), "ratio_best": round(s["ratio_best"], 2),
+        "ratio_rounds": [round(x, 2) for x in s["ratio_rounds"]],
+        "tokens_per_s": {name: round(r["tokens_per_s"]) for name, r in rows.items()},
+        "best_tokens_per_s": {name: round(r["best_tokens_per_s"]) for name, r in rows.items()},
+        "cpu_s_per_mtok": {name: round(r["cpu_s_per_mtok"], 3) for name, r in rows.items()},
         "cpu_efficiency_ratio": round(base["cpu_s_per_mtok"] / pipe["cpu_s_per_mtok"], 2)}))
 
 
@@ -143,11 +192,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--num_workers", type=int, default=2)
     p.add_argument("--seconds", type=float, default=3.0, help="timed seconds per run and round")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
+    # One tokenizer thread everywhere, as in the DataLoader workers: otherwise the in-process row
+    # would use every core until the first worker run sets this (build_train_loader does).
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     demo = demo_data.prepare_demo_data(args.work_dir)
     cfg = Cfg(str(demo.dataset_dir), str(demo.tokenizer_dir), args.seq_len, args.batch_size, args.num_workers)
     data.validate_data_config(cfg)  # opens (and caches) the arrow files outside the timings
+    same = same_tokens(cfg)
 
     def pipeline(workers: int) -> Callable[[], Iterator]:
         return lambda: iter(data.build_train_loader(Cfg(**{**cfg.__dict__, "num_workers": workers}), 0, 1))
@@ -156,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
             ("pipeline in-process (--num_workers=0)", 1, pipeline(0)),
             ("pipeline 1 worker", 1, pipeline(1)),
             (f"pipeline {args.num_workers} workers", max(1, args.num_workers), pipeline(args.num_workers))]
-    report(best_of(runs, args.rounds, args.seconds, args.batch_size * args.seq_len), args, demo.dataset_dir)
+    load_before = os.getloadavg()[0]
+    results = interleaved(runs, args.rounds, args.seconds, args.batch_size * args.seq_len)
+    report(results, args, demo.dataset_dir, load_before, same)
     return 0
 
 

@@ -60,3 +60,16 @@ def test_bench_activation_memory_prints_table_and_ratio():
     # Recomputation does not change the numbers: the same loss in every mode.
     assert len({r["loss"] for r in rec["results"].values()}) == 1
     assert "activation_checkpointing" in out
+
+
+def test_bench_data_prints_table_and_ratio(tmp_path):
+    out, rec = run_bench("bench_data.py", "--work_dir", str(tmp_path), "--seq_len", "64", "--batch_size", "2",
+                         "--num_workers", "2", "--seconds", "0.2", "--rounds", "3")
+    assert [row[0] for row in table_rows(out, "baseline") + table_rows(out, "pipeline")] == [
+        "baseline", "pipeline", "pipeline", "pipeline"], out
+    assert rec["bench"] == "data" and rec["num_workers"] == 2 and rec["rounds"] == 3
+    # Apples to apples: the batched encoder yields the baseline's token stream exactly.
+    assert rec["same_tokens"] is True, rec
+    assert len(rec["ratio_rounds"]) == 3 and rec["ratio"] == sorted(rec["ratio_rounds"])[1], rec
+    assert len(rec["tokens_per_s"]) == 4 and all(v > 0 for v in rec["tokens_per_s"].values()), rec
+    assert rec["pipeline_tokens_per_s"] == rec["tokens_per_s"]["pipeline 2 workers"]
