@@ -8,7 +8,8 @@ byte-level BPE), built once into --work_dir. Measured in one run:
 - pipeline (in-process): ``build_train_loader`` with --num_workers=0 (one tokenizer thread);
 - pipeline: ``build_train_loader`` with 1 worker and with --num_workers workers.
 
-Each is timed for --seconds after its first batch (worker start-up excluded, reported separately),
+Each is timed for --seconds after its first batch (worker start-up excluded, reported separately)
+and --warmup untimed seconds (a training run reads for hours: steady state is what matters),
 once per round in a rotated order, for --rounds rounds. Reported: the median and best tokens/s of
 each, and the ratio pipeline / baseline as the median of the ratios within a round (the machine may
 be shared: a busy spell then slows both sides of a ratio). Also reported: CPU seconds per million
@@ -97,13 +98,18 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def measure(make: Callable[[], Iterator], seconds: float, tokens_per_batch: int) -> dict:
-    """Tokens/s over ``seconds`` after the first batch (start-up reported on its own), and CPU
-    seconds per million tokens over the whole run including workers (robust to a busy machine)."""
+def measure(make: Callable[[], Iterator], seconds: float, tokens_per_batch: int, warmup: float) -> dict:
+    """Steady-state tokens/s over ``seconds``, after the first batch (start-up, reported on its own)
+    and ``warmup`` more seconds (the tokenizer's word cache fills); CPU seconds per million tokens
+    over the whole run including workers (robust to a busy machine)."""
     cpu0, t0 = _cpu_seconds(), time.perf_counter()
     it = make()
     next(it)
     startup = time.perf_counter() - t0
+    warm, t1 = 0, time.perf_counter()
+    while time.perf_counter() - t1 < warmup:
+        next(it)
+        warm += 1
     n, t1 = 0, time.perf_counter()
     while time.perf_counter() - t1 < seconds:
         next(it)
@@ -114,16 +120,16 @@ def measure(make: Callable[[], Iterator], seconds: float, tokens_per_batch: int)
     cpu = _cpu_seconds() - cpu0
     return {"startup_s": startup, "batches": n, "tokens": n * tokens_per_batch, "seconds": elapsed,
             "tokens_per_s": n * tokens_per_batch / elapsed,
-            "cpu_s_per_mtok": cpu / ((n + 1) * tokens_per_batch) * 1e6}
+            "cpu_s_per_mtok": cpu / ((n + warm + 1) * tokens_per_batch) * 1e6}
 
 
 def interleaved(runs: list[tuple[str, int, Callable[[], Iterator]]], rounds: int, seconds: float,
-                tokens: int) -> list[tuple[str, int, list[dict]]]:
+                tokens: int, warmup: float) -> list[tuple[str, int, list[dict]]]:
     """Measure every run once per round, in a rotated order, ``rounds`` times; all rounds kept."""
     per_run: dict[str, list[dict]] = {name: [] for name, _, _ in runs}
     for i in range(rounds):
         for name, _, make in runs[i % len(runs):] + runs[:i % len(runs)]:
-            per_run[name].append(measure(make, seconds, tokens))
+            per_run[name].append(measure(make, seconds, tokens, warmup))
     return [(name, procs, per_run[name]) for name, procs, _ in runs]
 
 
@@ -156,7 +162,7 @@ def report(results: list[tuple[str, int, list[dict]]], args: argparse.Namespace,
     base = rows[base_name]
     print(f"data pipeline, T={args.seq_len} B={args.batch_size}, {os.cpu_count()} CPUs, load avg "
           f"{load_before:.1f} before / {os.getloadavg()[0]:.1f} after, {args.rounds} rounds of "
-          f"{args.seconds:g} s (medians), corpus {corpus}")
+          f"{args.seconds:g} s after {args.warmup:g} s warm-up (medians), corpus {corpus}")
     print(f"{'source':40s} {'procs':>5s} {'tokens/s':>10s} {'best':>10s} {'tok/s/proc':>10s} "
           f"{'vs base':>7s} {'CPU s/Mtok':>10s} {'startup':>8s}")
     for name, procs, _ in results:
@@ -171,6 +177,7 @@ def report(results: list[tuple[str, int, list[dict]]], args: argparse.Namespace,
     print(json.dumps({
         "bench": "data", "seq_len": args.seq_len, "batch_size": args.batch_size,
         "num_workers": args.num_workers, "cpus": os.cpu_count(), "rounds": args.rounds, "same_tokens": same,
+        "warmup": args.warmup,
         "seconds": args.seconds, "load_avg_1min_before": round(load_before, 2),
         "load_avg_1min": round(os.getloadavg()[0], 2),
         "baseline_tokens_per_s": round(base["tokens_per_s"]),
@@ -192,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--num_workers", type=int, default=2)
     p.add_argument("--seconds", type=float, default=3.0, help="timed seconds per run and round")
+    p.add_argument("--warmup", type=float, default=1.0, help="untimed seconds after the first batch")
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
     # One tokenizer thread everywhere, as in the DataLoader workers: otherwise the in-process row
@@ -210,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             ("pipeline 1 worker", 1, pipeline(1)),
             (f"pipeline {args.num_workers} workers", max(1, args.num_workers), pipeline(args.num_workers))]
     load_before = os.getloadavg()[0]
-    results = interleaved(runs, args.rounds, args.seconds, args.batch_size * args.seq_len)
+    results = interleaved(runs, args.rounds, args.seconds, args.batch_size * args.seq_len, args.warmup)
     report(results, args, demo.dataset_dir, load_before, same)
     return 0
 

@@ -64,7 +64,7 @@ def test_bench_activation_memory_prints_table_and_ratio():
 
 def test_bench_data_prints_table_and_ratio(tmp_path):
     out, rec = run_bench("bench_data.py", "--work_dir", str(tmp_path), "--seq_len", "64", "--batch_size", "2",
-                         "--num_workers", "2", "--seconds", "0.2", "--rounds", "3")
+                         "--num_workers", "2", "--seconds", "0.2", "--warmup", "0.1", "--rounds", "3")
     assert [row[0] for row in table_rows(out, "baseline") + table_rows(out, "pipeline")] == [
         "baseline", "pipeline", "pipeline", "pipeline"], out
     assert rec["bench"] == "data" and rec["num_workers"] == 2 and rec["rounds"] == 3
