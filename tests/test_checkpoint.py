@@ -18,6 +18,7 @@ import torch
 from helpers import REPO, cli_env, read_metrics, run_cli, train_records
 from llama_fp8 import checkpoint as K
 from llama_fp8 import config as C
+from llama_fp8 import demo_data
 from llama_fp8 import train as T
 from llama_fp8.config import EXIT_NONFINITE, EXIT_REQUEUE
 
@@ -46,6 +47,75 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, async_save):
     metas = [r for r in read_metrics(b) if r["type"] == "meta"]
     assert [m["start_step"] for m in metas] == [0, 4]
     assert (b / "config.resume_step_4.yaml").is_file()
+
+
+@pytest.fixture
+def text_data(tmp_path, monkeypatch) -> list[str]:
+    """Flags for a local jsonl corpus and BPE tokenizer (stdlib docstrings); hub access off, cache in tmp."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    demo = demo_data.prepare_demo_data(tmp_path / "demo", vocab_size=300, max_files=25)
+    # --vocab_size 320 covers the 300-token tokenizer (checked by the trainer).
+    return ["--dataset", str(demo.dataset_dir), "--tokenizer", str(demo.tokenizer_dir), "--vocab_size", "320"]
+
+
+def test_resume_on_local_text_with_workers_reproduces_the_uninterrupted_run_bitwise(tmp_path, text_data):
+    data = [*text_data, "--num_workers", "2"]
+    assert run(tmp_path / "a", *data, "--max_steps", "7") == 0
+    b = tmp_path / "b"
+    # Step 3 is odd: with 2 workers serving batches round-robin, the resume starts mid-cycle.
+    assert run(b, *data, "--max_steps", "3", "--checkpoint_freq", "3") == 0
+    assert [s for s, _ in K.complete_checkpoints(b / "checkpoints")] == [3]
+    loader = torch.load(b / "checkpoints" / "step_3" / "rank0.pt", weights_only=False)["loader"]
+    assert loader["kind"] == "packed" and loader["consumed"] == 3 and len(loader["workers"]) == 2
+    assert run(b, *data, "--max_steps", "7", "--checkpoint_freq", "3") == 0
+    full, resumed = losses_by_step(tmp_path / "a"), losses_by_step(b)
+    assert [resumed[s] for s in range(4, 8)] == [full[s] for s in range(4, 8)]
+    assert [m["start_step"] for m in read_metrics(b) if m["type"] == "meta"] == [0, 3]
+
+
+def test_resume_with_other_data_settings_is_refused_and_the_checkpoint_kept(tmp_path, text_data, capsys):
+    b = tmp_path / "b"
+    assert run(b, *text_data, "--max_steps", "2", "--checkpoint_freq", "2") == 0
+    capsys.readouterr()
+    for flag, value, saved in (("--max_context_width", "16", "32"), ("--seed", "4", "3"),
+                               ("--num_workers", "2", "1")):
+        assert run(b, *text_data, "--max_steps", "4", "--checkpoint_freq", "2", flag, value) == C.EXIT_BAD_CONFIG
+        err = capsys.readouterr().err
+        assert f"cannot resume from {b / 'checkpoints' / 'step_2'}" in err, err
+        assert f"saved with {flag}={saved}" in err and f"this run has {value}" in err.replace(f"{flag}=", ""), err
+    assert [s for s, _ in K.complete_checkpoints(b / "checkpoints")] == [2]
+    assert len(train_records(b)) == 2  # nothing appended by the refused attempts
+    # Another batch size is fine: the saved position holds whole T+1 blocks, batched by the new B.
+    assert run(b, *text_data, "--max_steps", "4", "--checkpoint_freq", "2", "--train_batch_size", "3") == 0
+    assert [r["step"] for r in train_records(b)] == [1, 2, 3, 4]
+
+
+def test_fp8_and_bf16_runs_read_the_same_tokens_and_compare_checks_it(tmp_path, text_data):
+    pytest.importorskip("torchao")
+    from llama_fp8 import compare
+
+    common = [*text_data, "--max_steps", "4", "--num_workers", "1"]
+    for name, extra in (("bf16", ["--fp8", "0"]), ("fp8", ["--fp8", "1"]), ("other_seed", ["--seed", "4"])):
+        assert run(tmp_path / name, *common, *extra) == 0
+
+    def prints(name: str) -> list[tuple[int, int, str]]:
+        return [(r["data_from_step"], r["step"], r["data_crc32"]) for r in train_records(tmp_path / name)]
+
+    assert prints("bf16") == prints("fp8") and [p[:2] for p in prints("bf16")] == [(s, s) for s in range(1, 5)]
+    assert all(a[2] != b[2] for a, b in zip(prints("bf16"), prints("other_seed"))), "another seed, other batches"
+    same = compare.compare(compare.build_parser().parse_args(
+        [str(tmp_path / "bf16"), str(tmp_path / "fp8"), "--out", str(tmp_path / "r1"), "--loss_tolerance", "100"]))
+    assert same["data"] == {"windows_compared": 4, "same": True, "first_different_step": None}
+    assert same["verdict"] == "PASS" and "Same training data: yes" in (tmp_path / "r1" / "report.md").read_text()
+    other = compare.compare(compare.build_parser().parse_args(
+        [str(tmp_path / "bf16"), str(tmp_path / "other_seed"), "--out", str(tmp_path / "r2"),
+         "--loss_tolerance", "100"]))
+    assert other["data"]["same"] is False and other["data"]["first_different_step"] == 1
+    assert other["verdict"] == "FAIL" and "trained on different data" in other["verdict_line"]
 
 
 def test_interrupted_save_is_ignored_and_previous_stays_loadable(tmp_path):

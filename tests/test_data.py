@@ -43,7 +43,6 @@ class Cfg:
     vocab_size: int = 512
     validation_batches: int = 3
     streaming: bool = True
-    fp8: bool = False  # never read by the data pipeline (A/B fairness test)
 
 
 def make_docs(n: int, seed: int = 0) -> list[str]:
@@ -248,6 +247,42 @@ def test_hub_streaming_path_with_a_local_stand_in(tmp_path, tok_dir, docs, monke
     assert len(list(data.build_val_loader(cfg, 1, 2))) == 3
 
 
+def test_hub_dataset_with_val_data_files_only(tmp_path, tok_dir, docs, monkeypatch):
+    """A hub --dataset + --val_data_files, no --data_files: train from the hub, validation from the files."""
+    parts = {"train": docs[:150], "hub_val": docs[150:200], "val": docs[200:]}
+    for name, part in parts.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in part))
+    val_file = str(tmp_path / "val.jsonl")
+    real_load = datasets.load_dataset
+
+    def fake_hub(name, config_name=None, **kwargs):
+        assert name == "owner/corpus" and config_name == "en" and kwargs["streaming"]
+        if "data_files" in kwargs:  # the --val_data_files call
+            assert kwargs["data_files"] == [val_file] and kwargs["split"] == "train"
+            return real_load("json", data_files=kwargs["data_files"], split="train", streaming=True)
+        return real_load("json", data_files={"train": str(tmp_path / "train.jsonl"),
+                                             "validation": str(tmp_path / "hub_val.jsonl")}, streaming=True)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_hub)
+    cfg = Cfg("owner/corpus", dataset_config_name="en", tokenizer=tok_dir, val_data_files=f" {val_file} ,")
+    val = list(data.build_val_loader(cfg, 0, 1))
+    monkeypatch.setattr(datasets, "load_dataset", real_load)
+    alone = list(data.build_val_loader(Cfg(val_file, val_data_files=val_file, tokenizer=tok_dir), 0, 1))
+    assert len(val) == 3
+    assert_same(val, alone)  # not the hub's own validation split
+    monkeypatch.setattr(datasets, "load_dataset", fake_hub)
+    train = take(data.build_train_loader(cfg, 0, 1), 10)
+    assert not rows(train) & rows(val)
+    tok = data_sources.load_tokenizer(tok_dir)
+
+    def doc_numbers(batches) -> set[int]:
+        return {int(n) for b in batches for r in b["input_ids"] for n in re.findall(r"doc (\d+):", tok.decode(r))}
+
+    train_docs, val_docs = doc_numbers(train), doc_numbers(val)
+    assert train_docs and max(train_docs) < 150   # the hub's train split
+    assert val_docs and min(val_docs) >= 200      # the --val_data_files documents
+
+
 # ---------------------------------------------------------------------------------- validation
 def test_validation_split_from_folder_is_fixed_and_equal_per_rank(corpus, tok_dir):
     cfg = Cfg(str(corpus), tokenizer=tok_dir, validation_batches=5)
@@ -336,10 +371,19 @@ def test_synthetic_resume_and_validation():
     assert len(list(val)) == 3 and not rows(list(val)) & rows(full)
 
 
-def test_same_seed_same_batches_regardless_of_precision_flags(corpus, tok_dir):
-    for base in (Cfg(), Cfg(str(corpus), tokenizer=tok_dir)):
-        a = take(data.build_train_loader(dataclasses.replace(base, fp8=False), 0, 1), 3)
-        assert_same(a, take(data.build_train_loader(dataclasses.replace(base, fp8=True), 0, 1), 3))
+def test_fingerprint_passes_batches_through_and_changes_with_them(corpus, tok_dir):
+    cfg = Cfg(str(corpus), tokenizer=tok_dir)
+    plain = take(data.build_train_loader(cfg, 0, 1), 4)
+    fp = data.Fingerprinted(data.build_train_loader(cfg, 0, 1))
+    assert_same(plain, take(fp, 4))
+    again = data.Fingerprinted(data.build_train_loader(cfg, 0, 1))
+    next(again), next(again)
+    first = again.take()
+    next(again), next(again)
+    assert first != again.take() and again.take() == "00000000"  # a new window after each take()
+    other = data.Fingerprinted(data.build_train_loader(dataclasses.replace(cfg, seed=8), 0, 1))
+    next(other), next(other)
+    assert other.take() != first
 
 
 # ---------------------------------------------------------------------------------- demo data

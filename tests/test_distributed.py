@@ -66,3 +66,30 @@ def test_fp8_emulated_loss_tracks_bf16_through_the_cli(tmp_path):
     # of BF16's loss after 24 steps of the tiny model on identical data and init.
     gap = abs(finals["1"] - finals["0"]) / finals["0"]
     assert gap < 0.015, finals
+
+
+def test_a_startup_failure_on_one_rank_stops_every_rank(tmp_path):
+    r = run_cli([str(tmp_path)], nproc=2, timeout=120, script=str(REPO / "tests" / "agree_worker.py"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    assert [s["all_ok"] for s in seen] == [{"result": 0}, {"result": 10}]
+    # A config error on rank 1 only: rank 0 does not go on, both raise the same agreed error.
+    for s in seen:
+        assert s["config_error_on_1"] == {"raised": "AgreedError",
+                                          "message": "--dataset=/nope: missing (on rank 1 of 2)"}
+    # An unexpected failure keeps its own exception where it happened; the other rank is told.
+    assert seen[0]["crash_on_0"] == {"raised": "RuntimeError", "message": "disk on fire"}
+    assert seen[1]["crash_on_0"] == {"raised": "AgreedError",
+                                     "message": "RuntimeError: disk on fire (on rank 0 of 2)"}
+
+
+def test_a_bad_data_config_exits_2_on_every_rank_with_one_message(tmp_path):
+    missing = tmp_path / "no_such_corpus"  # and tmp_path is no tokenizer folder: that is checked first
+    # `llama_fp8 launch` (what the sbatch runs): torchrun that keeps the workers' exit code.
+    r = run_cli(["launch", "--standalone", "--nproc_per_node=2", "-m", "llama_fp8", "train", *COMMON,
+                 "--run_dir", str(tmp_path / "run"), "--dataset", str(missing), "--tokenizer", str(tmp_path)],
+                timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.count("llama-fp8 train: error") == 1, r.stderr[-3000:]
+    assert f"--tokenizer={str(tmp_path)!r} cannot be loaded" in r.stderr
+    assert not (tmp_path / "run").exists()  # nothing written before the agreed failure

@@ -297,10 +297,25 @@ def loss_summary(a: Run, b: Run) -> dict[str, Any]:
     return res
 
 
-def verdict(losses: dict[str, Any], tolerance: float) -> tuple[bool, str]:
-    """PASS iff every available loss gap is finite and within +-tolerance percent."""
+def data_check(a: Run, b: Run) -> dict[str, Any]:
+    """Did both runs train on the same tokens? Compares the data fingerprints (CRC32 of rank 0's
+    input_ids per logged window; metrics.jsonl of our runs only) of the windows both runs logged."""
+    fa, fb = ({(r.get("data_from_step"), r["step"]): r["data_crc32"] for r in run.train if "data_crc32" in r}
+              for run in (a, b))
+    common = sorted(set(fa) & set(fb), key=lambda k: k[1])
+    differ = [k[1] for k in common if fa[k] != fb[k]]
+    return {"windows_compared": len(common), "same": (not differ) if common else None,
+            "first_different_step": differ[0] if differ else None}
+
+
+def verdict(losses: dict[str, Any], tolerance: float, data: dict[str, Any] | None = None) -> tuple[bool, str]:
+    """PASS iff the runs did not train on different data (when both recorded it) and every available
+    loss gap is finite and within +-tolerance percent."""
     gaps = {"train": losses["train_gap_pct"], "validation": losses["val_gap_pct"]}
     reasons = []
+    if data and data["same"] is False:
+        reasons.append(f"the runs trained on different data (first differing window ends at step "
+                       f"{data['first_different_step']}), so their losses are not comparable")
     for name, gap in gaps.items():
         if gap is None:
             continue
@@ -381,7 +396,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     summary: dict[str, Any] = {"run_a": summarize_run(a, warm[0]), "run_b": summarize_run(b, warm[1]),
                                "loss": loss_summary(a, b), "loss_tolerance_pct": args.loss_tolerance}
     summary["speedup"] = ratio(summary["run_a"]["samples_per_sec"], summary["run_b"]["samples_per_sec"])
-    ok, line = verdict(summary["loss"], args.loss_tolerance)
+    summary["data"] = data_check(a, b)
+    ok, line = verdict(summary["loss"], args.loss_tolerance, summary["data"])
     summary.update(verdict="PASS" if ok else "FAIL", verdict_line=line)
     plots = report_plots.plot_all([a, b], warm, out, args.loss_tolerance)
     report = out / "report.md"

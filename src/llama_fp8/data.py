@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -146,6 +147,10 @@ def to_batch(blocks: np.ndarray) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------ reader factories
+class DataStateError(ValueError):
+    """A saved data-loader position that does not fit this run's data settings."""
+
+
 @dataclass
 class SlotFactory:
     """Everything a DataLoader worker needs to build its reader (picklable)."""
@@ -163,6 +168,15 @@ class SlotFactory:
             return MapDocReader(ds, ids, src.text_field, slot, self.n_slots, self.spec.seed,
                                 self.spec.shuffle, CHUNK_DOCS)
         return StreamDocReader(ds, src.text_field, slot, self.n_slots, CHUNK_DOCS)
+
+    def settings(self) -> dict[str, Any]:
+        """The flags a saved reader position is only valid for (by flag name). --train_batch_size is
+        not one: the saved pending blocks are whole T+1 rows and are batched by the new B."""
+        k = self.key
+        return {"dataset": k.dataset, "dataset_config_name": k.config_name, "text_field": k.text_field,
+                "data_files": k.data_files, "val_data_files": k.val_data_files, "val_fraction": k.val_fraction,
+                "streaming": k.streaming, "tokenizer": self.tokenizer_name,
+                "max_context_width": self.spec.seq_len, "seed": self.spec.seed}
 
     def batches(self, slot: int, state: dict | None) -> Iterator[tuple[np.ndarray, dict]]:
         encode = Encoder(load_tokenizer(self.tokenizer_name))
@@ -286,7 +300,7 @@ class PackedLoader:
                                            "offset": 0}
                    for s in self._states]
         return {"version": STATE_VERSION, "kind": "packed", "dp_rank": self._rank,
-                "dp_world": self._world, "num_workers": self._num_workers,
+                "dp_world": self._world, "num_workers": self._num_workers, "settings": self._factory.settings(),
                 "consumed": self._consumed, "workers": workers}
 
     def load_state_dict(self, state: dict) -> None:
@@ -294,8 +308,15 @@ class PackedLoader:
         for name, mine in (("dp_rank", self._rank), ("dp_world", self._world),
                            ("num_workers", self._num_workers)):
             if int(state[name]) != mine:
-                raise ValueError(f"data loader state was saved with {name}={state[name]}, this run "
-                                 f"has {name}={mine}; resume with the same value")
+                flag = "--num_workers" if name == "num_workers" else f"{name} (the data-parallel layout)"
+                raise DataStateError(f"the data loader position was saved with {flag}={state[name]}, this run "
+                                     f"has {mine}; resume with the same value, or start a new --run_dir")
+        for flag, saved in state.get("settings", {}).items():
+            mine = self._factory.settings().get(flag)
+            if saved != mine:
+                raise DataStateError(f"the data loader position was saved with --{flag}={saved!r}, this run has "
+                                     f"--{flag}={mine!r}; the position is only valid for the same data settings: "
+                                     f"resume with --{flag}={saved!r}, or start a new --run_dir")
         self._consumed = int(state["consumed"])
         self._states = [None if s is None else {**s, "remainder": np.asarray(s["remainder"], np.int32),
                                                 "pending": np.asarray(s["pending"], np.int32)}
@@ -304,9 +325,31 @@ class PackedLoader:
 
 def _check_state(state: dict, kind: str) -> None:
     if state.get("version") != STATE_VERSION or state.get("kind") != kind:
-        raise ValueError(f"data loader state has version={state.get('version')} "
+        raise DataStateError(f"data loader state has version={state.get('version')} "
                          f"kind={state.get('kind')!r}; expected version={STATE_VERSION} kind={kind!r} "
                          "(was --dataset changed between runs?)")
+
+
+class Fingerprinted:
+    """This rank's batches, passed through, with a CRC32 of every ``input_ids`` handed out since the
+    last ``take()``. Logged per window in metrics.jsonl, it lets ``compare`` check that the two runs of
+    an A/B pair trained on the same tokens (the same seed must give the same batches)."""
+
+    def __init__(self, batches: Any) -> None:
+        self._it, self._crc = iter(batches), 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        batch = next(self._it)
+        self._crc = zlib.crc32(batch["input_ids"].contiguous().numpy(), self._crc)  # no copy: a CPU buffer
+        return batch
+
+    def take(self) -> str:
+        """The fingerprint of the batches since the last call (8 hex digits); starts a new window."""
+        crc, self._crc = self._crc, 0
+        return f"{crc:08x}"
 
 
 # ----------------------------------------------------------------------------------- validation
@@ -332,8 +375,9 @@ class ValLoader:
 
 
 # ------------------------------------------------------------------------------------ interface
-def validate_data_config(cfg: Any) -> None:
-    """Fail fast (ValueError naming the flag) on a bad data config; nothing downloaded for local paths."""
+def validate_data_config(cfg: Any, dp_world: int | None = None) -> None:
+    """Fail fast (ValueError naming the flag) on a bad data config; nothing downloaded for local paths.
+    With ``dp_world``, also check that every reader slot of the training data gets documents."""
     for name in ("max_context_width", "train_batch_size", "val_batch_size", "vocab_size"):
         if getattr(cfg, name) is not None and int(getattr(cfg, name)) < 1:
             raise ValueError(f"--{name}={getattr(cfg, name)} must be >= 1")
@@ -346,6 +390,16 @@ def validate_data_config(cfg: Any) -> None:
                          "only --dataset=synthetic works without one")
     check_tokenizer(load_tokenizer(cfg.tokenizer), cfg.tokenizer, cfg.vocab_size)
     open_sources(SourceKey.from_cfg(cfg))
+    if dp_world is not None:
+        _check_reader_slots(cfg, dp_world)
+
+
+def _check_reader_slots(cfg: Any, dp_world: int) -> None:
+    src, n_slots = open_sources(SourceKey.from_cfg(cfg)), dp_world * max(1, cfg.num_workers)
+    n_docs = len(src.train_ids) if src.train_ids is not None else getattr(src.train, "num_rows", None)
+    if n_docs is not None and n_docs < n_slots:
+        raise ValueError(f"--dataset={cfg.dataset!r} has {n_docs} training documents, fewer than "
+                         f"dp_world * max(1, --num_workers) = {n_slots} reader slots")
 
 
 def build_train_loader(cfg: Any, dp_rank: int, dp_world: int) -> SyntheticLoader | PackedLoader:
@@ -358,11 +412,7 @@ def build_train_loader(cfg: Any, dp_rank: int, dp_world: int) -> SyntheticLoader
     if cfg.num_workers > 0:
         # Workers are forked processes with one tokenizer thread each; avoids the fork warning.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    src = open_sources(factory.key)
-    n_docs = len(src.train_ids) if src.train_ids is not None else getattr(src.train, "num_rows", None)
-    if n_docs is not None and n_docs < factory.n_slots:
-        raise ValueError(f"--dataset={cfg.dataset!r} has {n_docs} training documents, fewer than "
-                         f"dp_world * max(1, --num_workers) = {factory.n_slots} reader slots")
+    _check_reader_slots(cfg, dp_world)
     return PackedLoader(factory, dp_rank, dp_world, cfg.num_workers)
 
 

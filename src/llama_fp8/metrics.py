@@ -166,7 +166,7 @@ class MetricsWriter:
         self._fh.flush()
         if rec.get("type") in ("train", "val"):
             scalars = {f"{rec['type']}/{k}": v for k, v in rec.items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time")}
+                       if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time", "data_from_step")}
             if self._tb is not None:
                 for k, v in scalars.items():
                     self._tb.add_scalar(k, v, rec["step"])

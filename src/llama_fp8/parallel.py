@@ -10,7 +10,9 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,7 @@ from torch import nn
 from llama_fp8.config import ConfigError, TrainConfig
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -86,6 +89,43 @@ def init_distributed(cfg: TrainConfig) -> DistEnv:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
                                     device_id=device if use_cuda else None)
     return DistEnv(rank, local_rank, world, local_world, device)
+
+
+class AgreedError(ConfigError):
+    """A start-up error raised on every rank together (see ``on_every_rank``); rank 0 reports it."""
+
+
+def on_every_rank(env: DistEnv, check: Callable[[], T]) -> T:
+    """Run a start-up step on every rank and agree on its outcome before anyone goes on.
+
+    A check can fail on some ranks only (a path missing on one node, a hub error on one rank). Those
+    ranks would exit while the others block in the next collective until --process_group_timeout.
+    Here every rank learns of the failure: a ConfigError becomes an ``AgreedError`` carrying the first
+    failing rank's message on every rank; any other exception is re-raised (with its traceback) on the
+    rank where it happened and reported as an ``AgreedError`` on the others.
+    """
+    error: BaseException | None = None
+    try:
+        result = check()
+    except Exception as e:  # noqa: BLE001 - every failure must be shared before anything is re-raised
+        error = e
+    if env.world_size == 1:
+        if error is not None:
+            raise error
+        return result
+    mine = None if error is None else str(error) if isinstance(error, ConfigError) else (
+        f"{type(error).__name__}: {error}")
+    messages: list[str | None] = [None] * env.world_size
+    dist.all_gather_object(messages, mine)
+    failed = [(rank, msg) for rank, msg in enumerate(messages) if msg is not None]
+    if not failed:
+        return result
+    if error is not None and not isinstance(error, ConfigError):
+        raise error
+    rank, msg = failed[0]
+    where = "" if len(failed) == env.world_size else f" (on rank{'s' if len(failed) > 1 else ''} " \
+        f"{', '.join(str(r) for r, _ in failed)} of {env.world_size})"
+    raise AgreedError(msg + where)
 
 
 def destroy_distributed() -> None:

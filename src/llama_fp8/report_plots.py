@@ -56,6 +56,14 @@ def _gap(g: float | None) -> str:
     return "n/a" if g is None else f"{g:+.3f} %"
 
 
+def _same_data(data: dict[str, Any] | None) -> str:
+    if not data or data["same"] is None:
+        return "not checked (a run has no data fingerprints in common with the other: a plain log, or no common window)"
+    if data["same"]:
+        return f"yes (rank 0's token fingerprints equal in all {data['windows_compared']} common logged windows)"
+    return f"**NO**: the fingerprints differ from the window ending at step {data['first_different_step']}"
+
+
 def render_report(summary: dict[str, Any], plots: dict[str, Path]) -> str:
     """The markdown report text (plots referenced by file name, next to report.md)."""
     sa, sb, ls = summary["run_a"], summary["run_b"], summary["loss"]
@@ -86,7 +94,8 @@ def render_report(summary: dict[str, Any], plots: dict[str, Path]) -> str:
               f"| final validation loss ({vstep}) | {fmt(ls['val_loss_a'], 'loss')} "
               f"| {fmt(ls['val_loss_b'], 'loss')} | {_gap(ls['val_gap_pct'])} |", "",
               f"**Speedup B/A (median samples/s): {fmt(summary['speedup']) + 'x' if summary['speedup'] else 'n/a'}**",
-              "", f"**Verdict: {summary['verdict_line']}** (tolerance {summary['loss_tolerance_pct']:g} %)", ""]
+              "", f"**Verdict: {summary['verdict_line']}** (tolerance {summary['loss_tolerance_pct']:g} %)", "",
+              f"Same training data: {_same_data(summary.get('data'))}", ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{k}]({p.name})" for k, p in plots.items()] + [""]
     lines += ["## Method", "",

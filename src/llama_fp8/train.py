@@ -45,6 +45,10 @@ def run(cfg: TrainConfig) -> int:
         metrics.setup_logging(env.is_main)
         train(cfg, env)
         return 0
+    except parallel.AgreedError as e:  # every rank has it: reported once
+        if env.is_main:
+            print(f"llama-fp8 train: error: {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
     except ConfigError as e:
         print(f"llama-fp8 train: error (rank {env.rank}): {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -110,7 +114,7 @@ def prepare_run_dir(cfg: TrainConfig, env: parallel.DistEnv) -> tuple[Path, Path
     if env.world_size > 1:
         dist.broadcast_object_list(out, src=0)
     if isinstance(out[0], str):
-        raise ConfigError(out[0])
+        raise parallel.AgreedError(out[0])  # every rank has the same answer: reported once
     run_dir, ckpt_dir, resume = out[0]
     cfg.run_dir, cfg.checkpoint_dir = str(run_dir), str(ckpt_dir)
     return run_dir, ckpt_dir, resume
@@ -135,8 +139,8 @@ def resolve_run(cfg: TrainConfig, env: parallel.DistEnv) -> tuple[str, precision
     and the hardware it needs. Fills the resolved choices into cfg (so config.yaml records them)."""
     from llama_fp8 import data
 
-    try:  # a missing path or a tokenizer without EOS fails here, on every rank, before any compute
-        data.validate_data_config(cfg)
+    try:  # a missing path or a tokenizer without EOS fails here, before any compute (train() agrees)
+        data.validate_data_config(cfg, env.world_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     import importlib.util
@@ -219,14 +223,19 @@ def local_numel(model: nn.Module) -> int:
 def train(cfg: TrainConfig, env: parallel.DistEnv) -> dict:
     """Train; returns this rank's summary: logged (rank-averaged) losses and parameter counts."""
     torch.manual_seed(cfg.seed)
-    impl, prec = resolve_run(cfg, env)
+    impl, prec = parallel.on_every_rank(env, lambda: resolve_run(cfg, env))
     run_dir, ckpt_dir, resume = prepare_run_dir(cfg, env)
     model, size = build(cfg, env, impl, prec)
     optimizer = build_optimizer(model, cfg, env.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg) / cfg.lr if cfg.lr else 0.0)
-    train_loader, val_loader = build_loaders(cfg, env)
+    train_loader, val_loader = parallel.on_every_rank(env, lambda: build_loaders(cfg, env))
     ckpt = checkpoint.Checkpointer(ckpt_dir, cfg.keep_last_k, cfg.async_checkpoint, env.rank, env.world_size)
-    start = ckpt.load(resume, model, optimizer, scheduler, train_loader, cfg.train_batch_size) if resume else 0
+    from llama_fp8 import data
+
+    try:
+        start = ckpt.load(resume, model, optimizer, scheduler, train_loader, cfg.train_batch_size) if resume else 0
+    except data.DataStateError as e:
+        raise ConfigError(f"cannot resume from {resume}: {e}") from None
     meter, writer = start_metrics(cfg, env, run_dir, prec, size, start)
     watch = faults.SignalWatch(env.world_size)
     guard = faults.NanGuard(env.device, cfg.nan_policy, cfg.max_nan_skips)
@@ -262,7 +271,9 @@ def start_metrics(cfg, env, run_dir: Path, prec, size, start: int):
 def loop(cfg, env, model, prec, optimizer, scheduler, train_loader, val_loader, ckpt, meter, writer, watch, guard,
          start: int) -> list[float]:
     """Steps start+1 .. max_steps. Host syncs happen on logging, validation and checkpoint steps only."""
-    batches, losses = iter(train_loader), []
+    from llama_fp8 import data
+
+    batches, losses, window_start = data.Fingerprinted(train_loader), [], start + 1
     model.train()
     for step in range(start + 1, cfg.max_steps + 1):
         log_now = step % cfg.logging_freq == 0 or step == cfg.max_steps
@@ -273,7 +284,10 @@ def loop(cfg, env, model, prec, optimizer, scheduler, train_loader, val_loader, 
         if log_now:
             guard.check()
             rec = meter.window(step, lr, grad_norm)
-            rec.update(precision=prec.name, world_size=env.world_size)
+            # rank 0's tokens over steps window_start..step: equal in two runs iff they read the same data
+            rec.update(precision=prec.name, world_size=env.world_size, data_crc32=batches.take(),
+                       data_from_step=window_start)
+            window_start = step + 1
             losses.append(rec["loss"])
             writer.write(rec, metrics.format_line(rec))
         if val_loader is not None and step % cfg.validation_freq == 0:
