@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from llama_fp8 import data, data_sources, demo_data
+from llama_fp8 import data, data_sources, demo_data, packing
 
 
 @dataclass
@@ -89,7 +89,7 @@ def same_tokens(cfg: Cfg, n_docs: int = 64) -> bool:
     for text in texts:
         one_by_one = one_by_one + [tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"] + [
             tok.eos_token_id]
-    return data.Encoder(tok)(texts).tolist() == one_by_one
+    return packing.Encoder(tok)(texts).tolist() == one_by_one
 
 
 def _cpu_seconds() -> float:

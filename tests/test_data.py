@@ -18,7 +18,7 @@ import torch
 
 datasets = pytest.importorskip("datasets")
 
-from llama_fp8 import data, data_sources, demo_data  # noqa: E402
+from llama_fp8 import data, data_sources, demo_data, packing  # noqa: E402
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
          "sigma tau upsilon phi chi psi omega the of and to in is that for it as with").split()
@@ -98,9 +98,9 @@ def assert_same(a: list[dict], b: list[dict]) -> None:
 def test_pack_documents_matches_naive_concatenation():
     lists = [[5, 6, 7], [], [8], [9, 10]]
     naive = [t for ids in lists for t in [1, *ids, 2]]
-    assert data.pack_documents(lists, 1, 2).tolist() == naive
-    assert data.pack_documents(lists, None, 2).tolist() == [t for ids in lists for t in [*ids, 2]]
-    assert data.pack_documents([], 1, 2).tolist() == []
+    assert packing.pack_documents(lists, 1, 2).tolist() == naive
+    assert packing.pack_documents(lists, None, 2).tolist() == [t for ids in lists for t in [*ids, 2]]
+    assert packing.pack_documents([], 1, 2).tolist() == []
 
 
 def test_unshuffled_blocks_are_the_document_stream_cut_into_t_plus_1(corpus, tok_dir, docs):
@@ -111,8 +111,8 @@ def test_unshuffled_blocks_are_the_document_stream_cut_into_t_plus_1(corpus, tok
                                             tok.eos_token_id]]
     src = data_sources.open_sources(data_sources.SourceKey(str(corpus), None, "text", None, None, 0.0, True))
     reader = data_sources.MapDocReader(src.train, None, "text", 0, 1, 0, shuffle=False, chunk_docs=16)
-    spec = data.PackSpec(seq_len=32, batch_size=4, seed=0, shuffle=False, cycle=False)
-    blocks = np.concatenate([b for b, _ in data.packed_batches(reader, data.Encoder(tok), spec, 0, None)])
+    spec = packing.PackSpec(seq_len=32, batch_size=4, seed=0, shuffle=False, cycle=False)
+    blocks = np.concatenate([b for b, _ in packing.packed_batches(reader, packing.Encoder(tok), spec, 0, None)])
     assert blocks.shape[1] == 33 and len(blocks) == len(stream) // 33 // 4 * 4
     assert blocks.reshape(-1).tolist() == stream[: blocks.size]
 
@@ -204,12 +204,12 @@ def test_streaming_reader_is_disjoint_and_resumes_exactly(tmp_path, tok_dir, doc
         files.append(str(tmp_path / f"s{k}.jsonl"))
         Path(files[-1]).write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[k * 40:(k + 1) * 40]))
     stream = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
-    encode = data.Encoder(data_sources.load_tokenizer(tok_dir))
-    spec = data.PackSpec(seq_len=32, batch_size=4, seed=3, shuffle=True)
+    encode = packing.Encoder(data_sources.load_tokenizer(tok_dir))
+    spec = packing.PackSpec(seq_len=32, batch_size=4, seed=3, shuffle=True)
 
     def run(slot: int, state=None, n: int = 40):
         reader = data_sources.StreamDocReader(stream, "text", slot, 2, chunk_docs=8)
-        gen = data.packed_batches(reader, encode, spec, slot, state)
+        gen = packing.packed_batches(reader, encode, spec, slot, state)
         return [next(gen) for _ in range(n)]
 
     full = run(0)  # crosses an epoch boundary of this slot's 80 documents
