@@ -332,6 +332,7 @@ def test_cli_dispatch_through_python_m(tmp_path):
     proc = run_cli(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "o")])
     assert proc.returncode == 0, proc.stderr
     assert f"report: {tmp_path / 'o' / 'report.md'}" in proc.stdout and "verdict: PASS" in proc.stdout
+    assert "same training data: not checked" in proc.stdout  # these records carry no data_crc32
     proc = run_cli(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--nope"])
     assert proc.returncode == 2 and "--nope" in proc.stderr
 
@@ -351,6 +352,8 @@ def test_compare_two_real_cpu_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "rep" / "summary.json").read_text())
     assert summary["run_a"]["label"] == "bf16" and summary["run_b"]["label"].startswith("fp8-torchao")
+    assert summary["data"] == {"windows_compared": 8, "same": True, "first_different_step": None}
+    assert "same training data: yes" in proc.stdout
     for side, name in (("run_a", "fp8_0"), ("run_b", "fp8_1")):
         recs = [r for r in read_metrics(tmp_path / name) if r["type"] == "train"]
         warm = summary[side]["warmup_steps_excluded"]
@@ -364,6 +367,7 @@ def test_compare_two_real_cpu_runs(tmp_path):
     rc, from_logs, _ = run_compare(str(tmp_path / "fp8_0.log"), str(tmp_path / "fp8_1.log"),
                                    "--out", str(tmp_path / "rep_logs"))
     assert rc == 0 and from_logs["run_b"]["label"] == summary["run_b"]["label"]
+    assert from_logs["data"]["same"] is None  # plain logs carry no fingerprints
     assert from_logs["loss"]["train_loss_b"] == pytest.approx(summary["loss"]["train_loss_b"], abs=1e-5)
     assert from_logs["loss"]["val_loss_a"] == pytest.approx(summary["loss"]["val_loss_a"], abs=1e-5)
     assert from_logs["run_a"]["samples_per_sec"] == pytest.approx(summary["run_a"]["samples_per_sec"], abs=0.006)

@@ -34,7 +34,7 @@ import yaml
 
 from llama_fp8 import report_plots
 from llama_fp8.logparse import parse_log_line, read_log  # noqa: F401 - parse_log_line is API
-from llama_fp8.report_plots import METRICS, fmt, ratio, render_report
+from llama_fp8.report_plots import METRICS, fmt, ratio, render_report, same_data_text
 
 DEFAULT_TOLERANCE_PCT = 1.0
 
@@ -352,6 +352,7 @@ def main(argv: list[str]) -> int:
     for name, path in summary["plots"].items():
         print(f"plot ({name}): {path}")
     print(f"speedup B/A: {fmt(summary['speedup']) + 'x' if summary['speedup'] else 'n/a'}")
+    print(f"same training data: {same_data_text(summary['data'])}")
     print(f"verdict: {summary['verdict_line']}")
     return 0
 

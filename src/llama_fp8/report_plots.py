@@ -56,7 +56,8 @@ def _gap(g: float | None) -> str:
     return "n/a" if g is None else f"{g:+.3f} %"
 
 
-def _same_data(data: dict[str, Any] | None) -> str:
+def same_data_text(data: dict[str, Any] | None) -> str:
+    """One line on compare's same-data check (``summary["data"]``)."""
     if not data or data["same"] is None:
         return "not checked (a run has no data fingerprints in common with the other: a plain log, or no common window)"
     if data["same"]:
@@ -95,7 +96,7 @@ def render_report(summary: dict[str, Any], plots: dict[str, Path]) -> str:
               f"| {fmt(ls['val_loss_b'], 'loss')} | {_gap(ls['val_gap_pct'])} |", "",
               f"**Speedup B/A (median samples/s): {fmt(summary['speedup']) + 'x' if summary['speedup'] else 'n/a'}**",
               "", f"**Verdict: {summary['verdict_line']}** (tolerance {summary['loss_tolerance_pct']:g} %)", "",
-              f"Same training data: {_same_data(summary.get('data'))}", ""]
+              f"Same training data: {same_data_text(summary.get('data'))}", ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{k}]({p.name})" for k, p in plots.items()] + [""]
     lines += ["## Method", "",
