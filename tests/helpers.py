@@ -39,3 +39,19 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def train_records(run_dir: Path) -> list[dict]:
     return [r for r in read_metrics(run_dir) if r["type"] == "train"]
+
+
+def local_text_flags(tmp_path: Path, monkeypatch) -> list[str]:
+    """Train flags for real text built here: a jsonl corpus of stdlib docstrings and a 300-token BPE
+    (``demo_data``); hub access off and the datasets cache in tmp_path, also for child processes."""
+    import datasets
+
+    from llama_fp8 import demo_data
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    demo = demo_data.prepare_demo_data(tmp_path / "demo", vocab_size=300, max_files=25)
+    # --vocab_size 320 covers the 300-token tokenizer (checked at start-up).
+    return ["--dataset", str(demo.dataset_dir), "--tokenizer", str(demo.tokenizer_dir), "--vocab_size", "320"]

@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, cli_env, read_metrics, run_cli, train_records
+from helpers import REPO, cli_env, local_text_flags, read_metrics, run_cli, train_records
 from llama_fp8 import checkpoint as K
 from llama_fp8 import config as C
-from llama_fp8 import demo_data
 from llama_fp8 import train as T
 from llama_fp8.config import EXIT_NONFINITE, EXIT_REQUEUE
 
@@ -51,15 +50,8 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, async_save):
 
 @pytest.fixture
 def text_data(tmp_path, monkeypatch) -> list[str]:
-    """Flags for a local jsonl corpus and BPE tokenizer (stdlib docstrings); hub access off, cache in tmp."""
-    datasets = pytest.importorskip("datasets")
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
-    demo = demo_data.prepare_demo_data(tmp_path / "demo", vocab_size=300, max_files=25)
-    # --vocab_size 320 covers the 300-token tokenizer (checked by the trainer).
-    return ["--dataset", str(demo.dataset_dir), "--tokenizer", str(demo.tokenizer_dir), "--vocab_size", "320"]
+    pytest.importorskip("datasets")
+    return local_text_flags(tmp_path, monkeypatch)
 
 
 def test_resume_on_local_text_with_workers_reproduces_the_uninterrupted_run_bitwise(tmp_path, text_data):

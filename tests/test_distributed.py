@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, run_cli, train_records
+from helpers import REPO, local_text_flags, read_metrics, run_cli, train_records
 
 pytestmark = pytest.mark.slow
 
@@ -93,3 +93,30 @@ def test_a_bad_data_config_exits_2_on_every_rank_with_one_message(tmp_path):
     assert r.stderr.count("llama-fp8 train: error") == 1, r.stderr[-3000:]
     assert f"--tokenizer={str(tmp_path)!r} cannot be loaded" in r.stderr
     assert not (tmp_path / "run").exists()  # nothing written before the agreed failure
+
+
+def test_validation_loss_is_the_mean_over_ranks(tmp_path, monkeypatch):
+    """2 ranks validate on disjoint documents; the logged loss is the mean of the two ranks' losses,
+    recomputed here in one process on each rank's validation batches (same init, --lr 0)."""
+    pytest.importorskip("datasets")
+    import torch
+
+    from llama_fp8 import config, data, parallel, train
+
+    flags = [*COMMON, *local_text_flags(tmp_path, monkeypatch), "--bf16", "0", "--lr", "0", "--min_lr", "0", "--max_steps", "1",
+             "--validation_freq", "1", "--validation_batches", "2", "--val_batch_size", "2", "--val_fraction", "0.2"]
+    run_worker(tmp_path, "two", 2, *flags)
+    logged = [r["val_loss"] for r in read_metrics(tmp_path / "two" / "run") if r["type"] == "val"]
+    assert len(logged) == 1
+    cfg = config.parse_args([*flags, "--run_dir", str(tmp_path / "one")])
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        env = parallel.DistEnv(0, 0, 1, 1, torch.device("cpu"))
+        impl, prec = train.resolve_run(cfg, env)
+        model, _ = train.build(cfg, env, impl, prec)  # the init does not depend on the sharding
+        per_rank = [train.validate(model, prec, data.build_val_loader(cfg, r, 2), cfg, env, 1)[0]["val_loss"]
+                    for r in (0, 1)]
+    finally:
+        torch.distributed.destroy_process_group()
+    assert abs(per_rank[0] - per_rank[1]) > 1e-3, "the ranks validate on different documents"
+    assert logged[0] == pytest.approx(sum(per_rank) / 2, rel=1e-5), (logged, per_rank)
