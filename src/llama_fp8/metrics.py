@@ -181,7 +181,13 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
+            import wandb
+
             self._wandb.finish()
+            # Wait for wandb's service process to write everything (offline: the run file) before the
+            # training process goes on to exit; its atexit hook alone is not reliable under launchers.
+            wandb.teardown()
+            self._wandb = None
 
 
 def _tensorboard_writer(log_dir: str):
