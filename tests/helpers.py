@@ -55,3 +55,14 @@ def local_text_flags(tmp_path: Path, monkeypatch) -> list[str]:
     demo = demo_data.prepare_demo_data(tmp_path / "demo", vocab_size=300, max_files=25)
     # --vocab_size 320 covers the 300-token tokenizer (checked at start-up).
     return ["--dataset", str(demo.dataset_dir), "--tokenizer", str(demo.tokenizer_dir), "--vocab_size", "320"]
+
+
+def tiny_llama_config(**overrides):
+    """A tiny HF ``LlamaConfig`` for the TE mapping tests: 4 query heads sharing 2 KV heads (GQA),
+    Llama 3 rope base, untied embeddings."""
+    from transformers import LlamaConfig
+
+    kwargs = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, rope_theta=500000.0, max_position_embeddings=64, tie_word_embeddings=False)
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)

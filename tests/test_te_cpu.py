@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from helpers import tiny_llama_config as tiny_config
 from llama_fp8 import te_llama, te_recipes, te_weights
 from llama_fp8.te_llama import (
     MIN_TE_FP8_PARAMS_FSDP2,
@@ -24,23 +25,6 @@ from llama_fp8.te_llama import (
     recipe_spec,
 )
 from llama_fp8.te_weights import expected_te_shapes, load_hf_checkpoint_into_te, te_state_to_hf
-
-
-def tiny_config(**overrides) -> LlamaConfig:
-    """4 query heads sharing 2 KV heads (GQA), Llama 3 rope base."""
-    kwargs = dict(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rope_theta=500000.0,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
 
 
 def save_hf(tmp_path: Path, name: str, **kw) -> tuple[Path, dict[str, torch.Tensor]]:

@@ -24,25 +24,11 @@ except (ImportError, OSError) as e:  # pragma: no cover - depends on the venv
 
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from helpers import tiny_llama_config as tiny_config
 from llama_fp8 import te_llama, te_recipes
 from llama_fp8.te_weights import expected_te_shapes, load_hf_checkpoint_into_te, te_state_to_hf
 
 pytestmark = pytest.mark.te
-
-
-def tiny_config(**overrides) -> LlamaConfig:
-    kwargs = dict(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rope_theta=500000.0,
-        max_position_embeddings=64,
-    )
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
 
 
 @contextlib.contextmanager
