@@ -34,10 +34,13 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.parametrize("async_save", ["0", "1"])
-def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, async_save):
+def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, async_save, monkeypatch):
     assert run(tmp_path / "a", "--max_steps", "8") == 0
     b = tmp_path / "b"
+    calls, real_async_save = [], K.dcp.async_save
+    monkeypatch.setattr(K.dcp, "async_save", lambda *a, **kw: (calls.append(1), real_async_save(*a, **kw))[1])
     assert run(b, "--max_steps", "4", "--checkpoint_freq", "4", "--async_checkpoint", async_save) == 0
+    assert len(calls) == (1 if async_save == "1" else 0)  # --async_checkpoint picks DCP's background save
     assert [s for s, _ in K.complete_checkpoints(b / "checkpoints")] == [4]
     assert run(b, "--max_steps", "8", "--checkpoint_freq", "4", "--async_checkpoint", async_save) == 0
     full, resumed = losses_by_step(tmp_path / "a"), losses_by_step(b)

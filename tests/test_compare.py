@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import random
@@ -339,7 +338,6 @@ def test_cli_dispatch_through_python_m(tmp_path):
 
 # --- two real CPU runs ----------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llama_fp8.train") is None, reason="llama_fp8.train not written yet")
 def test_compare_two_real_cpu_runs(tmp_path):
     base = ["train", "--model", "tiny", "--device", "cpu", "--num_layers", "2", "--max_context_width", "32",
             "--train_batch_size", "2", "--max_steps", "8", "--validation_freq", "4", "--validation_batches", "2",

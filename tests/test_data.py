@@ -247,6 +247,23 @@ def test_hub_streaming_path_with_a_local_stand_in(tmp_path, tok_dir, docs, monke
     assert len(list(data.build_val_loader(cfg, 1, 2))) == 3
 
 
+def test_hub_dataset_with_streaming_off_is_opened_map_style(tmp_path, tok_dir, docs, monkeypatch):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:100]))
+    real_load, seen = datasets.load_dataset, []
+
+    def fake_hub(name, config_name=None, **kwargs):
+        seen.append(kwargs["streaming"])
+        return real_load("json", data_files={"train": str(path)}, streaming=kwargs["streaming"])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_hub)
+    cfg = Cfg("owner/map-style", tokenizer=tok_dir, streaming=False)
+    assert len(take(data.build_train_loader(cfg, 0, 1), 3)) == 3
+    assert seen and set(seen) == {False}
+    # Downloaded whole: random access, so an exact per-epoch shuffle (streaming reads in stored order).
+    assert len(data_sources.open_sources(data_sources.SourceKey.from_cfg(cfg)).train) == 100
+
+
 def test_hub_dataset_with_val_data_files_only(tmp_path, tok_dir, docs, monkeypatch):
     """A hub --dataset + --val_data_files, no --data_files: train from the hub, validation from the files."""
     parts = {"train": docs[:150], "hub_val": docs[150:200], "val": docs[200:]}

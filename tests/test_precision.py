@@ -73,7 +73,6 @@ def test_emulated_forward_backward_close_to_bf16():
     """One converted layer: FP8 output within FP8's quantization error of the BF16 output."""
     torch.manual_seed(0)
     lin = nn.Linear(64, 64, bias=False)
-    ref = lin(torch.randn(8, 64)).detach()
     x = torch.randn(8, 64)
     seq = nn.Sequential(lin)
     P._torchao_convert(seq, "tensorwise", emulated=True)
@@ -81,7 +80,7 @@ def test_emulated_forward_backward_close_to_bf16():
     y.sum().backward()
     exact = x @ lin.weight.T
     assert (y - exact).abs().max() / exact.abs().max() < 0.1   # e4m3 has a 3-bit mantissa
-    assert not torch.equal(y, exact) and lin.weight.grad is not None and ref.shape == y.shape
+    assert not torch.equal(y, exact) and lin.weight.grad is not None
 
 
 def test_te_backend_plumbs_recipe_flags_and_checks_before_building(monkeypatch):
