@@ -303,6 +303,18 @@ def loop(cfg, env, model, prec, optimizer, scheduler, train_loader, val_loader, 
     return losses
 
 
+def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """The total gradient norm over all ranks (on device: the NaN guard and the log read it every step),
+    and the gradients scaled down to ``max_norm`` if it is > 0; with clipping off they are not touched."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(norm, "full_tensor"):  # FSDP: the norm of this rank's shards, made global
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
 def train_step(model, prec, optimizer, batches, cfg: TrainConfig, device: torch.device, step: int, guard):
     """One optimizer step over --grad_accum_steps micro-batches. Returns (mean loss tensor, grad norm
     tensor, seconds blocked on the loader). No host sync (except under --nan_policy skip)."""
@@ -321,10 +333,7 @@ def train_step(model, prec, optimizer, batches, cfg: TrainConfig, device: torch.
         (loss / accum).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     loss = loss_sum / accum
-    # The norm is computed every step: clipping needs it, and the NaN guard reads it (on device).
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
+    grad_norm = clip_gradients(model, cfg.grad_clip)
     if guard.policy == "skip" and guard.step_is_bad(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, data_wait
