@@ -260,7 +260,7 @@ def validate_data_config(cfg: Any, dp_world: int | None = None) -> None:
 
 def _check_reader_slots(cfg: Any, dp_world: int) -> None:
     src, n_slots = open_sources(SourceKey.from_cfg(cfg)), dp_world * max(1, cfg.num_workers)
-    n_docs = len(src.train_ids) if src.train_ids is not None else getattr(src.train, "num_rows", None)
+    n_docs = src.n_docs("train")
     if n_docs is not None and n_docs < n_slots:
         raise ValueError(f"--dataset={cfg.dataset!r} has {n_docs} training documents, fewer than "
                          f"dp_world * max(1, --num_workers) = {n_slots} reader slots")
@@ -292,7 +292,7 @@ def build_val_loader(cfg: Any, dp_rank: int, dp_world: int) -> ValLoader | None:
     src = open_sources(SourceKey.from_cfg(cfg))
     if src.val is None:
         return None
-    n_docs = len(src.val_ids) if src.val_ids is not None else getattr(src.val, "num_rows", None)
+    n_docs = src.n_docs("validation")
     # A validation set smaller than the world is read whole by every rank instead of split.
     world = dp_world if n_docs is None or n_docs >= dp_world else 1
     factory = real_factory(cfg, world, "validation", 1)

@@ -60,6 +60,11 @@ class Sources:
     val_ids: np.ndarray | None
     text_field: str
 
+    def n_docs(self, split: str) -> int | None:
+        """Documents in the "train" or "validation" split, or None for a stream of unknown length."""
+        ds, ids = (self.train, self.train_ids) if split == "train" else (self.val, self.val_ids)
+        return len(ids) if ids is not None else getattr(ds, "num_rows", None)
+
 
 def is_local(dataset: str) -> bool:
     """True if --dataset names a local path (existing, or spelled like a path) rather than a hub id."""

@@ -72,7 +72,8 @@ class PackSpec:
     batch_size: int  # B
     seed: int
     shuffle: bool  # shuffle documents per epoch and blocks per chunk (train) or not (validation)
-    cycle: bool = True  # restart the documents at the end (train) or stop (one validation pass)
+    cycle: bool = True  # restart the documents at the end (train, and validation with fewer documents
+    # than --validation_batches need); False: read them once (tests read a stream exactly once)
 
 
 def _empty_state(spec: PackSpec) -> dict:
