@@ -25,10 +25,10 @@ demo: $(STAMP)
 	VENV=$(VENV) bash scripts/demo.sh
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu and not te" --ignore=tests/te_real
+	$(PY) -m pytest -q -m "not gpu and not te"
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu and not te and not slow and not slurm" --ignore=tests/te_real
+	$(PY) -m pytest -q -m "not gpu and not te and not slow and not slurm"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
@@ -40,7 +40,7 @@ bench: $(STAMP)
 
 test-te:
 	bash scripts/setup_te_venv.sh
-	$${TE_VENV:-.venv-te}/bin/python -m pytest -q -m te tests/te_real
+	$${TE_VENV:-.venv-te}/bin/python -m pytest -q -m te tests/models/te
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -18,6 +18,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,22 +34,20 @@ def worker(args: argparse.Namespace) -> None:
     """One variant, in this process: build, then --steps training steps; print one JSON line."""
 
 
-    from llama_fp8 import config, faults, parallel, train
+    from llama_fp8 import config, parallel
+    from llama_fp8.train import loop, state
 
     cfg = config.parse_args(["--model", args.model, "--device", "cpu", "--num_layers", str(args.num_layers),
                              "--max_context_width", str(args.seq_len), "--train_batch_size", str(args.batch_size),
-                             "--activation_checkpointing", args.mode, "--run_dir", "/tmp/unused"])
+                             "--activation_checkpointing", args.mode, "--run_dir", tempfile.mkdtemp(prefix="llama-fp8-bench-")])
     env = parallel.init_distributed(cfg)
     try:
-        impl, prec = train.resolve_run(cfg, env)
-        model, _ = train.build(cfg, env, impl, prec)
-        optimizer = train.build_optimizer(model, cfg, env.device)
-        batches = iter(train.build_loaders(cfg, env)[0])
-        guard = faults.NanGuard(env.device, "error", 0)
+        s = state.start(cfg, env)
+        batches = iter(s.train_loader)
         before = _rss_mib()
         t0 = time.perf_counter()
         for step in range(1, args.steps + 1):
-            loss, _, _ = train.train_step(model, prec, optimizer, batches, cfg, env.device, step, guard)
+            loss, _, _ = loop.train_step(s, batches, step)
         elapsed = (time.perf_counter() - t0) / args.steps
         print(json.dumps({"mode": args.mode, "rss_before_mib": before, "rss_peak_mib": _rss_mib(),
                           "step_s": elapsed, "loss": float(loss)}))

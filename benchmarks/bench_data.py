@@ -1,6 +1,6 @@
 """Data pipeline throughput on local real text, against the common one-document-at-a-time recipe.
 
-Corpus and tokenizer: the demo's (``llama_fp8.demo_data``: Python stdlib docstrings, 4096-token
+Corpus and tokenizer: the demo's (``llama_fp8.data.demo``: Python stdlib docstrings, 4096-token
 byte-level BPE), built once into --work_dir. Measured in one run:
 
 - baseline: iterate the ``datasets`` rows one by one, ``tokenizer(text)`` per document, append to a
@@ -32,7 +32,10 @@ from pathlib import Path
 
 import torch
 
-from llama_fp8 import data, data_sources, demo_data, packing
+from llama_fp8 import data
+from llama_fp8.data import demo as demo_data
+from llama_fp8.data import packing
+from llama_fp8.data import sources as data_sources
 
 
 @dataclass

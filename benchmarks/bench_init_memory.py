@@ -3,7 +3,7 @@
 Peak RSS per rank (``resource.getrusage(RUSAGE_SELF).ru_maxrss``), each variant in fresh processes
 (--nproc ranks under torch.distributed.run, gloo on CPU), the variants one after the other:
 
-- ours: ``train.build`` - the model on the meta device, ``fully_shard`` per decoder block and the root,
+- ours: ``train.state.plan_and_build_model`` - the model on the meta device, ``fully_shard`` per decoder block and the root,
   ``to_empty`` (each rank allocates only its shard) and our sharded init (each rank draws only its rows),
   then the value check.
 - baseline: what many FSDP scripts do - ``LlamaForCausalLM(config)`` with real weights (Hugging Face's
@@ -56,11 +56,9 @@ def peak_rss_mib() -> float:
 
 def build_ours(cfg, env):
     """Our build: meta -> fully_shard -> to_empty -> sharded init -> value check."""
-    from llama_fp8 import train
+    from llama_fp8.train import state
 
-    impl, prec = train.resolve_run(cfg, env)
-    model, _ = train.build(cfg, env, impl, prec)
-    return model
+    return state.plan_and_build_model(cfg, env)[3]
 
 
 def build_baseline(cfg, env):
@@ -70,7 +68,7 @@ def build_baseline(cfg, env):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import LlamaForCausalLM
 
-    from llama_fp8.model import hf_config
+    from llama_fp8.models.common import hf_config
 
     torch.manual_seed(cfg.seed)
     model = LlamaForCausalLM(hf_config(cfg))
@@ -88,10 +86,10 @@ def rank_main(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from llama_fp8 import config, parallel
-    from llama_fp8.train import local_numel
+    from llama_fp8.train.build import local_numel
 
     cfg = config.parse_args(["--model", args.model, "--device", "cpu", "--model_impl", "hf", "--fp8", "0",
-                             "--bf16", str(args.bf16)])
+                             "--bf16", str(args.bf16), "--run_dir", tempfile.mkdtemp(prefix="llama-fp8-bench-")])
     env = parallel.init_distributed(cfg)
     from transformers import LlamaForCausalLM  # noqa: F401  (imported by both: not part of the model's share)
 

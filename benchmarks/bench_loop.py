@@ -4,9 +4,9 @@ Both run in the same processes (2 ranks by default, gloo on CPU), on the same ba
 rounds (ours then bare, bare then ours, ...) so that load from other processes on a shared machine hits
 both alike. Timed per step; the step time of a step is the slowest rank's.
 
-- ours: ``train.build`` (meta -> fully_shard per block + root -> to_empty -> sharded init, mixed
-  precision as configured), ``train.build_optimizer``, and per step what ``train.loop`` does on a
-  non-logging step apart from producing data: ``train.train_step`` (forward in ``prec.autocast()``,
+- ours: ``train.state.start`` (the plan, then meta -> fully_shard per block + root -> to_empty -> sharded
+  init, mixed precision as configured, and the optimizer), and per step what ``train.loop.loop`` does on a
+  non-logging step apart from producing data: ``train.loop.train_step`` (forward in ``prec.autocast()``,
   loss, backward, clip, NaN bookkeeping, AdamW, ``prec.post_step``), the LR scheduler step and the
   preemption-signal check (one tiny all-reduce).
 - bare: ``LlamaForCausalLM`` from the same config on meta, ``fully_shard`` per decoder layer and the
@@ -29,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -70,7 +71,8 @@ def relaunch(nproc: int, argv: list[str]) -> int:
 
 def train_flags(args: argparse.Namespace) -> list[str]:
     """The training flags both variants are built from (constant LR: the scheduler still runs)."""
-    flags = ["--model", args.preset, "--device", "cpu", "--max_context_width", str(args.seq_len),
+    flags = ["--run_dir", tempfile.mkdtemp(prefix="llama-fp8-bench-"),
+             "--model", args.preset, "--device", "cpu", "--max_context_width", str(args.seq_len),
              "--train_batch_size", str(args.batch_size), "--bf16", str(args.bf16), "--fp8", "0",
              "--model_impl", "hf", "--seed", "0", "--warmup", "0", "--lr_decay_style", "constant",
              "--max_steps", str(args.warmup + args.steps * args.rounds)]
@@ -81,24 +83,19 @@ def train_flags(args: argparse.Namespace) -> list[str]:
 
 def build_ours(cfg, env):
     """Our real build and our per-step loop body (minus data fetch and logging)."""
-    from llama_fp8 import faults, train
+    from llama_fp8.train import loop, state
 
-    impl, prec = train.resolve_run(cfg, env)
-    model, _ = train.build(cfg, env, impl, prec)
-    optimizer = train.build_optimizer(model, cfg, env.device)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: train.lr_at(s, cfg) / cfg.lr)
-    guard = faults.NanGuard(env.device, "error", 0)
-    watch = faults.SignalWatch(env.world_size)
-    model.train()
+    s = state.start(cfg, env)
+    s.model.train()
 
     def step(batch: dict, n: int) -> torch.Tensor:
         # train_step draws its (--grad_accum_steps, here 1) micro-batches from an iterator.
-        loss = train.train_step(model, prec, optimizer, iter([batch]), cfg, env.device, n, guard)[0]
-        scheduler.step()
-        watch.requested()
+        loss = loop.train_step(s, iter([batch]), n)[0]
+        s.scheduler.step()
+        s.watch.requested()
         return loss
 
-    return model, step, watch
+    return s.model, step, s.watch
 
 
 def build_bare(cfg, ours: nn.Module, device: torch.device):
@@ -107,7 +104,7 @@ def build_bare(cfg, ours: nn.Module, device: torch.device):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import LlamaForCausalLM
 
-    from llama_fp8.model import hf_config
+    from llama_fp8.models.common import hf_config
 
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config(cfg))
@@ -237,7 +234,8 @@ def report(args, cfg, world: int, s: dict, first_loss: dict[str, float]) -> None
 
 def rank_main(args: argparse.Namespace) -> int:
     """Build both, time them in alternating rounds, report from rank 0."""
-    from llama_fp8 import config, parallel, train
+    from llama_fp8 import config, parallel
+    from llama_fp8.train import build
 
     cfg = config.parse_args(train_flags(args))
     env = parallel.init_distributed(cfg)
@@ -246,7 +244,7 @@ def rank_main(args: argparse.Namespace) -> int:
         torch.manual_seed(cfg.seed)
         ours, ours_step, watch = build_ours(cfg, env)
         _, bare_step = build_bare(cfg, ours, env.device)
-        loader = iter(train.build_loaders(cfg, env)[0])
+        loader = iter(build.build_loaders(cfg, env)[0])
         batches = [next(loader) for _ in range(4)]
         first_loss = {"ours": ours_step(batches[0], 0).item(), "bare": bare_step(batches[0], 0).item()}
         wall, cpu = run_rounds(args, {"ours": ours_step, "bare": bare_step}, batches)

@@ -14,7 +14,7 @@ mkdir -p "$OUT"
 # 128-token blocks by a 4096-token BPE tokenizer trained on it here; cached under runs/demo_data.
 DATA=${DEMO_DATA:-runs/demo_data}
 echo "== preparing the demo corpus and tokenizer in $DATA"
-"$PY" -m llama_fp8.demo_data "$DATA" >/dev/null
+"$PY" -m llama_fp8.data.demo "$DATA" >/dev/null
 
 # Training settings shared by both halves of the A/B pair: only --fp8 differs.
 common=(--model tiny --device cpu --max_steps "$STEPS" --logging_freq 5 --seed 1234
@@ -38,7 +38,7 @@ for name in bf16 fp8; do
   echo "$name: $(grep -E '^Batch' "$OUT/$name.log" | tail -n 1)"
   echo "      metrics: $OUT/$name/metrics.jsonl  config: $OUT/$name/config.yaml"
 done
-if "$PY" -c "import llama_fp8.compare" 2>/dev/null; then
+if "$PY" -c "import llama_fp8.report.compare" 2>/dev/null; then
   echo
   "$PY" -m llama_fp8 compare "$OUT/bf16" "$OUT/fp8" --out "$OUT/report"
 fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build a virtualenv with the real Transformer Engine (TE) for the CPU structural test tier
-# (`make test-te`, tests/te_real). No GPU is needed: TE imports and builds its modules on a CPU
-# machine once torch.cuda.is_available is patched around construction (see tests/te_real).
+# (`make test-te`: the tests marked `te`, in tests/models/te). No GPU is needed: TE imports and builds its modules on a CPU
+# machine once torch.cuda.is_available is patched around construction (see tests/models/te).
 #
 # Recipe (issue 3): torch==2.14.1 (CUDA 13.0 build), transformer-engine-cu13 and transformer-engine
 # wheels, and the transformer-engine-torch sdist compiled against that torch with

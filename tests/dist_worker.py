@@ -7,8 +7,8 @@ from pathlib import Path
 
 from llama_fp8 import config, parallel, train
 
-if __name__ == "__main__":
-    out_dir, argv = Path(sys.argv[1]), sys.argv[2:]
+
+def run_rank(out_dir: Path, argv: list[str]) -> None:
     cfg = config.parse_args(argv)
     env = parallel.init_distributed(cfg)
     try:
@@ -16,3 +16,7 @@ if __name__ == "__main__":
     finally:
         parallel.destroy_distributed()
     (out_dir / f"rank{env.rank}.json").write_text(json.dumps({"rank": env.rank, **summary}))
+
+
+if __name__ == "__main__":
+    run_rank(Path(sys.argv[1]), sys.argv[2:])

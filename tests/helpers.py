@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+from torch import nn
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -46,7 +49,7 @@ def local_text_flags(tmp_path: Path, monkeypatch) -> list[str]:
     (``demo_data``); hub access off and the datasets cache in tmp_path, also for child processes."""
     import datasets
 
-    from llama_fp8 import demo_data
+    from llama_fp8.data import demo as demo_data
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
@@ -55,6 +58,14 @@ def local_text_flags(tmp_path: Path, monkeypatch) -> list[str]:
     demo = demo_data.prepare_demo_data(tmp_path / "demo", vocab_size=300, max_files=25)
     # --vocab_size 320 covers the 300-token tokenizer (checked at start-up).
     return ["--dataset", str(demo.dataset_dir), "--tokenizer", str(demo.tokenizer_dir), "--vocab_size", "320"]
+
+
+def build_meta(cfg, impl: str = "hf") -> nn.Module:
+    """The model of implementation ``impl`` on the meta device, as training builds it first."""
+    from llama_fp8 import models
+
+    with torch.device("meta"):
+        return models.get(impl).build(cfg)
 
 
 def tiny_llama_config(**overrides):
@@ -66,3 +77,57 @@ def tiny_llama_config(**overrides):
                   num_key_value_heads=2, rope_theta=500000.0, max_position_embeddings=64, tie_word_embeddings=False)
     kwargs.update(overrides)
     return LlamaConfig(**kwargs)
+
+
+# --- Transformer Engine test helpers --------------------------------------------------------------------
+class FakeTransformerLayer(nn.Module):
+    """Stands in for te.TransformerLayer: records kwargs, creates TE-named parameters."""
+
+    def __init__(self, **kw):
+        super().__init__()
+        self.kw = kw
+        h, f, dev = kw["hidden_size"], kw["ffn_hidden_size"], kw["device"]
+        q = kw["num_attention_heads"] * kw["kv_channels"]
+        kv = kw["num_gqa_groups"] * kw["kv_channels"]
+        self.self_attention = nn.Module()
+        self.self_attention.layernorm_qkv = nn.Module()
+        qkv = self.self_attention.layernorm_qkv
+        for name, shape in [
+            ("layer_norm_weight", (h,)),
+            ("query_weight", (q, h)),
+            ("key_weight", (kv, h)),
+            ("value_weight", (kv, h)),
+        ]:
+            qkv.register_parameter(name, nn.Parameter(torch.empty(shape, device=dev)))
+        self.self_attention.proj = nn.Linear(q, h, bias=False, device=dev)
+        self.layernorm_mlp = nn.Module()
+        for name, shape in [
+            ("layer_norm_weight", (h,)),
+            ("fc1_weight", (2 * f, h)),
+            ("fc2_weight", (h, f)),
+        ]:
+            self.layernorm_mlp.register_parameter(name, nn.Parameter(torch.empty(shape, device=dev)))
+        self.seen_rope: list[tuple[int, ...]] = []
+
+    def forward(self, hidden_states, rotary_pos_emb):
+        self.seen_rope.append(tuple(rotary_pos_emb.shape))
+        return self.self_attention.proj(hidden_states)  # any (B, T, H) -> (B, T, H) map will do
+
+
+@torch.no_grad()
+def init_te_weights(model: nn.Module, std: float) -> None:
+    """HF-style init for tests that build TE layers directly: norm weights 1, every other weight N(0, std)
+    (works on FSDP2 DTensor parameters: in-place random ops are DTensor-aware). TE modules whose primary
+    weights are FP8 are reset by TE itself, which quantizes each local shard."""
+    fp8_owned: set[int] = set()
+    for module in model.modules():
+        if getattr(module, "primary_weights_in_fp8", False):
+            module.reset_parameters()
+            fp8_owned.update(id(p) for p in module.parameters(recurse=False))
+    for name, param in model.named_parameters():
+        if id(param) in fp8_owned:
+            continue
+        if name.endswith(("layer_norm_weight", "norm.weight")):
+            param.fill_(1.0)
+        else:
+            param.normal_(mean=0.0, std=std)

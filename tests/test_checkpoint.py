@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, cli_env, local_text_flags, read_metrics, run_cli, train_records
+from helpers import REPO, build_meta, cli_env, local_text_flags, read_metrics, run_cli, train_records
 from llama_fp8 import checkpoint as K
 from llama_fp8 import config as C
 from llama_fp8 import train as T
@@ -91,7 +91,7 @@ def test_resume_with_other_data_settings_is_refused_and_the_checkpoint_kept(tmp_
 
 def test_fp8_and_bf16_runs_read_the_same_tokens_and_compare_checks_it(tmp_path, text_data):
     pytest.importorskip("torchao")
-    from llama_fp8 import compare
+    from llama_fp8.report import compare
 
     common = [*text_data, "--max_steps", "4", "--num_workers", "1"]
     for name, extra in (("bf16", ["--fp8", "0"]), ("fp8", ["--fp8", "1"]), ("other_seed", ["--seed", "4"])):
@@ -165,7 +165,7 @@ def test_hf_export_gives_the_trained_models_logits(tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM
 
-    from llama_fp8 import model as M
+    from llama_fp8 import models
 
     b = tmp_path / "b"
     assert run(b, "--max_steps", "3", "--checkpoint_freq", "3") == 0
@@ -176,9 +176,9 @@ def test_hf_export_gives_the_trained_models_logits(tmp_path):
     dcp_to_torch_save(str(b / "checkpoints" / "step_3"), str(tmp_path / "raw.pt"))
     raw = torch.load(tmp_path / "raw.pt", weights_only=False)["model"]
     cfg = C.parse_args([*BASE])
-    ref = M.build_model(cfg, "hf").to_empty(device="cpu")
+    ref = build_meta(cfg).to_empty(device="cpu")
     ref.load_state_dict(raw)
-    M.reset_rope_buffers(ref, torch.device("cpu"))
+    models.get("hf").reset_buffers(ref, torch.device("cpu"))
     ids = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
         assert torch.equal(exported(input_ids=ids).logits, ref(input_ids=ids).logits)
@@ -189,11 +189,11 @@ def test_hf_export_gives_the_trained_models_logits(tmp_path):
 def make_hf_checkpoint(path: Path, **shape) -> dict[str, torch.Tensor]:
     from transformers import LlamaForCausalLM
 
-    from llama_fp8 import model as M
+    from llama_fp8.models.common import hf_config
 
     cfg = C.parse_args([*BASE, *[f"--{k}={v}" for k, v in shape.items()]])
     torch.manual_seed(11)
-    hf = LlamaForCausalLM(M.hf_config(cfg))
+    hf = LlamaForCausalLM(hf_config(cfg))
     hf.save_pretrained(str(path), safe_serialization=True, max_shard_size="200KB")  # several shards
     return {k: v.clone() for k, v in hf.state_dict().items()}
 

@@ -50,8 +50,8 @@ def test_both_flag_forms_and_bools():
     (["--num_heads", "3"], "--hidden_width 128 is not divisible by --num_heads 3"),
     (["--num_key_value_heads", "3"], "is not divisible by --num_key_value_heads 3"),
     (["--min_lr", "1"], "--min_lr 1.0 is larger than --lr"),
-    (["--fp8", "1", "--fp8_backend", "torchao", "--fp8_recipe", "delayed"], "is a Transformer Engine recipe"),
-    (["--fp8", "1", "--fp8_backend", "te", "--fp8_recipe", "rowwise"], "is a torchao recipe"),
+    (["--fp8", "1", "--fp8_backend", "torchao", "--fp8_recipe", "delayed"], "--fp8_recipe delayed is a recipe of --fp8_backend te; with --fp8_backend torchao use one of tensorwise, rowwise"),
+    (["--fp8", "1", "--fp8_backend", "te", "--fp8_recipe", "rowwise"], "is a recipe of --fp8_backend torchao; with --fp8_backend te use one of delayed"),
 ])
 def test_bad_values_name_flag_value_and_valid_range(args, needle):
     with pytest.raises(C.ConfigError) as e:
@@ -105,7 +105,7 @@ def test_help_lists_every_flag_with_description():
     text = C.build_parser().format_help()
     for f in dataclasses.fields(C.TrainConfig):
         assert f"--{f.name}" in text, f.name
-        first_words = " ".join(f.metadata["help"].split()[:3])
+        first_words = " ".join(C.help_of(f).split()[:3])
         assert first_words in " ".join(text.split()), f.name
 
 
@@ -114,13 +114,20 @@ def test_cli_help_exit_0():
     assert r.returncode == 0 and "--max_context_width" in r.stdout and "--fp8_backend" in r.stdout
 
 
-def test_dump_roundtrip(tmp_path):
+def test_asked_roundtrip_through_a_run_config_yaml(tmp_path):
+    """A run's config.yaml (asked + resolved, written by plan.write_config) loads back as what was asked."""
     cfg = parse("--model", "llama3.1-8b", "--lr", "2e-4", "--fp8", "1")
-    C.dump(cfg, tmp_path / "config.yaml")
-    data = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"asked": C.asked(cfg), "resolved": {"model_impl": "hf"}}))
+    data = yaml.safe_load((tmp_path / "config.yaml").read_text())["asked"]
     assert data["rope_scaling"]["rope_type"] == "llama3" and data["fp8"] is True
     again = parse("--config", str(tmp_path / "config.yaml"))
     assert dataclasses.asdict(again) | {"config": None} == dataclasses.asdict(cfg) | {"config": None}
+
+
+def test_the_config_is_frozen():
+    cfg = parse("--model", "tiny")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.lr = 1.0
 
 
 def test_model_type_sets_rope_family():

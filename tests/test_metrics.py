@@ -8,9 +8,10 @@ import time
 import pytest
 import torch
 
+from helpers import build_meta
 from llama_fp8 import config as C
-from llama_fp8 import model as M
 from llama_fp8 import train as T
+from llama_fp8.models import common as M
 
 
 @pytest.mark.parametrize("preset, seq", [("tiny", 128), ("llama3.2-1b", 2048), ("llama2-7b", 4096)])
@@ -22,7 +23,7 @@ def test_flops_per_token_matches_flop_counter(preset, seq):
     from transformers import LlamaForCausalLM
 
     cfg = C.parse_args(["--model", preset, "--max_context_width", str(seq)])
-    ours = M.model_size(M.build_model(cfg, "hf"), cfg).flops_per_token
+    ours = M.model_size(build_meta(cfg), cfg).flops_per_token
     with FakeTensorMode():
         hfc = M.hf_config(cfg)
         hfc._attn_implementation = "eager"

@@ -13,6 +13,9 @@ COMMANDS = {
     "convert": "export a checkpoint to a Hugging Face folder",
     "preflight": "check a node: GPUs, FP8 support, TE, NCCL, EFA, file systems",
 }
+MODULES = {"train": "llama_fp8.train", "compare": "llama_fp8.report.compare", "launch": "llama_fp8.cluster.launch",
+           "submit": "llama_fp8.cluster.submit", "convert": "llama_fp8.convert",
+           "preflight": "llama_fp8.cluster.preflight"}
 
 
 def _usage() -> str:
@@ -31,14 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in COMMANDS:
         print(f"llama-fp8: unknown command {cmd!r}\n{_usage()}", file=sys.stderr)
         return 2
-    try:
-        module = importlib.import_module(f"llama_fp8.{cmd}")
-    except ModuleNotFoundError as e:
-        if e.name == f"llama_fp8.{cmd}":
-            print(f"llama-fp8: command {cmd!r} is not available in this version", file=sys.stderr)
-            return 2
-        raise
-    return int(module.main(rest) or 0)
+    return int(importlib.import_module(MODULES[cmd]).main(rest) or 0)
 
 
 if __name__ == "__main__":

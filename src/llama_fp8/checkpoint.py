@@ -5,7 +5,7 @@ Layout of ``--checkpoint_dir``::
     step_200/            a complete checkpoint (only complete ones carry this name)
       .metadata, __0_0.distcp, ...   model + optimizer, written by every rank (torch.distributed.checkpoint)
       rank0.pt, rank1.pt, ...        per-rank state: data-loader position, RNG states
-      train_state.json               step, scheduler, world size, config (rank 0)
+      train_state.json               step, scheduler, world size, config asked and plan resolved (rank 0)
       COMPLETE                       written last, after every rank finished
     step_300.tmp/        a save in progress or interrupted: never loaded, removed by the next save
 
@@ -86,7 +86,7 @@ class Checkpointer:
         self._pending: tuple[Any, Path, Path] | None = None  # (future, tmp dir, final dir)
 
     # --- save ----------------------------------------------------------------------------------
-    def save(self, step: int, model, optimizer, scheduler, loader, cfg) -> None:
+    def save(self, step: int, model, optimizer, scheduler, loader, cfg, plan=None) -> None:
         """Write checkpoint ``step``; with async_save, returns once the state is staged."""
         self.wait()  # at most one save in flight: the previous one is finalized first
         final, tmp = self.dir / f"step_{step}", self.dir / f"step_{step}.tmp"
@@ -101,7 +101,8 @@ class Checkpointer:
         if self.rank == 0:
             (tmp / "train_state.json").write_text(json.dumps({
                 "step": step, "world_size": self.world, "scheduler": _jsonable(scheduler.state_dict()),
-                "config": asdict(cfg)}, default=str, indent=1))
+                "config": {k: v for k, v in asdict(cfg).items() if k != "config"},
+                "plan": None if plan is None else plan.to_dict()}, default=str, indent=1))
         state = {"model": model_sd, "optim": optim_sd}
         if self.async_save:
             self._pending = (dcp.async_save(state, checkpoint_id=str(tmp)), tmp, final)

@@ -16,35 +16,70 @@ import os
 import sys
 import time
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-EXIT_BAD_CONFIG = 2
-EXIT_REQUEUE = 85
-"""Exit code meaning "checkpoint saved after SIGUSR1/SIGTERM, requeue me" (read by 1.train_llama.sbatch)."""
-EXIT_NONFINITE = 3
-"""Exit code of a run stopped by a non-finite loss or gradient norm (--nan_policy error)."""
+from llama_fp8.errors import EXIT_BAD_CONFIG, EXIT_NONFINITE, EXIT_REQUEUE, ConfigError  # noqa: F401 - re-exported
 
 PRESET_DIR = Path(__file__).parent / "configs"
+Text = str | Callable[[], str]
+Choices = tuple | Callable[[], tuple] | None
 
 
-class ConfigError(ValueError):
-    """A user error in flags or config files: reported in one line, exit code 2."""
-
-
-def _f(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
+def _f(default: Any, help: Text, *, choices: Choices = None, min: float | None = None,
        max: float | None = None, group: str = "training") -> Any:
-    """A dataclass field whose metadata carries its one-line help and its valid range."""
+    """A dataclass field whose metadata carries its one-line help and its valid range. ``help`` and
+    ``choices`` may be functions: those read a table that lives elsewhere (model implementations, FP8
+    recipes), so that the table stays the one place that lists them."""
     return field(default=default, metadata={"help": help, "choices": choices, "min": min, "max": max,
                                             "group": group})
 
 
-@dataclass
+def _impl_choices() -> tuple:
+    from llama_fp8 import models
+
+    return ("auto", *models.names())
+
+
+def _impl_help() -> str:
+    from llama_fp8 import models
+
+    return models.help_text()
+
+
+def _backend_choices() -> tuple:
+    from llama_fp8.precision import recipes
+
+    return ("auto", *recipes.backends())
+
+
+def _backend_help() -> str:
+    from llama_fp8.precision import recipes
+
+    return recipes.backend_help()
+
+
+def _recipe_choices() -> tuple:
+    from llama_fp8.precision import recipes
+
+    return ("auto", *(r.name for r in recipes.all_recipes()))
+
+
+def _recipe_help() -> str:
+    from llama_fp8.precision import recipes
+
+    return recipes.recipe_help()
+
+
+@dataclass(frozen=True)
 class TrainConfig:
-    """Every setting of a training run. The metadata ``help`` of each field is its docstring."""
+    """Every setting the user asked for (defaults < preset < YAML < flags), frozen once parsed: what
+    will actually run is decided from it once, in ``plan.make_plan``. The metadata ``help`` of each
+    field is its docstring."""
 
     # --- config sources -------------------------------------------------------------------------
     config: str | None = _f(None, "YAML file with any of these fields (overrides the preset, overridden by flags)",
@@ -54,9 +89,7 @@ class TrainConfig:
     # --- model shape (default: from the preset) ---------------------------------------------------
     model_type: str | None = _f(None, "Llama family: llama_v2 (rope_theta 10000) or llama_v3 (rope_theta 500000)",
                                 choices=("llama_v2", "llama_v3"), group="model")
-    model_impl: str = _f("auto", "model implementation: hf (Hugging Face), te (Transformer Engine), "
-                         "auto (te when TE imports on a CUDA machine, else hf)", choices=("auto", "hf", "te"),
-                         group="model")
+    model_impl: str = _f("auto", _impl_help, choices=_impl_choices, group="model")
     vocab_size: int | None = _f(None, "vocabulary size (default: preset)", min=1, group="model")
     hidden_width: int | None = _f(None, "hidden size (default: preset)", min=1, group="model")
     num_layers: int | None = _f(None, "number of decoder layers (default: preset)", min=1, group="model")
@@ -80,12 +113,8 @@ class TrainConfig:
     bf16: bool = _f(True, "1: BF16 compute with FP32 master weights and FP32 gradient reduction; 0: FP32",
                     group="precision")
     fp8: bool = _f(False, "1: FP8 linear layers (backend from --fp8_backend); 0: off", group="precision")
-    fp8_backend: str = _f("auto", "auto (te when Transformer Engine imports and the GPU has FP8, else torchao), "
-                          "te, torchao", choices=("auto", "te", "torchao"), group="precision")
-    fp8_recipe: str = _f("auto", "torchao: tensorwise|rowwise; te: delayed|current|mxfp8|block; "
-                         "auto: tensorwise (torchao) / delayed (te)",
-                         choices=("auto", "tensorwise", "rowwise", "delayed", "current", "mxfp8", "block"),
-                         group="precision")
+    fp8_backend: str = _f("auto", _backend_help, choices=_backend_choices, group="precision")
+    fp8_recipe: str = _f("auto", _recipe_help, choices=_recipe_choices, group="precision")
     fp8_all_gather: bool = _f(False, "1: all-gather FSDP parameters in FP8 (torchao tensorwise; TE: FP8 "
                               "parameters) - half the all-gather bytes of BF16", group="precision")
     fp8_amax_history_len: int = _f(1024, "TE delayed scaling: amax history length", min=1, group="precision")
@@ -235,11 +264,22 @@ def coerce(name: str, value: Any, source: str) -> Any:
     return out
 
 
+def choices_of(f: dataclasses.Field) -> tuple | None:
+    """A field's valid values (None: any value of its type)."""
+    c = f.metadata.get("choices")
+    return c() if callable(c) else c
+
+
+def help_of(f: dataclasses.Field) -> str:
+    h = f.metadata["help"]
+    return h() if callable(h) else h
+
+
 def _valid(f: dataclasses.Field) -> str:
     md = f.metadata
     typ = _base_type(f)
-    if md.get("choices"):
-        return "valid: " + ", ".join(md["choices"])
+    if choices_of(f):
+        return "valid: " + ", ".join(choices_of(f))
     lo, hi = md.get("min"), md.get("max")
     kind = {bool: "0 or 1", int: "an integer", float: "a number", dict: "a YAML mapping"}.get(typ, "a string")
     if lo is not None and hi is not None:
@@ -251,7 +291,7 @@ def _valid(f: dataclasses.Field) -> str:
 
 def _check_range(f: dataclasses.Field, value: Any, source: str) -> None:
     md = f.metadata
-    if md.get("choices") and value not in md["choices"]:
+    if choices_of(f) and value not in choices_of(f):
         raise ConfigError(f"{source}: {f.name}={value!r} is not valid; {_valid(f)}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if (md.get("min") is not None and value < md["min"]) or (md.get("max") is not None and value > md["max"]):
@@ -272,6 +312,8 @@ def load_yaml(path: str, source_kind: str = "--config") -> dict[str, Any]:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{source_kind} {path}: not valid YAML ({e})") from None
+    if isinstance(data, dict) and "asked" in data and "resolved" in data:
+        data = data["asked"] or {}  # a run's config.yaml: run again what was asked
     if not isinstance(data, dict):
         raise ConfigError(f"{source_kind} {path}: expected a mapping of field: value, got {type(data).__name__}")
     out = {}
@@ -315,13 +357,13 @@ def build_parser(prog: str = "llama-fp8 train") -> argparse.ArgumentParser:
             groups[g] = parser.add_argument_group(g)
         default = "" if f.default is None else f" (default: {int(f.default) if isinstance(f.default, bool) else f.default})"
         groups[g].add_argument(f"--{f.name}", type=str, metavar=_metavar(f),
-                               help=(f.metadata["help"] + default).replace("%", "%%"))
+                               help=(help_of(f) + default).replace("%", "%%"))
     return parser
 
 
 def _metavar(f: dataclasses.Field) -> str:
-    if f.metadata.get("choices"):
-        return "{" + ",".join(f.metadata["choices"]) + "}"
+    if choices_of(f):
+        return "{" + ",".join(choices_of(f)) + "}"
     return {bool: "0|1", int: "N", float: "X", dict: "YAML"}.get(_base_type(f), "STR")
 
 
@@ -336,17 +378,19 @@ def parse_args(argv: list[str]) -> TrainConfig:
 
 
 def resolve(cfg: TrainConfig) -> TrainConfig:
-    """Fill derived defaults and check cross-field rules. Idempotent."""
+    """Fill the values that follow from others (still what the user asked: --model_type sets the RoPE
+    base, --lr_decay_iters defaults to --max_steps, the RoPE tables cover the sequence) and check
+    cross-field rules. Returns a new frozen config; idempotent."""
     if cfg.model_type is not None:
-        cfg.rope_theta = ROPE_THETA_BY_TYPE[cfg.model_type]
+        cfg = dataclasses.replace(cfg, rope_theta=ROPE_THETA_BY_TYPE[cfg.model_type])
     missing = [n for n in MODEL_FIELDS if getattr(cfg, n) is None and n != "rope_scaling"]
     if missing:
         raise ConfigError(f"preset {cfg.model!r} does not set {', '.join(missing)}; add them to the preset or "
                           f"pass --{missing[0]}")
     if cfg.lr_decay_iters is None:
-        cfg.lr_decay_iters = cfg.max_steps
+        cfg = dataclasses.replace(cfg, lr_decay_iters=cfg.max_steps)
     if cfg.max_position_embeddings < cfg.max_context_width:
-        cfg.max_position_embeddings = cfg.max_context_width
+        cfg = dataclasses.replace(cfg, max_position_embeddings=cfg.max_context_width)
     if cfg.hidden_width % cfg.num_heads:
         raise ConfigError(f"--hidden_width {cfg.hidden_width} is not divisible by --num_heads {cfg.num_heads}")
     if cfg.num_heads % cfg.num_key_value_heads:
@@ -356,14 +400,14 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"--min_lr {cfg.min_lr} is larger than --lr {cfg.lr}")
     if cfg.fp8_all_gather and not cfg.fp8:
         raise ConfigError("--fp8_all_gather 1 needs --fp8 1 (it all-gathers the FP8 weights)")
-    if cfg.fp8 and cfg.fp8_recipe != "auto":
-        torchao_recipes, te_recipes = ("tensorwise", "rowwise"), ("delayed", "current", "mxfp8", "block")
-        if cfg.fp8_backend == "torchao" and cfg.fp8_recipe not in torchao_recipes:
-            raise ConfigError(f"--fp8_recipe {cfg.fp8_recipe} is a Transformer Engine recipe; with --fp8_backend "
-                              f"torchao use one of {', '.join(torchao_recipes)}")
-        if cfg.fp8_backend == "te" and cfg.fp8_recipe not in te_recipes:
-            raise ConfigError(f"--fp8_recipe {cfg.fp8_recipe} is a torchao recipe; with --fp8_backend te use one "
-                              f"of {', '.join(te_recipes)}")
+    if cfg.fp8 and cfg.fp8_recipe != "auto" and cfg.fp8_backend != "auto":
+        from llama_fp8.precision import recipes
+
+        recipe = recipes.get(cfg.fp8_recipe)
+        if recipe.backend != cfg.fp8_backend:
+            mine = ", ".join(r.name for r in recipes.all_recipes() if r.backend == cfg.fp8_backend)
+            raise ConfigError(f"--fp8_recipe {cfg.fp8_recipe} is a recipe of --fp8_backend {recipe.backend}; with "
+                              f"--fp8_backend {cfg.fp8_backend} use one of {mine}")
     return cfg
 
 
@@ -374,10 +418,9 @@ def default_run_dir() -> str:
     return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
 
-def dump(cfg: TrainConfig, path: Path) -> None:
-    """Write the resolved config as YAML (loadable again with --config)."""
-    data = {k: v for k, v in cfg.to_dict().items() if k != "config"}
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+def asked(cfg: TrainConfig) -> dict[str, Any]:
+    """The config as a plain mapping (``--config`` loads it back; the file it came from is not repeated)."""
+    return {k: v for k, v in cfg.to_dict().items() if k != "config"}
 
 
 def flag_reference_markdown() -> str:
@@ -389,6 +432,6 @@ def flag_reference_markdown() -> str:
             rows.append(f"| **{group}** | | |")
         default = f.default if not isinstance(f.default, bool) else int(f.default)
         shown = "preset" if f.name in MODEL_FIELDS else ("-" if default is None else f"`{default}`")
-        text = f.metadata["help"].replace("|", "/")
+        text = help_of(f).replace("|", "/")
         rows.append(f"| `--{f.name}` | {shown} | {text} |")
     return "\n".join(["| flag | default | what it does |", "|---|---|---|", *rows])

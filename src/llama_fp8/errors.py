@@ -1,0 +1,19 @@
+"""Exit codes and the user-error exception, shared by every command (a module without imports, so
+that any module can use them without an import cycle)."""
+
+from __future__ import annotations
+
+EXIT_BAD_CONFIG = 2
+"""Exit code of a user error (a flag, a file, a path): reported in one line naming it."""
+EXIT_REQUEUE = 85
+"""Exit code meaning "checkpoint saved after SIGUSR1/SIGTERM, requeue me" (read by 1.train_llama.sbatch)."""
+EXIT_NONFINITE = 3
+"""Exit code of a run stopped by a non-finite loss or gradient norm (--nan_policy error)."""
+
+
+class ConfigError(ValueError):
+    """A user error in flags or config files: reported in one line, exit code 2."""
+
+
+class AgreedError(ConfigError):
+    """A start-up error raised on every rank together (``parallel.on_every_rank``); rank 0 reports it."""

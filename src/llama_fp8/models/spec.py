@@ -1,0 +1,121 @@
+"""The interface every model implementation fulfils (torchtitan's TrainSpec idea, at its smallest).
+
+A run asks its implementation for everything that differs between implementations: how to build the
+model on the meta device, where its decoder blocks are, how to initialize and check weights, how to
+read and write Hugging Face checkpoints, how to checkpoint activations, what FSDP2 must do around it,
+which FP8 backends it supports, and what it refuses. Nothing outside ``models/`` compares
+implementation names; adding an implementation is one more subclass registered in ``models``.
+
+Contract of a built model: ``model(input_ids=LongTensor (B, T))`` returns an object whose ``logits`` is
+(B, T, V); ``decoder_layers(model)`` is an ``nn.ModuleList`` whose entries may be replaced (by
+activation-checkpoint wrappers); ``model.get_input_embeddings()`` returns the token embedding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from llama_fp8.errors import ConfigError
+
+if TYPE_CHECKING:
+    from llama_fp8.config import TrainConfig
+    from llama_fp8.precision import Fp8Backend
+    from llama_fp8.precision.recipes import Recipe
+
+
+class ModelImpl:
+    """Defaults fit a Hugging Face-shaped Llama (``model.model.layers``); subclasses override what differs."""
+
+    name: str = ""
+    description: str = ""
+    """Shown in ``--model_impl`` help: ``name (description)``."""
+    auto_when: str = "otherwise"
+    """When ``--model_impl auto`` picks it (help text); implementations are tried in registry order."""
+    cast_block_inputs: bool = True
+    """Whether FSDP2's mixed-precision policy may cast the floating inputs of a decoder block to the
+    parameter dtype (False when a block takes inputs that must stay FP32)."""
+    activation_checkpointing_modes: tuple[str, ...] = ("1", "selective")
+
+    # --- choice ------------------------------------------------------------------------------------
+    def unavailable(self, device: torch.device) -> str | None:
+        """Why this implementation cannot run on ``device`` here (None: it can)."""
+        return None
+
+    def auto_eligible(self, device: torch.device) -> bool:
+        """Whether ``--model_impl auto`` should pick it on ``device``."""
+        return self.unavailable(device) is None
+
+    def fp8_backends(self) -> tuple[Fp8Backend, ...]:
+        """FP8 backends that work with this implementation, the default (``--fp8_backend auto``) first."""
+        return ()
+
+    def fp8_recipes(self) -> tuple[Recipe, ...]:
+        return tuple(r for b in self.fp8_backends() for r in b.recipes)
+
+    def check(self, cfg: TrainConfig, device: torch.device) -> None:
+        """Refuse (ConfigError naming the flag) what this implementation cannot do, before anything is built."""
+        if cfg.activation_checkpointing != "0" and cfg.activation_checkpointing not in self.activation_checkpointing_modes:
+            modes = ", ".join(["0", *self.activation_checkpointing_modes])
+            raise ConfigError(f"--activation_checkpointing {cfg.activation_checkpointing} does not work with "
+                              f"--model_impl {self.name}; valid with it: {modes}")
+
+    # --- build and initialize ----------------------------------------------------------------------
+    def build(self, cfg: TrainConfig) -> nn.Module:
+        """The model on the current default device (the caller makes that ``meta``)."""
+        raise NotImplementedError
+
+    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
+        return model.model.layers
+
+    def init_weights(self, model: nn.Module, cfg: TrainConfig, device: torch.device) -> None:
+        """After ``to_empty``: every parameter (sharded or not), the same values on any world size."""
+        from llama_fp8.models import common
+
+        common.init_weights(model, cfg)
+        self.reset_buffers(model, device)
+
+    def reset_buffers(self, model: nn.Module, device: torch.device) -> None:
+        """Recompute non-persistent buffers, which ``to_empty`` leaves as garbage (also after a load)."""
+
+    def check_weights(self, model: nn.Module, cfg: TrainConfig) -> None:
+        from llama_fp8.models import common
+
+        common.check_weights(model, cfg)
+
+    # --- sharding ------------------------------------------------------------------------------------
+    def wrap_activation_checkpointing(self, layer: nn.Module, mode: str) -> nn.Module:
+        from llama_fp8.parallel import activation_checkpointing
+
+        return activation_checkpointing.wrap(layer, mode)
+
+    @contextlib.contextmanager
+    def sharding(self, model: nn.Module) -> Iterator[None]:
+        """Around ``fully_shard`` of the whole model: put back what the swap to DTensors drops."""
+        yield
+
+    # --- Hugging Face checkpoints ------------------------------------------------------------------------
+    def hf_to_key(self, name: str) -> tuple[str, int | None]:
+        """HF tensor name -> (this model's parameter name, row block of a fused parameter or None)."""
+        return name, None
+
+    def key_to_hf(self, key: str) -> list[str]:
+        """This model's parameter name -> the HF names stacked in it (along dim 0)."""
+        return [key]
+
+    def load_hf(self, model: nn.Module, hf_dir: str) -> None:
+        """Stream an HF safetensors checkpoint into the (sharded, materialized) model."""
+        from llama_fp8.models import hf_io
+
+        hf_io.load_into_model(model, hf_dir, self)
+
+    def to_hf_state(self, state: dict[str, Any], cfg: TrainConfig) -> dict[str, torch.Tensor]:
+        """This model's full state dict -> HF ``LlamaForCausalLM`` names (for ``llama-fp8 convert``; a tied
+        head keeps its ``lm_head.weight`` entry, as the HF model's own state dict does)."""
+        from llama_fp8.models import hf_io
+
+        return hf_io.to_hf_names(state, self, tie_word_embeddings=False)

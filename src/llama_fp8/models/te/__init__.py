@@ -1,0 +1,87 @@
+"""The Transformer Engine implementation: a Llama of ``te.TransformerLayer`` blocks (``model.py``), its
+HF weight names (``weights.py``), TE's FP8 recipes and checks (``recipes.py``) and TE's FP8 as a
+precision backend (``precision.py``). Transformer Engine is imported only when a model is built."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from llama_fp8.errors import ConfigError
+from llama_fp8.models.spec import ModelImpl
+
+
+class TEImpl(ModelImpl):
+    name = "te"
+    description = "Transformer Engine TransformerLayer blocks"
+    auto_when = "when Transformer Engine imports on a CUDA machine"
+    activation_checkpointing_modes = ("1",)
+
+    def unavailable(self, device: torch.device) -> str | None:
+        from llama_fp8.models.te.recipes import te_import
+
+        try:  # "TE imports": its metadata alone can exist without a working extension
+            te_import()
+        except ImportError as e:
+            return str(e)
+        return None
+
+    def auto_eligible(self, device: torch.device) -> bool:
+        return device.type == "cuda" and self.unavailable(device) is None
+
+    def fp8_backends(self):
+        from llama_fp8.models.te.precision import TE
+
+        return (TE,)
+
+    def check(self, cfg, device: torch.device) -> None:
+        if cfg.activation_checkpointing == "selective":
+            raise ConfigError("--activation_checkpointing selective is for the Hugging Face model; the TE model "
+                              "checkpoints whole blocks with TE's checkpoint: use --activation_checkpointing 1")
+        super().check(cfg, device)
+        if device.type != "cuda":
+            raise ConfigError(f"--model_impl {self.name} runs Transformer Engine's CUDA kernels and needs a CUDA GPU; "
+                              "on CPU use --model_impl hf (or auto)")
+        reason = self.unavailable(device)
+        if reason:
+            raise ConfigError(f"--model_impl {self.name}: {reason}")
+
+    def build(self, cfg) -> nn.Module:
+        from llama_fp8.models.common import hf_config
+        from llama_fp8.models.te.model import build_te_llama
+
+        try:
+            return build_te_llama(hf_config(cfg))
+        except ImportError as e:
+            raise ConfigError(f"--model_impl {self.name}: {e}") from None
+
+    def wrap_activation_checkpointing(self, layer: nn.Module, mode: str) -> nn.Module:
+        """TE's own checkpoint, which recomputes under the same FP8 autocast state."""
+        from llama_fp8.models.te.model import te_checkpoint_wrap
+
+        return layer if mode == "0" else te_checkpoint_wrap(layer)
+
+    @contextlib.contextmanager
+    def sharding(self, model: nn.Module) -> Iterator[None]:
+        """fully_shard swaps parameters for DTensors and drops the attributes TE put on them; put them back."""
+        from llama_fp8.models.te.model import restore_param_attrs, save_param_attrs
+
+        attrs = save_param_attrs(model)
+        yield
+        restore_param_attrs(model, attrs)
+
+    def hf_to_key(self, name: str) -> tuple[str, int | None]:
+        from llama_fp8.models.te.weights import hf_to_te_key
+
+        return hf_to_te_key(name)
+
+    def key_to_hf(self, key: str) -> list[str]:
+        from llama_fp8.models.te.weights import te_to_hf_keys
+
+        return te_to_hf_keys(key)
+
+
+IMPL = TEImpl()

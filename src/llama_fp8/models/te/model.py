@@ -1,0 +1,257 @@
+"""Llama built on Transformer Engine's ``te.TransformerLayer``, HF-shaped for shared sharding code.
+
+``model.model.embed_tokens`` / ``model.model.layers[i]`` (a :class:`TELlamaDecoderLayer` around one
+``te.TransformerLayer``) / ``model.model.norm`` / ``model.lm_head``, like ``LlamaForCausalLM``.
+TE is imported lazily (``te_import``), so this module imports on a machine without TE. The FP8
+side (versions, capability checks, recipes, autocast) is :mod:`llama_fp8.models.te.recipes`, the
+HF<->TE weight mapping is :mod:`llama_fp8.models.te.weights`.
+
+TE names below were checked in TE's sources (NVIDIA/TransformerEngine, v2.0 ... main):
+``transformer_engine/pytorch/{transformer.py,distributed.py,attention/rope.py,module/base.py}``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from llama_fp8.models.te.recipes import te_import
+
+# --------------------------------------------------------------------------- rotary embeddings
+
+
+def rope_settings(hf_config: Any) -> tuple[float, dict]:
+    """(rope_theta, scaling dict) from a LlamaConfig of transformers 4.x or 5.x.
+
+    transformers 5 keeps theta inside ``rope_parameters`` and leaves ``config.rope_theta`` None.
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported by --model_impl te "
+            "(supported: default, llama3); use --model_impl hf"
+        )
+    return float(theta), (params if rope_type == "llama3" else {})
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,), float32, with Llama 3.1 ("llama3") scaling if given.
+
+    llama3: wavelengths longer than original_max_position_embeddings / low_freq_factor are divided
+    by ``factor``; shorter than .../high_freq_factor are kept; in between, linear interpolation in
+    ``original_max_position_embeddings / wavelength``.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if not scaling:
+        return inv_freq
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_ctx / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    # smooth = 0 -> fully scaled (long wavelengths), 1 -> unchanged (short wavelengths)
+    return (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+class LlamaRotary(nn.Module):
+    """RoPE frequencies in the layout of TE's ``RotaryPositionEmbedding.forward``: (T, 1, 1, D).
+
+    TE's class allocates its ``inv_freq`` on ``torch.cuda.current_device()`` in ``__init__``, which
+    defeats building on ``meta`` and leaves a persistent buffer that ``to_empty`` would wipe. This
+    module holds no state: it recomputes (cheaply) per sequence length and device, with
+    ``rotary_base = rope_theta`` (TE's default 10000 is wrong for Llama 3) and llama3 scaling.
+    tests/te_real checks equality with TE's own class for the unscaled case.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None):
+        super().__init__()
+        self.head_dim, self.theta, self.scaling = head_dim, theta, dict(scaling or {})
+        self._cache: dict[tuple[int, str], torch.Tensor] = {}
+
+    def forward(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        key = (seq_len, str(device))
+        if key not in self._cache:
+            # Normal tensor even if first called under inference_mode (e.g. an eval before training).
+            with torch.inference_mode(False):
+                self._cache = {key: self._compute(seq_len, device)}
+        return self._cache[key]
+
+    def _compute(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        pos = torch.arange(seq_len, dtype=torch.float32, device=device)
+        freqs = torch.outer(pos, inv_freq)  # (T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # non-interleaved, as HF's rotate_half
+        return emb.view(seq_len, 1, 1, self.head_dim)
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass
+class TECausalLMOutput:
+    """Subset of HF's CausalLMOutput: ``logits`` (B, T, V) and ``loss`` (when labels are given)."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+
+
+class TELlamaDecoderLayer(nn.Module):
+    """One Llama block: a ``te.TransformerLayer`` fed with the model's rotary frequencies."""
+
+    def __init__(self, te_layer: nn.Module):
+        super().__init__()
+        self.te_layer = te_layer
+        self.checkpoint_fn: Callable | None = None  # set by te_checkpoint_wrap
+
+    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_fn is not None and torch.is_grad_enabled():
+            return self.checkpoint_fn(
+                self.te_layer, hidden_states, rotary_pos_emb=rotary_pos_emb, use_reentrant=False
+            )
+        return self.te_layer(hidden_states, rotary_pos_emb=rotary_pos_emb)
+
+
+class TELlamaModel(nn.Module):
+    """Backbone with HF's attribute names: embed_tokens, layers, norm (+ a stateless rotary)."""
+
+    def __init__(self, embed: nn.Module, layers: list[nn.Module], norm: nn.Module, rotary: LlamaRotary):
+        super().__init__()
+        self.embed_tokens, self.layers, self.norm = embed, nn.ModuleList(layers), norm
+        self.rotary = rotary
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # (B, T, H)
+        rope = self.rotary(input_ids.shape[1], hidden.device)  # (T, 1, 1, head_dim)
+        for layer in self.layers:
+            hidden = layer(hidden, rope)
+        return self.norm(hidden)
+
+
+class TELlamaForCausalLM(nn.Module):
+    """``model.model.{embed_tokens,layers,norm}`` + ``model.lm_head``, like LlamaForCausalLM."""
+
+    def __init__(self, config: Any, backbone: TELlamaModel, lm_head: nn.Linear):
+        super().__init__()
+        self.config, self.model, self.lm_head = config, backbone, lm_head
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        """As HF's PreTrainedModel (used by model size / FLOPs accounting)."""
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> TECausalLMOutput:
+        logits = self.lm_head(self.model(input_ids))  # (B, T, V)
+        loss = None if labels is None else causal_lm_loss(logits, labels)
+        return TECausalLMOutput(logits=logits, loss=loss)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """HF's convention: position t predicts labels[t+1]; the last position and -100 are ignored."""
+    shifted = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return nn.functional.cross_entropy(
+        logits.float().flatten(0, -2), shifted.flatten(), ignore_index=ignore_index
+    )
+
+
+def _check_llama_config(cfg: Any) -> None:
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ValueError(f"--model_impl te supports hidden_act silu only, got {cfg.hidden_act!r}")
+    for flag in ("attention_bias", "mlp_bias"):
+        if getattr(cfg, flag, False):
+            raise ValueError(f"--model_impl te builds bias-free layers; config has {flag}=True")
+
+
+def head_dim_of(cfg: Any) -> int:
+    """Attention head size: ``config.head_dim`` if set, else hidden_size / num_attention_heads."""
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _make_te_layer(te: Any, cfg: Any, index: int, device: torch.device) -> nn.Module:
+    init = functools.partial(nn.init.normal_, mean=0.0, std=cfg.initializer_range)
+    return te.TransformerLayer(
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_gqa_groups=cfg.num_key_value_heads or cfg.num_attention_heads,
+        kv_channels=head_dim_of(cfg),
+        layernorm_epsilon=cfg.rms_norm_eps,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method=init,
+        output_layer_init_method=init,
+        layer_number=index + 1,
+        self_attn_mask_type="causal",
+        layer_type="encoder",  # self-attention only ("decoder" adds cross-attention)
+        bias=False,
+        activation="swiglu",  # SiLU(first half of fc1) * second half -> fc1 = [gate; up]
+        normalization="RMSNorm",
+        attn_input_format="bshd",
+        fuse_qkv_params=False,  # separate query/key/value weights, so HF weights map 1:1
+        # A string: TE's modules test `device == "meta"` to defer init, which a torch.device fails.
+        device=str(device),
+    )
+
+
+def build_te_llama(hf_config: Any) -> TELlamaForCausalLM:
+    """Llama with TE decoder layers on the current default device (``meta`` under the lead's
+    ``with torch.device("meta")``: TE takes an explicit ``device`` argument, default "cuda")."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    _check_llama_config(hf_config)
+    theta, scaling = rope_settings(hf_config)
+    te = te_import()
+    device = torch.get_default_device()
+    layers = [
+        TELlamaDecoderLayer(_make_te_layer(te, hf_config, i, device))
+        for i in range(hf_config.num_hidden_layers)
+    ]
+    # padding_idx as in HF's LlamaModel: that row gets no gradient.
+    pad = getattr(hf_config, "pad_token_id", None)
+    embed = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size, pad, device=device)
+    norm = LlamaRMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps).to(device)
+    rotary = LlamaRotary(head_dim_of(hf_config), theta, scaling)
+    lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False, device=device)
+    if getattr(hf_config, "tie_word_embeddings", False):
+        lm_head.weight = embed.weight
+    return TELlamaForCausalLM(hf_config, TELlamaModel(embed, layers, norm, rotary), lm_head)
+
+
+def save_param_attrs(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Public Python attributes TE puts on its parameters (e.g. ``sequence_parallel``).
+
+    ``fully_shard`` swaps parameters for DTensors, which drops them; TE's own FSDP2 tests copy them
+    back (tests/pytorch/distributed/fsdp2_tests/fsdp2_utils.py). Call before sharding, then
+    :func:`restore_param_attrs` after.
+    """
+    return {
+        name: {k: v for k, v in vars(p).items() if not k.startswith("_")}
+        for name, p in model.named_parameters()
+    }
+
+
+def restore_param_attrs(model: nn.Module, attrs: Mapping[str, Mapping[str, Any]]) -> None:
+    """Put back the attributes saved by :func:`save_param_attrs` (names are unchanged by FSDP2)."""
+    for name, p in model.named_parameters():
+        for key, value in attrs.get(name, {}).items():
+            setattr(p, key, value)
+
+
+def te_checkpoint_wrap(layer: TELlamaDecoderLayer) -> TELlamaDecoderLayer:
+    """Turn on activation checkpointing with TE's ``checkpoint`` (which recomputes under the same
+    FP8 autocast state). Returns the same module, so parameter names do not change."""
+    if not isinstance(layer, TELlamaDecoderLayer):
+        raise TypeError(f"te_checkpoint_wrap expects a TELlamaDecoderLayer, got {type(layer).__name__}")
+    layer.checkpoint_fn = te_import().checkpoint
+    return layer

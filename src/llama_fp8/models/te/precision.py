@@ -1,0 +1,77 @@
+"""Transformer Engine's FP8 as a precision backend (``precision.Fp8Backend``): only with the TE model,
+whose layers are TE modules. The loop sees ``autocast()`` around the forward pass and, with
+``--fp8_all_gather 1``, a model built under TE's quantized (FP8-parameter) init."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from llama_fp8.errors import ConfigError
+from llama_fp8.models.te import recipes as te_recipes
+from llama_fp8.precision import Plain
+from llama_fp8.precision.recipes import Recipe
+
+
+class TEBackend:
+    name = te_recipes.BACKEND
+    recipes = te_recipes.TE_RECIPES
+    library = "transformer_engine"
+
+    def library_version(self) -> str:
+        te_recipes.te_import()
+        return te_recipes.te_version() or "unknown"
+
+    def default_recipe(self, cfg) -> str:
+        # delayed scaling (TE's long-standing default), or current scaling under torch.compile,
+        # which TE does not support with delayed scaling.
+        default = next(r for r in self.recipes if r.default)
+        if cfg.compile and not default.compile:
+            return next(r.name for r in self.recipes if r.compile)
+        return default.name
+
+    def check(self, cfg, recipe: Recipe, device: torch.device, world_size: int) -> bool:
+        try:
+            te_recipes.te_import()
+        except ImportError as e:
+            raise ConfigError(f"--fp8_backend {self.name}: {e}") from None
+        if device.type != "cuda":
+            raise ConfigError(f"--fp8_backend {self.name} needs a CUDA GPU with FP8 (SM >= 8.9); on CPU use "
+                              "--model_impl hf --fp8_backend torchao (emulated)")
+        capability = torch.cuda.get_device_capability(device)
+        version = te_recipes.te_version()
+        try:
+            te_recipes.check_recipe_supported(recipe.name, capability, torch.version.cuda, version)
+        except ValueError as e:
+            raise ConfigError(f"--fp8_recipe {recipe.name} on {torch.cuda.get_device_name(device)}: {e}") from None
+        try:
+            te_recipes.check_combination(recipe.name, cfg.compile, cfg.fp8_all_gather, version)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return False
+
+    def runtime(self, choice, cfg) -> TEFp8:
+        recipe = te_recipes.make_recipe(choice.recipe, cfg.fp8_amax_history_len, cfg.fp8_amax_compute_algo)
+        return TEFp8(recipe, choice.all_gather)
+
+
+class TEFp8(Plain):
+    def __init__(self, recipe, all_gather: bool):
+        self.recipe, self.all_gather = recipe, all_gather
+
+    def autocast(self):
+        """FP8 autocast for the forward pass only (TE runs backward outside it). The amax reduction group is
+        every rank: all of them run the same model (data parallel), so they agree on each tensor's scale."""
+        import torch.distributed as dist
+
+        return te_recipes.autocast(True, self.recipe, dist.group.WORLD if dist.is_initialized() else None)
+
+    def model_init_context(self):
+        """FP8 primary weights (``--fp8_all_gather 1``): FSDP2 then all-gathers FP8 bytes."""
+        if self.all_gather:
+            return te_recipes.quantized_init(True, self.recipe)
+        return contextlib.nullcontext()
+
+
+TE = TEBackend()

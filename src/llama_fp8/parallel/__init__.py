@@ -1,0 +1,16 @@
+"""Distributed execution: the process group (``dist``), the device mesh (``dims``), and sharding in one
+fixed order (``parallelize``)."""
+
+from llama_fp8.errors import AgreedError
+from llama_fp8.parallel.dims import ParallelDims, build_mesh
+from llama_fp8.parallel.dist import (
+           DistEnv,
+           all_reduce_mean,
+           destroy_distributed,
+           init_distributed,
+           on_every_rank,
+)
+from llama_fp8.parallel.parallelize import parallelize
+
+__all__ = ["AgreedError", "DistEnv", "ParallelDims", "all_reduce_mean", "build_mesh", "destroy_distributed",
+           "init_distributed", "on_every_rank", "parallelize"]

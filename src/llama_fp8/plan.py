@@ -1,0 +1,125 @@
+"""The run plan: every decision of a run, made once before anything is built, then frozen.
+
+``TrainConfig`` is what the user asked; ``RunPlan`` is what will run: the model implementation, the
+precision backend and recipe, the device, the mesh, the run and checkpoint folders, the checkpoint to
+resume from and the global batch. Every rank makes the same checks (``on_every_rank``: one failing
+rank stops all of them with one message); rank 0 decides the folders and the resume point and tells
+the others. ``config.yaml`` in the run dir records both halves (``asked:`` and ``resolved:``), so a
+run dir says exactly what ran, and ``--config run_dir/config.yaml`` runs the same ask again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import yaml
+
+from llama_fp8 import checkpoint, models, parallel, precision
+from llama_fp8 import config as config_mod
+from llama_fp8.config import TrainConfig
+from llama_fp8.errors import AgreedError, ConfigError
+from llama_fp8.parallel import DistEnv, ParallelDims
+from llama_fp8.precision import PrecisionChoice
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    model_impl: str
+    precision: PrecisionChoice
+    device: str  # "cuda" or "cpu" (each rank's index comes from its local rank)
+    world_size: int
+    dims: ParallelDims
+    run_dir: str
+    checkpoint_dir: str
+    resume_from: str | None  # a complete step_N folder, or None: start from scratch
+    global_batch: int  # sequences per optimizer step: micro-batch x data-parallel ranks x accumulation
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def make_plan(cfg: TrainConfig, env: DistEnv) -> RunPlan:
+    """Check everything that can be checked before building, decide, write config.yaml (rank 0)."""
+    impl, choice, dims = parallel.on_every_rank(env, lambda: _decide_setup(cfg, env))
+    run_dir, ckpt_dir, resume = _agree_on_dirs(cfg, env)
+    plan = RunPlan(model_impl=impl.name, precision=choice, device=env.device.type, world_size=env.world_size,
+                   dims=dims, run_dir=str(run_dir), checkpoint_dir=str(ckpt_dir),
+                   resume_from=None if resume is None else str(resume),
+                   global_batch=cfg.train_batch_size * dims.dp_size * cfg.grad_accum_steps)
+    if env.is_main:
+        write_config(cfg, plan)
+    return plan
+
+
+def _decide_setup(cfg: TrainConfig, env: DistEnv):
+    """The checks and choices every rank makes (a missing path or a tokenizer without EOS fails here)."""
+    from llama_fp8 import data
+
+    dims = ParallelDims.from_config(cfg, env)
+    try:
+        data.validate_data_config(cfg, dims.dp_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for flag, module, extra in (("tensorboard_dir", "tensorboard", "tensorboard"), ("wandb_project", "wandb", "wandb")):
+        if getattr(cfg, flag) and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"--{flag} needs {module}: pip install 'llama-fp8[{extra}]'")
+    impl = models.resolve(cfg.model_impl, env.device)
+    impl.check(cfg, env.device)
+    choice = precision.resolve(cfg, impl, env.device, env.world_size)
+    check_device_options(cfg, env)
+    return impl, choice, dims
+
+
+def check_device_options(cfg: TrainConfig, env: DistEnv) -> None:
+    """Options that need CUDA say so on CPU instead of failing deep inside a library."""
+    if env.device.type == "cuda":
+        return
+    if cfg.cpu_offload:
+        raise ConfigError("--cpu_offload 1 moves parameters between GPU and host memory and needs CUDA; on CPU "
+                          "they are in host memory already: drop it")
+    if cfg.optimizer == "adamw_fp8":
+        raise ConfigError("--optimizer adamw_fp8 needs CUDA (torchao's FP8 optimizer states have no CPU kernels); "
+                          "on CPU use --optimizer adamw8bit")
+    if cfg.optimizer != "adamw" and importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"--optimizer {cfg.optimizer} needs torchao: pip install 'llama-fp8[torchao]'")
+
+
+def _agree_on_dirs(cfg: TrainConfig, env: DistEnv) -> tuple[Path, Path, Path | None]:
+    """Rank 0 picks the run dir, the checkpoint dir and the checkpoint to resume from; every rank learns
+    the same answer or the same error."""
+    out: list = [None]
+    if env.is_main:
+        try:
+            out[0] = decide_dirs(cfg)
+        except ValueError as e:  # ConfigError included
+            out[0] = str(e)
+    if env.world_size > 1:
+        dist.broadcast_object_list(out, src=0)
+    if isinstance(out[0], str):
+        raise AgreedError(out[0])  # every rank has the same answer: reported once
+    return out[0]
+
+
+def decide_dirs(cfg: TrainConfig) -> tuple[Path, Path, Path | None]:
+    """(run dir, checkpoint dir, checkpoint to resume from); refuses to write over another run's metrics."""
+    run_dir = Path(cfg.run_dir or config_mod.default_run_dir())
+    ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else run_dir / "checkpoints"
+    resume = checkpoint.find_resume(cfg.resume_from_checkpoint, ckpt_dir)
+    if (run_dir / "metrics.jsonl").exists() and resume is None:
+        raise ConfigError(f"--run_dir {run_dir} already holds metrics.jsonl and there is no checkpoint to resume "
+                          f"from in {ckpt_dir}; choose a new --run_dir (nothing was overwritten)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir, ckpt_dir, resume
+
+
+def write_config(cfg: TrainConfig, plan: RunPlan) -> Path:
+    """``config.yaml`` (or ``config.resume_step_N.yaml`` for a resumed attempt): asked + resolved."""
+    name = "config.yaml" if plan.resume_from is None else f"config.resume_{Path(plan.resume_from).name}.yaml"
+    path = Path(plan.run_dir) / name
+    path.write_text(yaml.safe_dump({"asked": config_mod.asked(cfg), "resolved": plan.to_dict()}, sort_keys=False))
+    return path

@@ -1,0 +1,118 @@
+"""One precision interface, three kinds: bf16 (or fp32), torchao FP8, an implementation's own FP8.
+
+The loop calls ``convert(model)`` (on the meta model, before sharding), ``autocast()`` around the
+forward pass and ``post_step(model)`` after the optimizer step, and nothing else FP8-specific. Only
+this package and ``models/te/`` (Transformer Engine's FP8, which exists only with the TE model) know
+FP8 exists. Which recipes exist and what they need is the table in ``precision/recipes.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from llama_fp8.errors import ConfigError
+from llama_fp8.precision import recipes as recipe_table
+from llama_fp8.precision.recipes import Recipe
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """The precision decision of a run (part of the frozen plan). ``name`` labels the run in logs and reports."""
+
+    name: str
+    backend: str  # "none" or an FP8 backend's name
+    recipe: str | None = None
+    emulated: bool = False
+    all_gather: bool = False  # FP8 all-gather of FSDP parameters
+
+
+class Fp8Runtime(Protocol):
+    def convert(self, model: nn.Module) -> nn.Module: ...
+    def autocast(self) -> contextlib.AbstractContextManager: ...
+    def model_init_context(self) -> contextlib.AbstractContextManager: ...
+    def post_step(self, model: nn.Module) -> None: ...
+
+
+class Fp8Backend(Protocol):
+    """An FP8 library as the loop sees it: its recipes, its checks, its runtime."""
+
+    name: str
+    recipes: tuple[Recipe, ...]
+    library: str  # the Python package it needs
+
+    def library_version(self) -> str:
+        """The installed library's version; ImportError (saying how to install it) when it is missing."""
+
+    def default_recipe(self, cfg) -> str: ...
+
+    def check(self, cfg, recipe: Recipe, device: torch.device, world_size: int) -> bool:
+        """Raise ConfigError for what cannot run here; return True when FP8 is emulated."""
+
+    def runtime(self, choice: PrecisionChoice, cfg) -> Fp8Runtime: ...
+
+
+class Plain:
+    """BF16/FP32: nothing to convert, no autocast (FSDP2's mixed-precision policy casts parameters)."""
+
+    def convert(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    def model_init_context(self):
+        return contextlib.nullcontext()
+
+    def post_step(self, model: nn.Module) -> None:
+        return None
+
+
+def resolve(cfg, impl, device: torch.device, world_size: int = 1) -> PrecisionChoice:
+    """Pick the backend and recipe for model implementation ``impl`` and check the hardware, before any
+    model is built. ``auto`` picks the implementation's first FP8 backend and that backend's default."""
+    plain = "bf16" if cfg.bf16 else "fp32"
+    if not cfg.fp8:
+        return PrecisionChoice(name=plain, backend="none")
+    backend = _backend(cfg, impl)
+    name = backend.default_recipe(cfg) if cfg.fp8_recipe == "auto" else cfg.fp8_recipe
+    recipe = recipe_table.get(name)
+    if recipe.backend != backend.name:
+        mine = ", ".join(r.name for r in backend.recipes)
+        raise ConfigError(f"--fp8_recipe {name} is a recipe of {recipe.backend}, not of {backend.name}; valid with "
+                          f"{backend.name}: {mine}")
+    emulated = backend.check(cfg, recipe, device, world_size)
+    return PrecisionChoice(name=f"fp8-{backend.name}-{name}", backend=backend.name, recipe=name, emulated=emulated,
+                           all_gather=cfg.fp8_all_gather)
+
+
+def _backend(cfg, impl) -> Fp8Backend:
+    mine = {b.name: b for b in impl.fp8_backends()}
+    if not mine:
+        raise ConfigError(f"--fp8 1: --model_impl {impl.name} has no FP8 backend; use --fp8 0")
+    if cfg.fp8_backend == "auto":
+        return next(iter(mine.values()))
+    if cfg.fp8_backend not in mine:
+        others = [i.name for i in _implementations() if cfg.fp8_backend in {b.name for b in i.fp8_backends()}]
+        raise ConfigError(f"--fp8_backend {cfg.fp8_backend} does not work with --model_impl {impl.name} (its FP8 "
+                          f"backends: {', '.join(mine)}); --fp8_backend {cfg.fp8_backend} needs --model_impl "
+                          f"{' or '.join(others) or '?'}")
+    return mine[cfg.fp8_backend]
+
+
+def _implementations():
+    from llama_fp8 import models
+
+    return models.implementations()
+
+
+def build(choice: PrecisionChoice, impl, cfg) -> Any:
+    """The runtime object (convert / autocast / model_init_context / post_step) for a choice."""
+    if choice.backend == "none":
+        return Plain()
+    backend = next(b for b in impl.fp8_backends() if b.name == choice.backend)
+    return backend.runtime(choice, cfg)

@@ -1,0 +1,122 @@
+"""torchao FP8 (``Float8Linear``): works on any model built of ``nn.Linear`` layers, emulated on CPU.
+
+The conversion happens on the meta model, before sharding; ``--fp8_all_gather 1`` (tensorwise) makes
+FSDP2 all-gather the FP8 weights, whose scales are then computed for all layers in one pass after each
+optimizer step (``post_step``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import nn
+
+from llama_fp8.errors import ConfigError
+from llama_fp8.precision import Plain
+from llama_fp8.precision.recipes import Recipe
+
+log = logging.getLogger(__name__)
+
+BACKEND = "torchao"
+_SOURCE = "torchao/float8/config.py (Float8LinearRecipeName), torchao/float8/README.md"
+RECIPES = (
+    Recipe("tensorwise", BACKEND, "one scale per tensor (dynamic)", min_library="0.12",
+           fp8_all_gather_since="0.12", tensor_parallel=True, emulated_on_cpu=True, default=True, source=_SOURCE),
+    Recipe("rowwise", BACKEND, "one scale per row of activations and weights (dynamic)", min_library="0.12",
+           emulated_on_cpu=True, source=_SOURCE),
+)
+
+
+def torchao_import():
+    """torchao.float8, or an ImportError that says how to get it."""
+    try:
+        import torchao.float8 as ao_float8
+    except ImportError as e:
+        raise ImportError("torchao is not installed: `pip install 'llama-fp8[torchao]'` (or `pip install torchao`)"
+                          ) from e
+    return ao_float8
+
+
+class TorchaoBackend:
+    """torchao as an FP8 backend (``precision.Fp8Backend``)."""
+
+    name = BACKEND
+    recipes = RECIPES
+    library = "torchao"
+
+    def library_version(self) -> str:
+        torchao_import()
+        import torchao
+
+        return getattr(torchao, "__version__", "unknown")
+
+    def default_recipe(self, cfg) -> str:
+        return next(r.name for r in RECIPES if r.default)
+
+    def check(self, cfg, recipe: Recipe, device: torch.device, world_size: int) -> bool:
+        return check(cfg, recipe, device, world_size)
+
+    def runtime(self, choice, cfg) -> TorchaoFp8:
+        return TorchaoFp8(choice.recipe, choice.emulated, choice.all_gather)
+
+
+def check(cfg, recipe: Recipe, device: torch.device, world_size: int) -> bool:
+    """Refuse what torchao cannot do here; returns True when FP8 will be emulated (no FP8 tensor cores)."""
+    try:
+        torchao_import()
+    except ImportError as e:
+        raise ConfigError(f"--fp8_backend {BACKEND}: {e}") from None
+    if cfg.fp8_all_gather and not recipe.fp8_all_gather_since:
+        able = ", ".join(r.name for r in RECIPES if r.fp8_all_gather_since)
+        raise ConfigError(f"--fp8_all_gather 1 works with the {able} recipe only (one scale per weight can be "
+                          f"computed before the all-gather); got --fp8_recipe {recipe.name}")
+    if cfg.fp8_all_gather and device.type == "cpu" and world_size > 1:
+        raise ConfigError("--fp8_all_gather 1 needs NCCL: gloo (CPU) has no float8 dtype to all-gather; on CPU it "
+                          "runs with one process only")
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    emulated = capability is None or capability < recipe.min_capability
+    if emulated:
+        where = "CPU" if capability is None else f"{torch.cuda.get_device_name(device)} (SM {capability[0]}.{capability[1]})"
+        log.warning("FP8 is EMULATED on %s (no FP8 tensor cores): loss is representative, speed numbers are "
+                    "meaningless", where)
+    return emulated
+
+
+def fp8_linear_filter(module: nn.Module, fqn: str) -> bool:
+    """torchao conversion filter: Linear layers only, not the output head, dims divisible by 16
+    (FP8 GEMMs need 16-aligned dims)."""
+    if not isinstance(module, nn.Linear):
+        return False
+    if fqn == "lm_head" or fqn.endswith(".lm_head") or fqn == "output":
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+class TorchaoFp8(Plain):
+    """The runtime side: conversion before sharding, and the fused scale pass after each step (no autocast:
+    the converted layers quantize themselves)."""
+
+    def __init__(self, recipe: str, emulated: bool, all_gather: bool):
+        self.recipe, self.emulated, self.all_gather = recipe, emulated, all_gather
+
+    def convert(self, model: nn.Module) -> nn.Module:
+        ao = torchao_import()
+        config = dataclasses.replace(ao.Float8LinearConfig.from_recipe_name(self.recipe), emulate=self.emulated,
+                                     enable_fsdp_float8_all_gather=self.all_gather)
+        total = sum(isinstance(m, nn.Linear) for m in model.modules())
+        ao.convert_to_float8_training(model, config=config, module_filter_fn=fp8_linear_filter)
+        converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+        log.info("torchao FP8 (%s%s): converted %d/%d linears", self.recipe, ", emulated" if self.emulated else "",
+                 converted, total)
+        return model
+
+    def post_step(self, model: nn.Module) -> None:
+        """With FP8 all-gather, compute every weight's FP8 scale for the next all-gather in one fused pass
+        (instead of one all-reduce per layer during forward)."""
+        if self.all_gather:
+            torchao_import().precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+TORCHAO = TorchaoBackend()

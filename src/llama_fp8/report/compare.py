@@ -1,0 +1,234 @@
+"""A/B report of two training runs: ``python -m llama_fp8 compare RUN_A RUN_B``.
+
+Each run is a run directory (``metrics.jsonl`` + ``config.yaml``), a ``metrics.jsonl`` file, or
+a plain Slurm log with ``Batch N Loss: x, Speed: y samples/sec, lr: z[, key: value ...]`` lines
+(so logs of other recipes work too). Writes ``report.md``, ``summary.json`` and PNG plots; the
+rendering lives in plots.py and loading in runs.py; this file summarises and judges.
+
+Summary rules (also printed in the report):
+- Throughput, TFLOPS, MFU and data-wait are medians over logged steps ``> --warmup_steps_excluded``.
+  Default: ``max(ceil(10 % of the last step), first logged step)``, so the first logging window,
+  which holds compilation and allocator warm-up, never counts. Peak memory is the max (a high-water mark).
+- Final train loss: mean of the last ``k = max(5, ceil(5 % of records))`` logged losses, taken on the
+  steps both runs logged when they share any. Final validation loss: the last step both evaluated.
+- Verdict: PASS when every available loss gap ``(B-A)/A`` (train, and validation when both runs
+  have it) lies within ``+/- --loss_tolerance`` percent, else FAIL. The exit code stays 0 either way.
+- Same data: our runs log a fingerprint of rank 0's tokens per logging window (``data_crc32``); when
+  both runs have them, a differing window makes the verdict FAIL (the losses are not comparable).
+  Plain logs have none: "not checked".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from llama_fp8.report import plots
+from llama_fp8.report.plots import METRICS, fmt, ratio, render_report, same_data_text
+from llama_fp8.report.runs import CompareError, Run, load_run, precision_label  # noqa: F401 - the CLI's API
+
+DEFAULT_TOLERANCE_PCT = 1.0
+
+
+# ----------------------------------------------------------------------------- summary
+def default_warmup(run: Run) -> int:
+    """Steps excluded by default: 10 % of the last step, at least the first logged window."""
+    steps = [r["step"] for r in run.train]
+    if len(steps) < 2:
+        return -1  # a single record: keep it (nothing else to summarise)
+    return max(math.ceil(0.1 * steps[-1]), steps[0])
+
+
+def final_loss_k(n: int) -> int:
+    """How many trailing logged losses are averaged for the final train loss."""
+    return min(n, max(5, math.ceil(0.05 * n)))
+
+
+def _finite(values: list[Any]) -> list[float]:
+    return [float(v) for v in values if v is not None and math.isfinite(float(v))]
+
+
+def summarize_run(run: Run, warmup: int) -> dict[str, Any]:
+    """Medians (max for memory) over records with step > warmup; None when a metric is absent."""
+    kept = [r for r in run.train if r["step"] > warmup]
+    out: dict[str, Any] = {"label": run.label, "name": run.name, "source": str(run.source),
+                           "kind": run.kind, "warmup_steps_excluded": max(warmup, 0),
+                           "records_used": len(kept), "last_step": run.train[-1]["step"],
+                           "fp8_emulated": bool(run.meta.get("fp8_emulated"))}
+    for key, _, _ in METRICS:
+        pool = run.train if key == "mem_peak_gib" else kept
+        vals = _finite([r.get(key) for r in pool])
+        out[key] = (max(vals) if key == "mem_peak_gib" else statistics.median(vals)) if vals else None
+    return out
+
+
+def _gap_pct(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None:
+        return None
+    return (b - a) / a * 100 if a != 0 else math.nan
+
+
+def loss_summary(a: Run, b: Run) -> dict[str, Any]:
+    """Final train/val losses of both runs, on common steps when the runs share any."""
+    common = sorted({r["step"] for r in a.train} & {r["step"] for r in b.train})
+    res: dict[str, Any] = {"common_steps": bool(common)}
+    if common:
+        k = final_loss_k(len(common))
+        steps = set(common[-k:])
+        la = [r["loss"] for r in a.train if r["step"] in steps]
+        lb = [r["loss"] for r in b.train if r["step"] in steps]
+        res["train_steps"] = [common[-k], common[-1]]
+    else:
+        k = min(final_loss_k(len(a.train)), final_loss_k(len(b.train)))
+        la, lb = [r["loss"] for r in a.train[-k:]], [r["loss"] for r in b.train[-k:]]
+        res["train_steps"] = None
+    res.update(k=k, train_loss_a=statistics.fmean(la), train_loss_b=statistics.fmean(lb))
+    res["train_gap_pct"] = _gap_pct(res["train_loss_a"], res["train_loss_b"])
+    va, vb = {r["step"]: r["val_loss"] for r in a.val}, {r["step"]: r["val_loss"] for r in b.val}
+    both = sorted(set(va) & set(vb))
+    res["val_step"] = both[-1] if both else None
+    res["val_loss_a"] = va[both[-1]] if both else (a.val[-1]["val_loss"] if a.val else None)
+    res["val_loss_b"] = vb[both[-1]] if both else (b.val[-1]["val_loss"] if b.val else None)
+    res["val_gap_pct"] = _gap_pct(res["val_loss_a"], res["val_loss_b"])
+    return res
+
+
+def data_check(a: Run, b: Run) -> dict[str, Any]:
+    """Did both runs train on the same tokens? Compares the data fingerprints (CRC32 of rank 0's
+    input_ids per logged window; metrics.jsonl of our runs only) of the windows both runs logged."""
+    fa, fb = ({(r.get("data_from_step"), r["step"]): r["data_crc32"] for r in run.train if "data_crc32" in r}
+              for run in (a, b))
+    common = sorted(set(fa) & set(fb), key=lambda k: k[1])
+    differ = [k[1] for k in common if fa[k] != fb[k]]
+    return {"windows_compared": len(common), "same": (not differ) if common else None,
+            "first_different_step": differ[0] if differ else None}
+
+
+def verdict(losses: dict[str, Any], tolerance: float, data: dict[str, Any] | None = None) -> tuple[bool, str]:
+    """PASS iff the runs did not train on different data (when both recorded it) and every available
+    loss gap is finite and within +-tolerance percent."""
+    gaps = {"train": losses["train_gap_pct"], "validation": losses["val_gap_pct"]}
+    reasons = []
+    if data and data["same"] is False:
+        reasons.append(f"the runs trained on different data (first differing window ends at step "
+                       f"{data['first_different_step']}), so their losses are not comparable")
+    for name, gap in gaps.items():
+        if gap is None:
+            continue
+        if not math.isfinite(gap):
+            reasons.append(f"{name} loss gap is not finite (a loss is nan/inf or zero)")
+        elif abs(gap) > tolerance:
+            reasons.append(f"{name} loss gap {gap:+.3f} % exceeds +-{tolerance:g} %")
+    checked = " and ".join(n for n, g in gaps.items() if g is not None)
+    if reasons:
+        return False, "FAIL: " + "; ".join(reasons)
+    return True, f"PASS: {checked} loss gap within +-{tolerance:g} %"
+
+
+# ----------------------------------------------------------------------------- report
+def _json_safe(obj: Any) -> Any:
+    """NaN/inf -> None and Paths -> str, so summary.json is strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return str(obj) if isinstance(obj, Path) else obj
+
+
+def default_out_dir(a: Run, b: Run, arg_a: str, arg_b: str) -> Path:
+    """``compare_<A>_vs_<B>`` in the runs' common parent directory, else the current directory."""
+    def clean(s: str) -> str:
+        return re.sub(r"[^A-Za-z0-9._-]+", "_", s)
+    locs = [Path(x).resolve() for x in (arg_a, arg_b)]
+    locs = [p.parent if p.name == "metrics.jsonl" else p for p in locs]  # the run dir or the log file
+    parent = locs[0].parent if locs[0].parent == locs[1].parent else Path.cwd()
+    return parent / f"compare_{clean(a.name)}_vs_{clean(b.name)}"
+
+
+# ----------------------------------------------------------------------------- CLI
+def _nonneg_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llama_fp8 compare", allow_abbrev=False,
+                                description="A/B report (markdown + PNG plots) of two training runs.")
+    p.add_argument("run_a", metavar="RUN_A", help="baseline: run dir, metrics.jsonl or Slurm log")
+    p.add_argument("run_b", metavar="RUN_B", help="candidate (e.g. the FP8 run), same forms as RUN_A")
+    p.add_argument("--out", help="output dir (default: compare_<A>_vs_<B> next to the runs)")
+    p.add_argument("--loss_tolerance", type=_nonneg_float, default=DEFAULT_TOLERANCE_PCT,
+                   help="max |loss gap| in percent for PASS (default %(default)s)")
+    p.add_argument("--warmup_steps_excluded", type=_nonneg_int, default=None,
+                   help="leave steps <= N out of the medians (default: 10%% of the last step, "
+                        "at least the first logged window)")
+    return p
+
+
+def compare(args: argparse.Namespace) -> dict[str, Any]:
+    """Load, summarise, plot and write; returns the summary dict (also written as JSON)."""
+    a, b = load_run(args.run_a, "RUN_A"), load_run(args.run_b, "RUN_B")
+    if a.label == b.label:
+        a.label, b.label = f"{a.label} [{a.name}]", f"{b.label} [{b.name}]"
+    n = args.warmup_steps_excluded
+    warm = [default_warmup(r) if n is None else n for r in (a, b)]
+    for which, r, w in (("RUN_A", a, warm[0]), ("RUN_B", b, warm[1])):
+        if not any(t["step"] > w for t in r.train):
+            raise CompareError(f"--warmup_steps_excluded {w} leaves no step of {which} "
+                               f"({r.source}, last step {r.train[-1]['step']})")
+    out = Path(args.out) if args.out else default_out_dir(a, b, args.run_a, args.run_b)
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {"run_a": summarize_run(a, warm[0]), "run_b": summarize_run(b, warm[1]),
+                               "loss": loss_summary(a, b), "loss_tolerance_pct": args.loss_tolerance}
+    summary["speedup"] = ratio(summary["run_a"]["samples_per_sec"], summary["run_b"]["samples_per_sec"])
+    summary["data"] = data_check(a, b)
+    ok, line = verdict(summary["loss"], args.loss_tolerance, summary["data"])
+    summary.update(verdict="PASS" if ok else "FAIL", verdict_line=line)
+    images = plots.plot_all([a, b], warm, out, args.loss_tolerance)
+    report = out / "report.md"
+    report.write_text(render_report(summary, images))
+    summary.update(report=report, plots=images)
+    (out / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2) + "\n")
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    """CLI entry: returns 0 on success (either verdict), 2 on bad flags or inputs."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse already printed the message naming the flag
+        return int(e.code or 0)
+    try:
+        summary = compare(args)
+    except (CompareError, OSError) as e:
+        print(f"compare: error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {summary['report']}")
+    print(f"summary: {summary['report'].parent / 'summary.json'}")
+    for name, path in summary["plots"].items():
+        print(f"plot ({name}): {path}")
+    print(f"speedup B/A: {fmt(summary['speedup']) + 'x' if summary['speedup'] else 'n/a'}")
+    print(f"same training data: {same_data_text(summary['data'])}")
+    print(f"verdict: {summary['verdict_line']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,70 @@
+"""``llama-fp8 train``: plan, build (``state.start``), run the loop, and turn the outcome into an exit code.
+
+    flags -> TrainConfig -> RunPlan (frozen) -> TrainState -> loop -> exit code
+"""
+
+from __future__ import annotations
+
+import sys
+
+from llama_fp8 import config as config_mod
+from llama_fp8 import faults, metrics, parallel
+from llama_fp8.config import TrainConfig
+from llama_fp8.errors import EXIT_BAD_CONFIG, EXIT_NONFINITE, EXIT_REQUEUE, AgreedError, ConfigError
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = config_mod.parse_args(argv)
+    except ConfigError as e:
+        print(f"llama-fp8 train: error: {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    return run(cfg)
+
+
+def run(cfg: TrainConfig) -> int:
+    """Run one training job in this process (one rank); returns the exit code."""
+    try:
+        env = parallel.init_distributed(cfg)
+    except ConfigError as e:
+        print(f"llama-fp8 train: error: {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    agreed = False
+    try:
+        metrics.setup_logging(env.is_main)
+        train(cfg, env)
+        return 0
+    except AgreedError as e:  # every rank has it: reported once
+        if env.is_main:
+            print(f"llama-fp8 train: error: {e}", file=sys.stderr)
+        agreed = True
+        return EXIT_BAD_CONFIG
+    except ConfigError as e:
+        print(f"llama-fp8 train: error (rank {env.rank}): {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    except faults.Preempted as e:
+        if env.is_main:
+            print(f"llama-fp8 train: {e} (exit code {EXIT_REQUEUE})", file=sys.stderr, flush=True)
+        return EXIT_REQUEUE
+    except faults.NonFinite as e:
+        print(f"llama-fp8 train: error (rank {env.rank}): {e}", file=sys.stderr)
+        return EXIT_NONFINITE
+    finally:
+        # After an agreed error every rank is here: leave together, so that no rank closes its connections
+        # while another still has a message in flight (seen once as an abort at exit under load).
+        parallel.destroy_distributed(barrier=agreed)
+
+
+def train(cfg: TrainConfig, env: parallel.DistEnv) -> dict:
+    """Train; returns this rank's summary: logged (rank-averaged) losses and parameter counts."""
+    from llama_fp8.train import build, loop, state
+
+    s = state.start(cfg, env)
+    try:
+        losses = loop.loop(s)
+    finally:
+        s.close()
+    if env.is_main:
+        print(f"Training finished: {cfg.max_steps} steps, run dir {s.plan.run_dir}", flush=True)
+    return {"losses": losses, "local_numel": build.local_numel(s.model), "num_params": s.size.num_params,
+            "start_step": s.start_step}

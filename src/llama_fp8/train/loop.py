@@ -1,0 +1,115 @@
+"""The training loop: step, log, validate, checkpoint, stop on a signal. Everything it touches is in
+the ``TrainState`` (``state.start`` builds it)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llama_fp8 import data, faults, metrics, parallel
+from llama_fp8.train.state import TrainState
+
+log = logging.getLogger("llama_fp8.train")
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy; labels are already aligned with logits (B, T), -100 ignored."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def loop(s: TrainState) -> list[float]:
+    """Steps start+1 .. max_steps. Host syncs happen on logging, validation and checkpoint steps only."""
+    cfg, batches = s.cfg, data.Fingerprinted(s.train_loader)
+    losses, window_start = [], s.start_step + 1
+    s.model.train()
+    for step in range(s.start_step + 1, cfg.max_steps + 1):
+        log_now = step % cfg.logging_freq == 0 or step == cfg.max_steps
+        lr = s.optimizer.param_groups[0]["lr"]
+        loss, grad_norm, data_wait = train_step(s, batches, step)
+        s.scheduler.step()
+        s.meter.add_step(loss, data_wait)
+        if log_now:
+            s.guard.check()
+            rec = s.meter.window(step, lr, grad_norm)
+            # rank 0's tokens over steps window_start..step: equal in two runs iff they read the same data
+            rec.update(precision=s.plan.precision.name, world_size=s.env.world_size, data_crc32=batches.take(),
+                       data_from_step=window_start)
+            window_start = step + 1
+            losses.append(rec["loss"])
+            s.writer.write(rec, metrics.format_line(rec))
+        if s.val_loader is not None and step % cfg.validation_freq == 0:
+            s.writer.write(*validate(s, step))
+        stop = s.watch.requested()
+        periodic = cfg.checkpoint_freq and (step % cfg.checkpoint_freq == 0 or step == cfg.max_steps)
+        if periodic or stop:
+            s.guard.check()  # never write a non-finite model over the last good checkpoint
+            s.checkpointer.save(step, s.model, s.optimizer, s.scheduler, s.train_loader, s.cfg, s.plan)
+        if stop:
+            s.checkpointer.wait()
+            raise faults.Preempted(step)
+    return losses
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """The total gradient norm over all ranks (on device: the NaN guard and the log read it every step),
+    and the gradients scaled down to ``max_norm`` if it is > 0; with clipping off they are not touched."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(norm, "full_tensor"):  # FSDP: the norm of this rank's shards, made global
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def train_step(s: TrainState, batches, step: int):
+    """One optimizer step over --grad_accum_steps micro-batches. Returns (mean loss tensor, grad norm
+    tensor, seconds blocked on the loader). No host sync (except under --nan_policy skip)."""
+    model, device, guard = s.model, s.env.device, s.guard
+    loss_sum, data_wait, accum = None, 0.0, s.cfg.grad_accum_steps
+    for micro in range(accum):
+        t0 = time.perf_counter()
+        batch = next(batches)
+        data_wait += time.perf_counter() - t0
+        if accum > 1:  # reduce-scatter gradients on the last micro-batch only
+            model.set_requires_gradient_sync(micro == accum - 1)
+        input_ids = batch["input_ids"].to(device, non_blocking=True)
+        labels = batch["labels"].to(device, non_blocking=True)
+        with s.precision.autocast():  # forward only: TE wants backward outside its FP8 autocast
+            logits = model(input_ids=input_ids).logits  # (B, T, V)
+        loss = guard.maybe_inject(loss_fn(logits, labels), step)
+        (loss / accum).backward()
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+    loss = loss_sum / accum
+    grad_norm = clip_gradients(model, s.cfg.grad_clip)
+    if guard.policy == "skip" and guard.step_is_bad(grad_norm):
+        s.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm, data_wait
+    guard.record(step, loss, grad_norm)
+    s.optimizer.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    s.precision.post_step(model)
+    return loss, grad_norm, data_wait
+
+
+@torch.no_grad()
+def validate(s: TrainState, step: int) -> tuple[dict, str]:
+    """Mean loss over --validation_batches per rank, averaged over ranks."""
+    s.model.eval()
+    total = torch.zeros((), device=s.env.device)
+    batches = iter(s.val_loader)
+    for _ in range(s.cfg.validation_batches):
+        batch = next(batches)
+        with s.precision.autocast():
+            logits = s.model(input_ids=batch["input_ids"].to(s.env.device)).logits
+        total += loss_fn(logits, batch["labels"].to(s.env.device))
+    s.model.train()
+    val_loss = parallel.all_reduce_mean(total / s.cfg.validation_batches).item()
+    ppl = math.exp(min(val_loss, 50.0))
+    rec = {"type": "val", "step": step, "val_loss": val_loss, "val_ppl": ppl}
+    return rec, f"Validation loss at step {step}: {val_loss:.5f}, perplexity: {ppl:.3f}"

@@ -1,0 +1,89 @@
+"""Everything a running training job holds, built once in the fixed order (``start``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from llama_fp8 import checkpoint, faults, metrics, models, parallel, precision
+from llama_fp8.config import ConfigError, TrainConfig
+from llama_fp8.models.common import ModelSize
+from llama_fp8.plan import RunPlan, make_plan
+from llama_fp8.train import build
+
+
+@dataclass
+class TrainState:
+    cfg: TrainConfig
+    plan: RunPlan
+    env: parallel.DistEnv
+    impl: models.ModelImpl
+    precision: Any  # precision.build(): convert / autocast / model_init_context / post_step
+    model: nn.Module
+    size: ModelSize
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    train_loader: Any
+    val_loader: Any
+    checkpointer: checkpoint.Checkpointer
+    meter: metrics.StepMeter
+    writer: metrics.MetricsWriter
+    watch: faults.SignalWatch
+    guard: faults.NanGuard
+    start_step: int
+
+    def close(self) -> None:
+        self.checkpointer.wait()
+        self.watch.close()
+        self.writer.close()
+
+
+def start(cfg: TrainConfig, env: parallel.DistEnv) -> TrainState:
+    """Plan, build the model, optimizer and loaders, resume if there is a checkpoint, open the sinks."""
+    from llama_fp8 import data
+
+    plan, impl, prec, model, size = plan_and_build_model(cfg, env)
+    optimizer = build.build_optimizer(model, cfg, env.device)
+    scheduler = build.build_scheduler(optimizer, cfg)
+    train_loader, val_loader = parallel.on_every_rank(env, lambda: build.build_loaders(cfg, env))
+    ckpt = checkpoint.Checkpointer(Path(plan.checkpoint_dir), cfg.keep_last_k, cfg.async_checkpoint, env.rank,
+                                   env.world_size)
+    start_step = 0
+    if plan.resume_from:
+        try:
+            start_step = ckpt.load(Path(plan.resume_from), model, optimizer, scheduler, train_loader,
+                                   cfg.train_batch_size)
+        except data.DataStateError as e:
+            raise ConfigError(f"cannot resume from {plan.resume_from}: {e}") from None
+    meter, writer = start_metrics(cfg, plan, env, size, start_step)
+    return TrainState(cfg, plan, env, impl, prec, model, size, optimizer, scheduler, train_loader, val_loader, ckpt,
+                      meter, writer, faults.SignalWatch(env.world_size),
+                      faults.NanGuard(env.device, cfg.nan_policy, cfg.max_nan_skips), start_step)
+
+
+def plan_and_build_model(cfg: TrainConfig, env: parallel.DistEnv):
+    """(plan, implementation, precision runtime, model, size): the run plan, then the model in the fixed order."""
+    torch.manual_seed(cfg.seed)
+    plan = make_plan(cfg, env)
+    impl = models.get(plan.model_impl)
+    prec = precision.build(plan.precision, impl, cfg)
+    model, size = build.build_model(cfg, env, plan, impl, prec)
+    return plan, impl, prec, model, size
+
+
+def start_metrics(cfg: TrainConfig, plan: RunPlan, env: parallel.DistEnv, size: ModelSize, start_step: int):
+    device_name, peak_bf16, peak_fp8 = metrics.peak_tflops(env.device, cfg.peak_tflops)
+    meter = metrics.StepMeter(env.device, env.world_size, plan.global_batch, cfg.max_context_width,
+                              size.flops_per_token, peak_bf16, peak_fp8, cfg.fp8)
+    writer = metrics.MetricsWriter(Path(plan.run_dir), enabled=env.is_main, cfg=cfg)
+    writer.write({"type": "meta", "precision": plan.precision.name, "model": cfg.model, "model_impl": plan.model_impl,
+                  "world_size": env.world_size, "device": env.device.type, "device_name": device_name,
+                  "peak_tflops_bf16": peak_bf16, "peak_tflops_fp8": peak_fp8, "seq_len": cfg.max_context_width,
+                  "global_batch_size": plan.global_batch,
+                  "flops_per_token": size.flops_per_token, "num_params": size.num_params,
+                  "fp8_emulated": plan.precision.emulated, "start_step": start_step})
+    return meter, writer

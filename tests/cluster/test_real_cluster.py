@@ -1,0 +1,153 @@
+"""The launchers on a real Slurm (two slurmd on this host, CPU mode): sbatch, multi-node, requeue,
+submitit, and the A/B script. Each asserts on the job's state, its log and the run dir."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from slurm_helpers import REPO, SMALL, batch_lines, sbatch, wait_job
+
+pytestmark = pytest.mark.slurm
+
+SBATCH = str(REPO / "1.train_llama.sbatch")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def assert_completed(info: dict[str, str], log: Path) -> None:
+    tail = log.read_text()[-3000:] if log.is_file() else "(no log)"
+    assert (info.get("JobState"), info.get("ExitCode")) == ("COMPLETED", "0:0"), f"{info}\n--- log:\n{tail}"
+
+
+def test_sbatch_two_tasks_cpu(job_env, tmp_path):
+    """sbatch 1.train_llama.sbatch on one node, 2 processes: preflight, torchrun, 6 steps, --fp8=0 honoured."""
+    (tmp_path / "logs").mkdir()
+    run = tmp_path / "run"
+    job = sbatch(["--nodes=1", SBATCH, *SMALL, "--max_steps", "6", "--fp8=0", "--run_dir", str(run)],
+                 job_env, tmp_path)
+    info = wait_job(job, job_env)
+    log = tmp_path / "logs" / f"llama-fp8_{job}.out"  # the script's own #SBATCH --output
+    assert_completed(info, log)
+    text = log.read_text()
+    assert "preflight on" in text and "0 failed" in text
+    assert batch_lines(log) == [1, 2, 3, 4, 5, 6]
+    assert "Training finished: 6 steps" in text
+    records = read_jsonl(run / "metrics.jsonl")
+    assert records[0]["type"] == "meta" and records[0]["world_size"] == 2
+    assert "fp8" not in records[0]["precision"]
+    assert yaml.safe_load((run / "config.yaml").read_text())["asked"]["fp8"] is False  # --fp8=0 reached training
+    assert [r["step"] for r in records if r["type"] == "train"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_sbatch_two_nodes_rendezvous(job_env, tmp_path):
+    """Two nodes x 1 process: the c10d rendezvous address comes from `scontrol show node` (NodeAddr)."""
+    (tmp_path / "logs").mkdir()
+    run = tmp_path / "run"
+    env = dict(job_env, NPROC_PER_NODE="1", SKIP_PREFLIGHT="1")
+    job = sbatch(["--nodes=2", SBATCH, *SMALL, "--max_steps", "3", "--run_dir", str(run)], env, tmp_path)
+    info = wait_job(job, env)
+    log = tmp_path / "logs" / f"llama-fp8_{job}.out"
+    assert_completed(info, log)
+    assert info["NodeList"] == "n[1-2]"
+    assert "2 node(s) x 1 process(es)" in log.read_text() and "rendezvous 127.0.0.1:" in log.read_text()
+    assert batch_lines(log) == [1, 2, 3]
+    assert read_jsonl(run / "metrics.jsonl")[0]["world_size"] == 2
+
+
+def fake_package(root: Path) -> Path:
+    """A repo whose `train` asks for a requeue (exit 85) on the first attempt and succeeds after it;
+    the launcher modules (__main__, cluster/, config) are the real ones."""
+    pkg = root / "src" / "llama_fp8"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    for name in ("__main__.py", "cluster", "config.py", "errors.py", "configs"):
+        (pkg / name).symlink_to(REPO / "src" / "llama_fp8" / name)
+    (pkg / "train.py").write_text(
+        "import os\n"
+        "def main(argv):\n"
+        "    restarts = os.environ.get('SLURM_RESTART_COUNT', '0')\n"
+        "    print(f'fake train: attempt {int(restarts) + 1}', flush=True)\n"
+        "    return 85 if restarts == '0' else 0\n")
+    return root
+
+
+def test_sbatch_requeues_on_exit_85(job_env, tmp_path):
+    """Exit code 85 survives torchrun (`llama-fp8 launch`) and makes the script `scontrol requeue` the job."""
+    (tmp_path / "logs").mkdir()
+    env = dict(job_env, REPO_DIR=str(fake_package(tmp_path / "repo")), NPROC_PER_NODE="1", SKIP_PREFLIGHT="1")
+    job = sbatch(["--nodes=1", SBATCH, "--model", "tiny"], env, tmp_path)
+    info = wait_job(job, env, until=lambda i: i.get("Restarts") == "1")
+    if info.get("JobState") == "PENDING":  # Slurm holds a requeued job ~2 min (BeginTime): release it now
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True)
+    info = wait_job(job, env)
+    log = tmp_path / "logs" / f"llama-fp8_{job}.out"
+    assert_completed(info, log)
+    text = log.read_text()  # --open-mode=append keeps both attempts
+    assert "fake train: attempt 1" in text and "requeueing job" in text and "fake train: attempt 2" in text
+    assert info["Restarts"] == "1"
+
+
+def test_submitit_two_nodes(job_env, tmp_path, monkeypatch, capsys):
+    """`python -m llama_fp8 submit --wait` through submitit's executor (sacct answered by the stand-in)."""
+    from llama_fp8.cluster import submit
+
+    for key, value in job_env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    rc = submit.main(["--nodes", "2", "--tasks_per_node", "1", "--time", "10", "--folder", str(tmp_path / "sub"),
+                      "--wait", "--", *SMALL, "--max_steps", "3", "--fp8=0", "--run_dir", str(run)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "submitted job" in out and "Batch 3 Loss:" in out and "finished with exit status 0" in out
+    job = out.split("submitted job ")[1].split(":")[0]
+    assert_completed(wait_job(job, job_env, timeout=60), tmp_path / "sub" / job / f"{job}_0_log.out")
+    sacct = subprocess.run(["sacct", "-o", "JobID,State,NodeList", "--parsable2", "-j", job],
+                           capture_output=True, text=True, check=True).stdout.splitlines()
+    assert sacct[1].split("|")[:2] == [job, "COMPLETED"]
+    assert read_jsonl(run / "metrics.jsonl")[0]["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_ab_script_and_report(job_env, tmp_path):
+    """2.ab_fp8_vs_bf16.sh: two training jobs (--fp8=1/--fp8=0) and a compare job after both."""
+    env = dict(job_env, SBATCH_ARGS="--nodes=1", NPROC_PER_NODE="1", SKIP_PREFLIGHT="1",
+               AB_DIR=str(tmp_path / "ab"))
+    proc = subprocess.run([str(REPO / "2.ab_fp8_vs_bf16.sh"), *SMALL, "--max_steps", "2"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    jobs = {line.split(":")[0]: line.split()[2] for line in proc.stdout.splitlines() if " job:" in line}
+    assert set(jobs) == {"fp8 job", "bf16 job", "report job"}, proc.stdout
+    info = wait_job(jobs["report job"], env, timeout=240)
+    assert_completed(info, tmp_path / "logs" / f"llama-fp8-report_{jobs['report job']}.out")
+    for name, fp8 in (("fp8", True), ("bf16", False)):
+        assert yaml.safe_load((tmp_path / "ab" / name / "config.yaml").read_text())["asked"]["fp8"] is fp8
+    assert (tmp_path / "ab" / "report" / "report.md").is_file()
+
+
+def test_preemption_signal_checkpoint_requeue_resume(job_env, tmp_path):
+    """What `--signal=USR1@120` does at a time limit: USR1 to the job steps -> training saves a checkpoint
+    and exits 85 -> the script requeues the job -> the next attempt resumes and finishes."""
+    (tmp_path / "logs").mkdir()
+    run = tmp_path / "run"
+    env = dict(job_env, NPROC_PER_NODE="2", SKIP_PREFLIGHT="1")
+    job = sbatch(["--nodes=1", SBATCH, *SMALL, "--max_steps", "60", "--fp8=0", "--run_dir", str(run)], env, tmp_path)
+    log = tmp_path / "logs" / f"llama-fp8_{job}.out"
+    wait_job(job, env, until=lambda i: log.is_file() and batch_lines(log)[-1:] >= [2])
+    subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True)  # the steps, not the batch shell
+    info = wait_job(job, env, until=lambda i: i.get("Restarts") == "1")
+    if info.get("JobState") == "PENDING":  # skip Slurm's ~2 min hold of a requeued job
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True)
+    info = wait_job(job, env, timeout=240)
+    assert_completed(info, log)
+    text = log.read_text()
+    assert "requeueing job" in text and "Training finished: 60 steps" in text
+    assert "resumed from" in text
+    assert batch_lines(log) == list(range(1, 61)), "the second attempt must continue after the checkpoint"
+    assert list((run / "checkpoints").iterdir()), "no checkpoint written"

@@ -1,0 +1,160 @@
+"""GPU self-tests of the Transformer Engine path (`pytest -m gpu tests/gpu`), skipped without CUDA.
+
+Not run in this project's CI (no GPU): these are the first thing to run on a new cluster.
+Tolerances, and why:
+- TE vs HF logits, same weights: BF16 ``atol = rtol = 2e-2`` (BF16 keeps 8 bits of mantissa,
+  ~4e-3 relative; TE uses fused attention and applies RoPE with FP32 frequencies where HF rounds
+  cos/sin to BF16, so a few ULPs differ per layer); FP32 ``atol = rtol = 1e-3``.
+- 50 FP8 steps vs 50 BF16 steps of the tiny model (same data, init and seed): the mean loss of the
+  last 10 steps differs by at most 5% of BF16's, and both runs' losses go down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+LOGITS_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-3}
+LOSS_REL_TOL = 0.05
+
+
+@pytest.fixture(scope="module")
+def te():
+    from llama_fp8.models.te import recipes as te_recipes
+
+    try:
+        return te_recipes.te_import()
+    except ImportError as e:
+        pytest.skip(str(e))
+
+
+def small_config(**kw):
+    from transformers import LlamaConfig
+
+    base = dict(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        rope_theta=500000.0,
+        max_position_embeddings=256,
+    )
+    return LlamaConfig(**{**base, **kw})
+
+
+def build_pair(tmp_path: Path, dtype: torch.dtype, **cfg_kw):
+    """HF Llama and our TE Llama with the same weights (through a save_pretrained checkpoint)."""
+    from transformers import LlamaForCausalLM
+
+    from llama_fp8.models.te import model as te_llama
+    from llama_fp8.models.te.weights import load_hf_checkpoint_into_te
+
+    cfg = small_config(**cfg_kw)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(cfg).to("cuda", dtype).eval()
+    hf.save_pretrained(tmp_path, max_shard_size="1MB")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # TE's params_dtype defaults to the default dtype
+    try:
+        with torch.device("cuda"):
+            model = te_llama.build_te_llama(cfg).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    load_hf_checkpoint_into_te(model.state_dict(), tmp_path)
+    return hf, model
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("scaling", [None, "llama3"])
+def test_te_logits_match_hf(te, tmp_path, dtype, scaling):
+    rope = None
+    if scaling:
+        rope = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    hf, model = build_pair(tmp_path, dtype, rope_scaling=rope)
+    ids = torch.randint(0, 512, (2, 128), device="cuda")
+    with torch.no_grad():
+        expected = hf(input_ids=ids).logits
+        got = model(ids).logits
+    tol = LOGITS_TOL[dtype]
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current", "mxfp8", "block"])
+def test_fp8_forward_backward_is_finite(te, tmp_path, recipe):
+    from llama_fp8.models.te import recipes as te_recipes
+
+    cap = torch.cuda.get_device_capability()
+    try:
+        te_recipes.check_recipe_supported(recipe, cap, torch.version.cuda, te_recipes.te_version())
+    except ValueError as e:
+        pytest.skip(str(e))
+    _, model = build_pair(tmp_path, torch.bfloat16)
+    model.train()
+    ids = torch.randint(0, 512, (2, 128), device="cuda")
+    with te_recipes.autocast(True, te_recipes.make_recipe(recipe), None):
+        out = model(ids, labels=ids)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def _train(run_dir: Path, fp8: int) -> list[float]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_fp8",
+        "train",
+        "--model",
+        "tiny",
+        "--model_impl",
+        "te",
+        "--fp8",
+        str(fp8),
+        "--max_steps",
+        "50",
+        "--logging_freq",
+        "1",
+        "--seed",
+        "0",
+        "--dataset",
+        "synthetic",
+        "--device",
+        "cuda",
+        "--run_dir",
+        str(run_dir),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=1800)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    meta = records[0]
+    assert meta["type"] == "meta" and meta["model_impl"] == "te"
+    assert meta["precision"].startswith("fp8-te-") == bool(fp8), meta["precision"]
+    return [r["loss"] for r in records if r["type"] == "train"]
+
+
+def test_fp8_loss_tracks_bf16_for_50_steps(te, tmp_path):
+    bf16 = _train(tmp_path / "bf16", fp8=0)
+    fp8 = _train(tmp_path / "fp8", fp8=1)
+    assert len(bf16) == len(fp8) == 50
+    tail_bf16, tail_fp8 = sum(bf16[-10:]) / 10, sum(fp8[-10:]) / 10
+    assert bf16[-1] < bf16[0] and fp8[-1] < fp8[0], (bf16[:3], fp8[:3])
+    assert abs(tail_fp8 - tail_bf16) <= LOSS_REL_TOL * tail_bf16, (tail_fp8, tail_bf16)

@@ -1,0 +1,160 @@
+"""The TE Llama on CPU with a stand-in for ``te.TransformerLayer`` (no TE needed): RoPE against HF's, the
+loss, how the config reaches each layer, and the forward plumbing."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaForCausalLM
+
+from helpers import FakeTransformerLayer, init_te_weights
+from helpers import tiny_llama_config as tiny_config
+from llama_fp8.models.te import model as te_llama
+from llama_fp8.models.te.weights import expected_te_shapes
+
+# --------------------------------------------------------------------------- rope, loss, init
+
+
+def test_rope_settings_reads_theta_and_rejects_unknown_scaling():
+    assert te_llama.rope_settings(tiny_config()) == (500000.0, {})
+    with pytest.raises(ValueError, match="rope type 'yarn'"):
+        te_llama.rope_settings(tiny_config(rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+
+
+LLAMA31_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA31_SCALING])
+def test_rotary_matches_hf(scaling):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = tiny_config(rope_scaling=scaling, max_position_embeddings=64)
+    theta, params = te_llama.rope_settings(cfg)
+    hf_rope = LlamaRotaryEmbedding(cfg)
+    torch.testing.assert_close(te_llama.rope_inv_freq(16, theta, params), hf_rope.inv_freq)
+    x = torch.zeros(1, 32, 64)
+    cos, sin = hf_rope(x, torch.arange(32)[None])  # (1, T, head_dim)
+    emb = te_llama.LlamaRotary(16, theta, params)(32, torch.device("cpu"))  # (T, 1, 1, head_dim)
+    assert emb.shape == (32, 1, 1, 16)
+    torch.testing.assert_close(emb[:, 0, 0].cos(), cos[0])
+    torch.testing.assert_close(emb[:, 0, 0].sin(), sin[0])
+
+
+def test_causal_lm_loss_matches_hf():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config())
+    ids = torch.randint(0, 96, (2, 12))
+    labels = ids.clone()
+    labels[0, 3] = -100
+    out = model(input_ids=ids, labels=labels)
+    torch.testing.assert_close(te_llama.causal_lm_loss(out.logits, labels), out.loss)
+
+
+def test_init_te_weights_norms_to_one_others_normal():
+    model = nn.Module()
+    model.attn = nn.Module()
+    model.attn.layer_norm_weight = nn.Parameter(torch.zeros(8))
+    model.norm = nn.Module()
+    model.norm.weight = nn.Parameter(torch.zeros(8))
+    model.fc1_weight = nn.Parameter(torch.zeros(400, 50))
+    init_te_weights(model, std=0.02)
+    assert torch.all(model.attn.layer_norm_weight == 1) and torch.all(model.norm.weight == 1)
+    assert abs(model.fc1_weight.std().item() - 0.02) < 0.002
+
+
+# --------------------------------------------------------------------------- build with a fake TE
+
+
+def test_build_plumbs_config_into_te_layers(monkeypatch):
+    monkeypatch.setattr(
+        te_llama, "te_import", lambda: types.SimpleNamespace(TransformerLayer=FakeTransformerLayer)
+    )
+    cfg = tiny_config(rope_scaling=LLAMA31_SCALING)
+    with torch.device("meta"):
+        model = te_llama.build_te_llama(cfg)
+    kw = model.model.layers[1].te_layer.kw
+    assert kw["num_gqa_groups"] == 2 and kw["num_attention_heads"] == 4 and kw["kv_channels"] == 16
+    assert (kw["normalization"], kw["activation"], kw["attn_input_format"]) == (
+        "RMSNorm",
+        "swiglu",
+        "bshd",
+    )
+    assert kw["fuse_qkv_params"] is False and kw["bias"] is False and kw["self_attn_mask_type"] == "causal"
+    assert kw["hidden_dropout"] == kw["attention_dropout"] == 0.0 and kw["layer_number"] == 2
+    assert kw["device"] == "meta" and model.lm_head.weight.is_meta  # a str, as TE compares it
+    assert model.model.rotary.theta == 500000.0 and model.model.rotary.scaling["factor"] == 8.0
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert shapes == expected_te_shapes(cfg)
+
+
+def test_build_rejects_unsupported_configs(monkeypatch):
+    monkeypatch.setattr(
+        te_llama, "te_import", lambda: types.SimpleNamespace(TransformerLayer=FakeTransformerLayer)
+    )
+    with pytest.raises(ValueError, match="attention_bias=True"):
+        te_llama.build_te_llama(tiny_config(attention_bias=True))
+    with pytest.raises(ValueError, match="hidden_act silu only"):
+        te_llama.build_te_llama(tiny_config(hidden_act="gelu"))
+
+
+def test_tied_build_shares_embedding(monkeypatch):
+    monkeypatch.setattr(
+        te_llama, "te_import", lambda: types.SimpleNamespace(TransformerLayer=FakeTransformerLayer)
+    )
+    with torch.device("meta"):
+        model = te_llama.build_te_llama(tiny_config(tie_word_embeddings=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_forward_plumbing_with_fake_layers(monkeypatch):
+    monkeypatch.setattr(
+        te_llama, "te_import", lambda: types.SimpleNamespace(TransformerLayer=FakeTransformerLayer)
+    )
+    model = te_llama.build_te_llama(tiny_config(pad_token_id=0))
+    assert model.model.embed_tokens.padding_idx == 0
+    init_te_weights(model, std=0.02)
+    ids = torch.randint(0, 96, (2, 12))
+    out = model(ids, labels=ids)
+    assert out.logits.shape == (2, 12, 96) and torch.isfinite(out.loss)
+    assert model.model.layers[0].te_layer.seen_rope == [(12, 1, 1, 16)]
+    assert model.get_input_embeddings() is model.model.embed_tokens
+    assert model.get_output_embeddings() is model.lm_head
+
+
+def test_rotary_cache_survives_inference_mode():
+    rotary = te_llama.LlamaRotary(16, 10000.0)
+    with torch.inference_mode():
+        rotary(8, torch.device("cpu"))
+    assert not rotary(8, torch.device("cpu")).is_inference()
+
+
+def test_param_attrs_survive_parameter_replacement():
+    model = nn.Linear(4, 4, bias=False)
+    model.weight.sequence_parallel = True
+    attrs = te_llama.save_param_attrs(model)
+    model.weight = nn.Parameter(model.weight.detach().clone())  # what fully_shard does, in spirit
+    assert not hasattr(model.weight, "sequence_parallel")
+    te_llama.restore_param_attrs(model, attrs)
+    assert model.weight.sequence_parallel is True
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_bench_linear_says_it_needs_a_gpu(capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_linear.py"
+    spec = importlib.util.spec_from_file_location("bench_linear", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main([]) == 0
+    assert "no CUDA GPU visible" in capsys.readouterr().out

@@ -1,0 +1,81 @@
+"""Our own build path on real Transformer Engine modules (``make test-te``): config -> TE model on meta
+-> parallelize (TE activation checkpointing, fully_shard per block and root, TE parameter attributes
+kept) -> to_empty -> sharded init -> value check; and --init_from_hf through the TE mapping.
+Construction only (no forward: that needs a GPU driver, see tests/gpu)."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformer_engine.pytorch as te  # noqa: F401  (torch first: TE finds libnccl through torch)
+
+from llama_fp8 import config as C
+from llama_fp8 import models, parallel
+from llama_fp8.models import common as M
+
+pytestmark = pytest.mark.te
+
+ARGS = ["--model", "tiny", "--num_layers", "2", "--device", "cpu", "--model_impl", "te"]
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield parallel.DistEnv(0, 0, 1, 1, torch.device("cpu"))
+    dist.destroy_process_group()
+
+
+TE = models.get("te")
+
+
+def build_sharded(cfg: C.TrainConfig, env: parallel.DistEnv) -> torch.nn.Module:
+    """Our build path (train/build.py) up to the init: meta -> parallelize -> to_empty."""
+    with mock.patch.object(torch.cuda, "is_available", return_value=True), torch.device("meta"):
+        model = TE.build(cfg)
+    mesh = parallel.build_mesh(parallel.ParallelDims.from_config(cfg, env), env)
+    parallel.parallelize(model, TE, mesh, cfg)
+    model.to_empty(device="cpu")
+    return model
+
+
+def test_build_path_shards_checkpoints_and_initializes_te_layers(one_rank):
+    cfg = C.parse_args([*ARGS, "--activation_checkpointing", "1"])
+    model = build_sharded(cfg, one_rank)
+    from torch.distributed.fsdp import FSDPModule
+
+    layers = TE.decoder_layers(model)
+    assert all(isinstance(layer, FSDPModule) for layer in layers) and isinstance(model, FSDPModule)
+    assert all(layer.checkpoint_fn is te.checkpoint for layer in layers)   # TE's own activation checkpointing
+    TE.init_weights(model, cfg, torch.device("cpu"))
+    TE.check_weights(model, cfg)
+    size = M.model_size(model, cfg)
+    with torch.device("meta"):
+        hf = models.get("hf").build(C.parse_args(ARGS[:-2] + ["--model_impl", "hf"]))
+    hf_size = M.model_size(hf, cfg)
+    assert size.num_params == hf_size.num_params and size.flops_per_token == hf_size.flops_per_token
+
+
+def test_selective_checkpointing_is_refused_for_te(one_rank):
+    cfg = C.parse_args([*ARGS, "--activation_checkpointing", "selective"])
+    with pytest.raises(C.ConfigError, match="selective is for the Hugging Face model"):
+        TE.check(cfg, torch.device("cuda", 0))  # the plan's check, before anything is built
+    TE.check(C.parse_args([*ARGS, "--activation_checkpointing", "1"]), torch.device("cuda", 0))
+
+
+def test_init_from_hf_into_sharded_te_model(one_rank, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    cfg = C.parse_args(ARGS)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(M.hf_config(cfg))
+    hf.save_pretrained(str(tmp_path), max_shard_size="300KB")
+    model = build_sharded(cfg, one_rank)
+    TE.load_hf(model, str(tmp_path))
+    sd = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
+    fc1 = sd["model.layers.1.te_layer.layernorm_mlp.fc1_weight"]
+    gate, up = hf.model.layers[1].mlp.gate_proj.weight, hf.model.layers[1].mlp.up_proj.weight
+    assert torch.equal(fc1, torch.cat([gate, up]))      # fc1 = [gate; up], written slice by slice
+    assert torch.equal(sd["model.embed_tokens.weight"], hf.model.embed_tokens.weight)

@@ -1,0 +1,115 @@
+"""Precision backends: torchao conversion (filter, recipes, emulation), backend resolution and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import build_meta
+from llama_fp8 import config as C
+from llama_fp8 import models
+from llama_fp8 import precision as P
+from llama_fp8.precision import torchao as AO
+
+CPU = torch.device("cpu")
+HF, TE = models.get("hf"), models.get("te")
+
+
+def cfg_for(*args: str) -> C.TrainConfig:
+    return C.parse_args(["--model", "tiny", *args])
+
+
+def converted(cfg: C.TrainConfig) -> tuple[nn.Module, P.PrecisionChoice]:
+    choice = P.resolve(cfg, HF, CPU)
+    return P.build(choice, HF, cfg).convert(build_meta(cfg)), choice
+
+
+def test_fp8_off_is_plain_bf16_or_fp32():
+    assert P.resolve(cfg_for(), HF, CPU).name == "bf16"
+    assert P.resolve(cfg_for("--bf16", "0"), HF, CPU).name == "fp32"
+    model, prec = converted(cfg_for())
+    assert prec.backend == "none" and not any(type(m).__name__ == "Float8Linear" for m in model.modules())
+
+
+def test_torchao_converts_every_decoder_linear_but_not_the_head(caplog):
+    caplog.set_level("INFO")
+    model, prec = converted(cfg_for("--fp8", "1"))
+    assert prec.name == "fp8-torchao-tensorwise" and prec.emulated  # CPU: emulated, said so
+    f8 = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+    assert len(f8) == 4 * 7 and "lm_head" not in f8
+    assert type(model.lm_head) is nn.Linear
+    assert "converted 28/29 linears" in caplog.text and "EMULATED" in caplog.text
+
+
+def test_filter_skips_dims_not_divisible_by_16():
+    assert AO.fp8_linear_filter(nn.Linear(32, 48, device="meta"), "x")
+    assert not AO.fp8_linear_filter(nn.Linear(32, 40, device="meta"), "x")
+    assert not AO.fp8_linear_filter(nn.Linear(24, 48, device="meta"), "x")
+    assert not AO.fp8_linear_filter(nn.Linear(32, 48, device="meta"), "lm_head")
+    assert not AO.fp8_linear_filter(nn.LayerNorm(32, device="meta"), "x")
+
+
+@pytest.mark.parametrize("recipe, granularity", [("tensorwise", "TENSORWISE"), ("rowwise", "AXISWISE")])
+def test_fp8_recipe_reaches_torchao(recipe, granularity):
+    model, prec = converted(cfg_for("--fp8", "1", "--fp8_recipe", recipe))
+    lin = model.model.layers[0].mlp.up_proj
+    assert prec.recipe == recipe
+    assert lin.config.cast_config_input.scaling_granularity.name == granularity
+    assert lin.config.emulate is True
+
+
+def test_backend_auto_picks_torchao_for_hf_and_te_for_te():
+    assert P.resolve(cfg_for("--fp8", "1"), HF, CPU).backend == "torchao"
+    with pytest.raises(C.ConfigError, match="needs a CUDA GPU|--fp8_backend te"):
+        P.resolve(cfg_for("--fp8", "1"), TE, CPU)
+
+
+def test_backend_and_model_impl_mismatch_errors():
+    with pytest.raises(C.ConfigError, match="--fp8_backend te does not work with --model_impl hf.*needs --model_impl te"):
+        P.resolve(cfg_for("--fp8", "1", "--fp8_backend", "te"), HF, CPU)
+    with pytest.raises(C.ConfigError, match="--fp8_backend torchao does not work with --model_impl te.*needs "
+                                            "--model_impl hf"):
+        P.resolve(cfg_for("--fp8", "1", "--fp8_backend", "torchao"), TE, CPU)
+
+
+def test_emulated_forward_backward_close_to_bf16():
+    """One converted layer: FP8 output within FP8's quantization error of the BF16 output."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 64, bias=False)
+    x = torch.randn(8, 64)
+    seq = nn.Sequential(lin)
+    AO.TorchaoFp8("tensorwise", emulated=True, all_gather=False).convert(seq)
+    y = seq(x)
+    y.sum().backward()
+    exact = x @ lin.weight.T
+    assert (y - exact).abs().max() / exact.abs().max() < 0.1   # e4m3 has a 3-bit mantissa
+    assert not torch.equal(y, exact) and lin.weight.grad is not None
+
+
+def test_te_backend_plumbs_recipe_flags_and_checks_before_building(monkeypatch):
+    """On a (pretended) Hopper with TE, --fp8_recipe/--fp8_amax_* reach TE's recipe; the capability and
+    combination checks run first. TE's own classes are replaced by a recorder: no CUDA here."""
+    from llama_fp8.models.te import recipes as te_recipes
+
+    calls = {}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(te_recipes, "te_import", lambda: object())
+    monkeypatch.setattr(te_recipes, "te_version", lambda: "2.8.0")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(te_recipes, "make_recipe", lambda *a: calls.setdefault("recipe", a))
+    cuda = torch.device("cuda", 0)
+    cfg = cfg_for("--fp8", "1", "--fp8_backend", "te", "--fp8_recipe", "delayed", "--fp8_amax_history_len", "16",
+                  "--fp8_amax_compute_algo", "most_recent")
+    choice = P.resolve(cfg, TE, cuda)
+    assert choice.name == "fp8-te-delayed" and choice.emulated is False
+    P.build(choice, TE, cfg)
+    assert calls["recipe"] == ("delayed", 16, "most_recent")
+    assert te_recipes.recipe_spec("delayed", 16, "most_recent") == (
+        "DelayedScaling", {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "most_recent"})
+    with pytest.raises(C.ConfigError, match="delayed cannot be combined with --compile 1"):
+        P.resolve(cfg_for("--fp8", "1", "--fp8_backend", "te", "--fp8_recipe", "delayed", "--compile", "1"), TE, cuda)
+    # auto picks current scaling under torch.compile (TE rejects delayed there)
+    assert P.resolve(cfg_for("--fp8", "1", "--compile", "1"), TE, cuda).recipe == "current"
+    with pytest.raises(C.ConfigError, match="mxfp8 on NVIDIA H100"):
+        P.resolve(cfg_for("--fp8", "1", "--fp8_backend", "te", "--fp8_recipe", "mxfp8"), TE, cuda)
