@@ -158,3 +158,68 @@ def test_bench_linear_says_it_needs_a_gpu(capsys):
     spec.loader.exec_module(bench)
     assert bench.main([]) == 0
     assert "no CUDA GPU visible" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- values through our build path
+
+
+class StopForward(Exception):
+    """Raised by a forward pre-hook once it has recorded a layer's inputs."""
+
+
+def record_layer_inputs(layer: nn.Module) -> dict:
+    """A forward pre-hook (with kwargs) on ``layer`` that records what reaches it, then stops the call."""
+    seen: dict = {}
+
+    def hook(module, args, kwargs):
+        seen.update(args=args, kwargs=kwargs)
+        raise StopForward
+
+    layer.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+@pytest.fixture
+def gloo_one_rank():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("preset", ["llama3.1-8b", "llama2-7b"])
+def test_rotary_angles_reach_te_layers_in_fp32_under_fsdp2_bf16(gloo_one_rank, monkeypatch, preset):
+    """Our build path (meta -> fully_shard with the BF16 policy -> to_empty -> init) with a stand-in for
+    te.TransformerLayer: the RoPE angles the layer receives are float32 and equal to the FP32 reference at
+    every position up to the preset's context length (FSDP2's MixedPrecisionPolicy casts a block's floating
+    inputs to BF16 unless told not to: at 4096 positions BF16 rounds the angles to multiples of 16 rad),
+    while the hidden states arrive in BF16 like the parameters (TE checks that outside autocast).
+    The shape is the preset's (heads, head_dim, theta, llama3 scaling), shrunk in width and depth."""
+    from llama_fp8 import config as C
+    from llama_fp8 import models, parallel
+
+    monkeypatch.setattr(te_llama, "te_import", lambda: types.SimpleNamespace(TransformerLayer=FakeTransformerLayer))
+    full = C.parse_args(["--model", preset])
+    head_dim = full.hidden_width // full.num_heads
+    cfg = C.parse_args(["--model", preset, "--num_layers", "2", "--hidden_width", str(4 * head_dim),
+                        "--num_heads", "4", "--num_key_value_heads", "2", "--intermediate_size", "64",
+                        "--vocab_size", "256", "--device", "cpu"])
+    assert cfg.max_context_width == full.max_context_width >= 4096
+    impl = models.get("te")
+    with torch.device("meta"):
+        model = impl.build(cfg)
+    env = parallel.DistEnv(0, 0, 1, 1, torch.device("cpu"))
+    parallel.parallelize(model, impl, parallel.build_mesh(parallel.ParallelDims.from_config(cfg, env), env), cfg)
+    model.to_empty(device="cpu")
+    impl.init_weights(model, cfg, torch.device("cpu"))
+    seen = record_layer_inputs(model.model.layers[1].te_layer)
+    T = cfg.max_context_width
+    with pytest.raises(StopForward), torch.no_grad():
+        model(input_ids=torch.zeros(1, T, dtype=torch.long))
+    angles = seen["kwargs"]["rotary_pos_emb"]
+    theta, scaling = te_llama.rope_settings(models.common.hf_config(cfg))
+    want = te_llama.LlamaRotary(head_dim, theta, scaling)._compute(T, torch.device("cpu"))
+    assert angles.dtype == torch.float32, angles.dtype
+    assert torch.equal(angles, want)
+    assert seen["args"][0].dtype == torch.bfloat16  # hidden states, as the BF16 parameters

@@ -79,3 +79,34 @@ def test_init_from_hf_into_sharded_te_model(one_rank, tmp_path):
     gate, up = hf.model.layers[1].mlp.gate_proj.weight, hf.model.layers[1].mlp.up_proj.weight
     assert torch.equal(fc1, torch.cat([gate, up]))      # fc1 = [gate; up], written slice by slice
     assert torch.equal(sd["model.embed_tokens.weight"], hf.model.embed_tokens.weight)
+
+
+def test_rotary_angles_reach_the_real_te_layer_in_fp32(one_rank):
+    """The real te.TransformerLayer, built through our path with the BF16 FSDP2 policy, receives the RoPE
+    angles in float32, equal to the FP32 reference at every position up to 4096 (BF16 would round the
+    angles there to multiples of 16 rad), and BF16 hidden states. A forward pre-hook records the inputs and
+    stops the call before TE's kernels (which need a GPU) run."""
+    from llama_fp8.models.te import model as te_llama
+
+    cfg = C.parse_args([*ARGS, "--max_context_width", "4096", "--vocab_size", "256"])
+    model = build_sharded(cfg, one_rank)
+    TE.init_weights(model, cfg, torch.device("cpu"))
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def hook(module, args, kwargs):
+        seen.update(args=args, kwargs=kwargs)
+        raise Stop
+
+    layer = model.model.layers[0].te_layer  # the first TE layer: layer 1 would need layer 0's kernels to run
+    assert isinstance(layer, te.TransformerLayer)
+    layer.register_forward_pre_hook(hook, with_kwargs=True)
+    with pytest.raises(Stop), torch.no_grad():
+        model(input_ids=torch.zeros(1, 4096, dtype=torch.long))
+    head_dim = cfg.hidden_width // cfg.num_heads
+    want = te_llama.LlamaRotary(head_dim, cfg.rope_theta)._compute(4096, torch.device("cpu"))
+    assert seen["kwargs"]["rotary_pos_emb"].dtype == torch.float32
+    assert torch.equal(seen["kwargs"]["rotary_pos_emb"], want)
+    assert seen["args"][0].dtype == torch.bfloat16

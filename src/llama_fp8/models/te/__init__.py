@@ -19,6 +19,13 @@ class TEImpl(ModelImpl):
     description = "Transformer Engine TransformerLayer blocks"
     auto_when = "when Transformer Engine imports on a CUDA machine"
     activation_checkpointing_modes = ("1",)
+    # Each block receives the RoPE angles (positions x inverse frequencies, up to ~T radians) as an FP32
+    # input; FSDP2's mixed-precision policy would cast them to BF16 with the hidden states, which keeps 8
+    # significant bits: at positions 2048-4096 the angles would be rounded to multiples of 16 rad. So the
+    # blocks' inputs are not cast (as torchtitan does for the same reason, pytorch/torchtitan#2881). The
+    # hidden states are BF16 anyway: the embedding's weight is all-gathered in BF16 by the root's policy.
+    # Computing the angles inside each block would also work, at the cost of one table per block.
+    cast_block_inputs = False
 
     def unavailable(self, device: torch.device) -> str | None:
         from llama_fp8.models.te.recipes import te_import
