@@ -131,3 +131,21 @@ def init_te_weights(model: nn.Module, std: float) -> None:
             param.fill_(1.0)
         else:
             param.normal_(mean=0.0, std=std)
+
+
+def build_te_sharded(cfg, env) -> nn.Module:
+    """Our build path for the real TE model on CPU, up to the init (meta -> parallelize -> to_empty -> init).
+    TE refuses to construct modules without a GPU, so ``torch.cuda.is_available`` is patched around
+    construction only; nothing runs on CUDA."""
+    from unittest import mock
+
+    from llama_fp8 import models, parallel
+
+    impl = models.get("te")
+    with mock.patch.object(torch.cuda, "is_available", return_value=True), torch.device("meta"):
+        model = impl.build(cfg)
+    mesh = parallel.build_mesh(parallel.ParallelDims.from_config(cfg, env), env)
+    parallel.parallelize(model, impl, mesh, cfg)
+    model.to_empty(device="cpu")
+    impl.init_weights(model, cfg, torch.device("cpu"))
+    return model

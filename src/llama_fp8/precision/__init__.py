@@ -35,6 +35,7 @@ class Fp8Runtime(Protocol):
     def convert(self, model: nn.Module) -> nn.Module: ...
     def autocast(self) -> contextlib.AbstractContextManager: ...
     def model_init_context(self) -> contextlib.AbstractContextManager: ...
+    def prepare(self, model: nn.Module) -> None: ...
     def post_step(self, model: nn.Module) -> None: ...
 
 
@@ -67,6 +68,10 @@ class Plain:
 
     def model_init_context(self):
         return contextlib.nullcontext()
+
+    def prepare(self, model: nn.Module) -> None:
+        """Once the model is materialized and initialized, before a checkpoint is loaded into it."""
+        return None
 
     def post_step(self, model: nn.Module) -> None:
         return None

@@ -37,6 +37,9 @@ class Recipe:
     """Has FP8 tensor-parallel layers (``--tp_size > 1`` with FP8)."""
     emulated_on_cpu: bool = False
     """Runs (slowly, for its numerics) without FP8 hardware."""
+    stateful: bool = False
+    """Keeps scaling state across steps (an amax history), which checkpoints carry so that a resume continues
+    with the same scales."""
     default: bool = False
     """What ``--fp8_recipe auto`` picks for this backend (when nothing else decides)."""
     source: str = ""

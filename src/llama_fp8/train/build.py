@@ -37,6 +37,7 @@ def build_model(cfg: TrainConfig, env: parallel.DistEnv, plan, impl, prec) -> tu
     else:
         impl.init_weights(model, cfg, env.device)
         impl.check_weights(model, cfg)
+    prec.prepare(model)  # e.g. FP8 state that a checkpoint may be loaded into
     log.info("model %s (%s): %.3fM parameters, %.3g FLOPs/token; mesh %s; precision %s", cfg.model, impl.name,
              size.num_params / 1e6, size.flops_per_token, dict(zip(mesh.mesh_dim_names, mesh.shape)),
              plan.precision.name)

@@ -223,3 +223,38 @@ def test_rotary_angles_reach_te_layers_in_fp32_under_fsdp2_bf16(gloo_one_rank, m
     assert angles.dtype == torch.float32, angles.dtype
     assert torch.equal(angles, want)
     assert seen["args"][0].dtype == torch.bfloat16  # hidden states, as the BF16 parameters
+
+
+def test_te_checkpoint_hooks_save_scaling_state_as_tensors_and_never_a_pickle():
+    """The hooks of models/te/fp8_state.py on a stand-in TE module (``fp8_meta`` + a pickling
+    ``get_extra_state``, as TE's base module): the state dict carries the scales and amax history as
+    buffers aliasing fp8_meta's tensors and an empty extra state; loading restores them in place and never
+    hands a checkpoint's extra state to the module. (The real TE modules: test_te_real_checkpoint.py.)"""
+    from llama_fp8.models.te import fp8_state
+
+    class FakeTEModule(nn.Module):
+        def __init__(self, history: torch.Tensor, scale: torch.Tensor):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(2))
+            self.fp8_meta = {k: types.SimpleNamespace(scale=scale.clone(), amax_history=history.clone())
+                             for k in ("scaling_fwd", "scaling_bwd")}
+            self.loaded_extra = []
+
+        def get_extra_state(self):  # TE pickles its state here
+            return torch.frombuffer(bytearray(b"pickled-state"), dtype=torch.uint8)
+
+        def set_extra_state(self, state):
+            self.loaded_extra.append(state)
+
+    saved = FakeTEModule(torch.rand(4, 3), torch.rand(3))
+    fresh = FakeTEModule(torch.zeros(4, 3), torch.ones(3))
+    for m in (saved, fresh):
+        assert fp8_state.keep_pickles_out(m) == 1 and fp8_state.expose_scaling_state(m) == 4
+    state = saved.state_dict()
+    assert state["_extra_state"].numel() == 0
+    assert torch.equal(state["fp8_amax_history_fwd"], saved.fp8_meta["scaling_fwd"].amax_history)
+    ptr = fresh.fp8_meta["scaling_bwd"].amax_history.data_ptr()
+    fresh.load_state_dict({**state, "_extra_state": torch.tensor([1, 2, 3], dtype=torch.uint8)})
+    assert torch.equal(fresh.fp8_meta["scaling_bwd"].amax_history, saved.fp8_meta["scaling_bwd"].amax_history)
+    assert fresh.fp8_meta["scaling_bwd"].amax_history.data_ptr() == ptr  # in place
+    assert fresh.loaded_extra == [None]

@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch import nn
 
 from llama_fp8.errors import ConfigError
+from llama_fp8.models.te import fp8_state
 from llama_fp8.models.te import recipes as te_recipes
 from llama_fp8.precision import Plain
 from llama_fp8.precision.recipes import Recipe
@@ -53,19 +55,28 @@ class TEBackend:
 
     def runtime(self, choice, cfg) -> TEFp8:
         recipe = te_recipes.make_recipe(choice.recipe, cfg.fp8_amax_history_len, cfg.fp8_amax_compute_algo)
-        return TEFp8(recipe, choice.all_gather)
+        return TEFp8(recipe, choice.all_gather, stateful=te_recipes.row(choice.recipe).stateful)
 
 
 class TEFp8(Plain):
-    def __init__(self, recipe, all_gather: bool):
-        self.recipe, self.all_gather = recipe, all_gather
+    def __init__(self, recipe, all_gather: bool, stateful: bool):
+        self.recipe, self.all_gather, self.stateful = recipe, all_gather, stateful
 
     def autocast(self):
         """FP8 autocast for the forward pass only (TE runs backward outside it). The amax reduction group is
-        every rank: all of them run the same model (data parallel), so they agree on each tensor's scale."""
+        every rank: all of them run the same model (data parallel, replicated or sharded), so they agree on
+        each tensor's scale; FP8 weights sharded by FSDP2 even need it (only their FP8 bytes are gathered)."""
         import torch.distributed as dist
 
         return te_recipes.autocast(True, self.recipe, dist.group.WORLD if dist.is_initialized() else None)
+
+    def prepare(self, model: nn.Module) -> None:
+        """After the model is materialized, before a checkpoint is loaded: no TE pickle ever enters or leaves a
+        checkpoint, and DelayedScaling's state exists now (not at the first step) as checkpointable tensors."""
+        fp8_state.keep_pickles_out(model)
+        if self.stateful:
+            fp8_state.init_scaling_state(model, self.autocast())
+            fp8_state.expose_scaling_state(model)
 
     def model_init_context(self):
         """FP8 primary weights (``--fp8_all_gather 1``): FSDP2 then all-gathers FP8 bytes."""

@@ -30,7 +30,7 @@ _SRC = ("TE transformer_engine/common/recipe/__init__.py (recipe classes per rel
 TE_RECIPES = (
     Recipe("delayed", BACKEND, "one scale per tensor from an amax history (delayed scaling)",
            min_cuda=(((9, 0), "12.1"),), min_library="2.0", fp8_all_gather_since="2.10", compile=False,
-           default=True, source=_SRC),
+           stateful=True, default=True, source=_SRC),
     Recipe("current", BACKEND, "one scale per tensor from its current amax (current scaling)",
            min_cuda=(((9, 0), "12.1"),), min_library="2.2", fp8_all_gather_since="2.10", source=_SRC),
     Recipe("mxfp8", BACKEND, "E8M0 scale per 32 values (MXFP8, Blackwell)", min_capability=(10, 0),
