@@ -109,7 +109,8 @@ def test_te_backend_plumbs_recipe_flags_and_checks_before_building(monkeypatch):
         "DelayedScaling", {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "most_recent"})
     with pytest.raises(C.ConfigError, match="delayed cannot be combined with --compile 1"):
         P.resolve(cfg_for("--fp8", "1", "--fp8_backend", "te", "--fp8_recipe", "delayed", "--compile", "1"), TE, cuda)
-    # auto picks current scaling under torch.compile (TE rejects delayed there)
+    # auto picks current scaling (stateless, compile-compatible), with or without torch.compile
     assert P.resolve(cfg_for("--fp8", "1", "--compile", "1"), TE, cuda).recipe == "current"
+    assert P.resolve(cfg_for("--fp8", "1"), TE, cuda).name == "fp8-te-current"
     with pytest.raises(C.ConfigError, match="mxfp8 on NVIDIA H100"):
         P.resolve(cfg_for("--fp8", "1", "--fp8_backend", "te", "--fp8_recipe", "mxfp8"), TE, cuda)

@@ -26,8 +26,7 @@ class TEBackend:
         return te_recipes.te_version() or "unknown"
 
     def default_recipe(self, cfg) -> str:
-        # delayed scaling (TE's long-standing default), or current scaling under torch.compile,
-        # which TE does not support with delayed scaling.
+        # The table's default (current scaling); under torch.compile, a recipe that supports it.
         default = next(r for r in self.recipes if r.default)
         if cfg.compile and not default.compile:
             return next(r.name for r in self.recipes if r.compile)

@@ -30,9 +30,13 @@ _SRC = ("TE transformer_engine/common/recipe/__init__.py (recipe classes per rel
 TE_RECIPES = (
     Recipe("delayed", BACKEND, "one scale per tensor from an amax history (delayed scaling)",
            min_cuda=(((9, 0), "12.1"),), min_library="2.0", fp8_all_gather_since="2.10", compile=False,
-           stateful=True, default=True, source=_SRC),
+           stateful=True, source=_SRC),
+    # The default (TE's own default is delayed scaling): stateless, so a resume is exact with nothing to
+    # checkpoint; works under torch.compile; runs on Ada and Hopper; and each scale comes from this step's
+    # amax, so a sudden activation spike cannot overflow a scale computed from an older history.
     Recipe("current", BACKEND, "one scale per tensor from its current amax (current scaling)",
-           min_cuda=(((9, 0), "12.1"),), min_library="2.2", fp8_all_gather_since="2.10", source=_SRC),
+           min_cuda=(((9, 0), "12.1"),), min_library="2.2", fp8_all_gather_since="2.10", default=True,
+           source=_SRC),
     Recipe("mxfp8", BACKEND, "E8M0 scale per 32 values (MXFP8, Blackwell)", min_capability=(10, 0),
            max_capability=(11, 0), min_library="2.0", fp8_all_gather_since="2.10", source=_SRC),
     Recipe("block", BACKEND, "scale per 1x128 activation / 128x128 weight block", min_capability=(9, 0),
