@@ -92,12 +92,9 @@ class FakeTransformerLayer(nn.Module):
         self.self_attention = nn.Module()
         self.self_attention.layernorm_qkv = nn.Module()
         qkv = self.self_attention.layernorm_qkv
-        for name, shape in [
-            ("layer_norm_weight", (h,)),
-            ("query_weight", (q, h)),
-            ("key_weight", (kv, h)),
-            ("value_weight", (kv, h)),
-        ]:
+        split = [("query_weight", (q, h)), ("key_weight", (kv, h)), ("value_weight", (kv, h))]
+        for name, shape in [("layer_norm_weight", (h,)),
+                            *([("weight", (q + 2 * kv, h))] if kw.get("fuse_qkv_params") else split)]:
             qkv.register_parameter(name, nn.Parameter(torch.empty(shape, device=dev)))
         self.self_attention.proj = nn.Linear(q, h, bias=False, device=dev)
         self.layernorm_mlp = nn.Module()

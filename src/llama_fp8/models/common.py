@@ -100,6 +100,12 @@ def fill_normal_(p: torch.Tensor, std: float, seed: int, name: str) -> None:
     """Fill p (or its local shard) with N(0, std) drawn block by block from generators seeded by
     (seed, name, block). Rows are identical whatever the sharding; only local rows are generated."""
     local, row0 = local_rows(p)
+    fill_rows_normal_(local, row0, std, seed, name)
+
+
+@torch.no_grad()
+def fill_rows_normal_(local: torch.Tensor, row0: int, std: float, seed: int, name: str) -> None:
+    """``fill_normal_`` for a tensor holding rows [row0, row0 + len(local)) of parameter ``name``."""
     if local.numel() == 0:
         return
     rows, row_shape = local.shape[0], local.shape[1:]
@@ -122,26 +128,37 @@ def canonical_name(name: str) -> str:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, cfg: TrainConfig) -> None:
-    """Initialize every parameter after ``to_empty`` (HF Llama init: N(0, initializer_range) for matrices,
-    zeros for biases, ones for norm weights); each rank fills only its own rows."""
-    seen: set[int] = set()
+def init_weights(model: nn.Module, cfg: TrainConfig, skip: set[int] = frozenset()) -> None:
+    """Initialize every parameter (but those whose id is in ``skip``) after ``to_empty``; each rank fills
+    only its own rows."""
+    seen: set[int] = set(skip)
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        if p.dim() >= 2:
-            fill_normal_(p, cfg.initializer_range, cfg.seed, canonical_name(name))
-        elif name.endswith("bias"):
-            (p.to_local() if hasattr(p, "to_local") else p).zero_()
-        else:  # RMSNorm weights
-            (p.to_local() if hasattr(p, "to_local") else p).fill_(1.0)
+        local, row0 = local_rows(p)
+        init_rows_(local, row0, canonical_name(name), cfg)
 
 
 @torch.no_grad()
-def check_weights(model: nn.Module, cfg: TrainConfig) -> None:
-    """Sanity check after init or load: finite values, and matrix stds near the configured init."""
+def init_rows_(local: torch.Tensor, row0: int, name: str, cfg: TrainConfig) -> None:
+    """HF Llama's init of rows [row0, ...) of parameter ``name``: N(0, initializer_range) for matrices, zeros
+    for biases, ones for norm weights."""
+    if local.dim() >= 2:
+        fill_rows_normal_(local, row0, cfg.initializer_range, cfg.seed, name)
+    elif name.endswith("bias"):
+        local.zero_()
+    else:  # RMSNorm weights
+        local.fill_(1.0)
+
+
+@torch.no_grad()
+def check_weights(model: nn.Module, cfg: TrainConfig, skip: set[int] = frozenset()) -> None:
+    """Sanity check after init or load: finite values, and matrix stds near the configured init (parameters
+    whose id is in ``skip`` are not checked)."""
     for name, p in model.named_parameters():
+        if id(p) in skip:
+            continue
         local = p.to_local() if hasattr(p, "to_local") else p
         if local.numel() == 0:
             continue

@@ -45,24 +45,15 @@ def tied_in_config(hf_dir: Path) -> bool:
     return bool(config.is_file() and json.loads(config.read_text()).get("tie_word_embeddings", False))
 
 
-def _rows(key: str, blocks: int, part: int | None, name: str, src: tuple, dst: tuple) -> slice | None:
-    """Row block of ``dst`` that HF tensor ``name`` of shape ``src`` fills; ValueError on a mismatch."""
-    if part is None:
-        if tuple(src) != tuple(dst):
-            raise ValueError(f"{name} has shape {tuple(src)}, the model expects {tuple(dst)}")
-        return None
-    n = dst[0] // blocks
-    if tuple(src) != (n, *dst[1:]):
-        raise ValueError(f"{name} has shape {tuple(src)}, the model expects {(n, *dst[1:])} (block {part} of {key})")
-    return slice(part * n, (part + 1) * n)
-
-
 def plan_writes(plan: Mapping[Path, list[str]], shapes: Mapping[str, tuple], tied: bool, mapping: Any
                 ) -> list[tuple[Path, str, str, slice | None]]:
-    """(file, HF name, key, rows) for every tensor to load; one ValueError names every problem at once."""
+    """(file, HF name, key, rows) for every tensor to load; one ValueError names every problem at once.
+    The HF tensors of a fused parameter are stacked along dim 0 in ``key_to_hf`` order, each taking as many
+    rows as the checkpoint's tensor has (q, k and v differ with GQA); they must fill the parameter exactly."""
     from safetensors import safe_open
 
-    writes, problems, seen = [], [], {}
+    found: dict[str, dict[int | None, tuple[Path, str, tuple]]] = {}
+    problems: list[str] = []
     for file, names in plan.items():
         with safe_open(str(file), framework="pt") as f:
             for name in names:
@@ -75,28 +66,45 @@ def plan_writes(plan: Mapping[Path, list[str]], shapes: Mapping[str, tuple], tie
                     continue
                 if key not in shapes:
                     problems.append(f"unexpected tensor {name!r} in {file.name}: the model has no {key!r}")
-                    continue
-                if (key, part) in seen:
-                    problems.append(f"tensor {name!r} appears twice ({seen[(key, part)].name}, {file.name})")
-                    continue
-                seen[(key, part)] = file
-                shape = tuple(f.get_slice(name).get_shape())
-                try:
-                    rows = _rows(key, len(mapping.key_to_hf(key)), part, name, shape, shapes[key])
-                except ValueError as e:
-                    problems.append(str(e))
-                    continue
-                writes.append((file, name, key, rows))
-    for key in shapes:
+                elif part in found.setdefault(key, {}):
+                    problems.append(f"tensor {name!r} appears twice ({found[key][part][0].name}, {file.name})")
+                else:
+                    found[key][part] = (file, name, tuple(f.get_slice(name).get_shape()))
+    writes: list[tuple[Path, str, str, slice | None]] = []
+    for key, dst in shapes.items():
         if tied and key == "lm_head.weight":
             continue
         hf_names = mapping.key_to_hf(key)
-        for part, name in enumerate(hf_names):
-            if (key, part if len(hf_names) > 1 else None) not in seen:
-                problems.append(f"missing tensor {name!r} (for {key!r})")
+        parts = [None] if len(hf_names) == 1 else list(range(len(hf_names)))
+        missing = [f"missing tensor {n!r} (for {key!r})" for p, n in zip(parts, hf_names) if p not in found.get(key, {})]
+        if missing:
+            problems += missing
+            continue
+        problems += _place(key, tuple(dst), [found[key][p] for p in parts], writes)
     if problems:
         raise ValueError("the checkpoint does not match the model:\n  " + "\n  ".join(problems))
     return writes
+
+
+def _place(key: str, dst: tuple, blocks: list[tuple[Path, str, tuple]], writes: list) -> list[str]:
+    """Append the writes of ``key``'s blocks (in order) to ``writes``; return the problems found."""
+    if len(blocks) == 1:
+        file, name, shape = blocks[0]
+        if shape != dst:
+            return [f"{name} has shape {shape}, the model expects {dst}"]
+        writes.append((file, name, key, None))
+        return []
+    bad = [f"{name} has shape {shape}, the model expects (rows, {', '.join(map(str, dst[1:]))}) (a block of {key})"
+           for _, name, shape in blocks if shape[1:] != dst[1:]]
+    total = sum(shape[0] for _, _, shape in blocks)
+    if not bad and total != dst[0]:
+        bad.append(f"{' + '.join(f'{n} ({s[0]} rows)' for _, n, s in blocks)} = {total} rows, but {key} has "
+                   f"{dst[0]}")
+    row = 0
+    for file, name, shape in () if bad else blocks:
+        writes.append((file, name, key, slice(row, row + shape[0])))
+        row += shape[0]
+    return bad
 
 
 def copy_into(target: Mapping[str, torch.Tensor]) -> WriteFn:
@@ -155,14 +163,19 @@ def load_into_model(model: nn.Module, hf_dir: str, mapping: Any) -> None:
 
 
 def to_hf_names(state: Mapping[str, torch.Tensor], mapping: Any, tie_word_embeddings: bool) -> dict:
-    """A model's full state dict -> HF names; fused parameters are split into their row blocks (views).
+    """A model's full state dict -> HF names; fused parameters are split into their row blocks (views, of the
+    sizes ``mapping.block_sizes(key, rows)`` gives).
     With tied embeddings ``lm_head.weight`` is left out, as ``save_pretrained`` does."""
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         if key.endswith("_extra_state") or (tie_word_embeddings and key == "lm_head.weight"):
             continue
         names = mapping.key_to_hf(key)
-        if value.shape[0] % len(names):
-            raise ValueError(f"{key} has {value.shape[0]} rows, not divisible into {len(names)} blocks")
-        out.update(zip(names, value.chunk(len(names), dim=0), strict=True))
+        if len(names) == 1:
+            out[names[0]] = value
+            continue
+        sizes = mapping.block_sizes(key, value.shape[0])
+        if sum(sizes) != value.shape[0]:
+            raise ValueError(f"{key} has {value.shape[0]} rows, not the {' + '.join(map(str, sizes))} of its blocks")
+        out.update(zip(names, value.split(sizes, dim=0), strict=True))
     return out

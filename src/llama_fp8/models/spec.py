@@ -72,6 +72,10 @@ class ModelImpl:
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         return model.model.layers
 
+    def materialize(self, model: nn.Module, device: torch.device, cfg: TrainConfig) -> None:
+        """Allocate the (sharded) meta model's tensors on ``device`` (values are set by ``init_weights``)."""
+        model.to_empty(device=device)
+
     def init_weights(self, model: nn.Module, cfg: TrainConfig, device: torch.device) -> None:
         """After ``to_empty``: every parameter (sharded or not), the same values on any world size."""
         from llama_fp8.models import common
@@ -106,6 +110,11 @@ class ModelImpl:
     def key_to_hf(self, key: str) -> list[str]:
         """This model's parameter name -> the HF names stacked in it (along dim 0)."""
         return [key]
+
+    def block_sizes(self, key: str, rows: int) -> list[int]:
+        """Rows of each HF tensor stacked in ``key`` (equal blocks unless an implementation says otherwise)."""
+        n = len(self.key_to_hf(key))
+        return [rows // n] * n
 
     def load_hf(self, model: nn.Module, hf_dir: str) -> None:
         """Stream an HF safetensors checkpoint into the (sharded, materialized) model."""

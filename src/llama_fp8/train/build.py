@@ -26,7 +26,7 @@ def build_model(cfg: TrainConfig, env: parallel.DistEnv, plan, impl, prec) -> tu
     model = prec.convert(model)
     mesh = parallel.build_mesh(plan.dims, env)
     parallel.parallelize(model, impl, mesh, cfg)
-    model.to_empty(device=env.device)
+    impl.materialize(model, env.device, cfg)
     if cfg.init_from_hf:
         try:
             impl.load_hf(model, cfg.init_from_hf)

@@ -89,7 +89,8 @@ def test_build_plumbs_config_into_te_layers(monkeypatch):
         "swiglu",
         "bshd",
     )
-    assert kw["fuse_qkv_params"] is False and kw["bias"] is False and kw["self_attn_mask_type"] == "causal"
+    assert kw["fuse_qkv_params"] is True and kw["qkv_weight_interleaved"] is False  # one [q; k; v] weight
+    assert kw["bias"] is False and kw["self_attn_mask_type"] == "causal"
     assert kw["hidden_dropout"] == kw["attention_dropout"] == 0.0 and kw["layer_number"] == 2
     assert kw["device"] == "meta" and model.lm_head.weight.is_meta  # a str, as TE compares it
     assert model.model.rotary.theta == 500000.0 and model.model.rotary.scaling["factor"] == 8.0

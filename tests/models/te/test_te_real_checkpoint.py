@@ -77,10 +77,12 @@ def test_te_pickled_scaling_state_breaks_a_plain_dcp_resume(env, tmp_path):
     set_fp8_state(saver, DelayedScaling(amax_history_len=16), seed=1)
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-    with pytest.raises(CheckpointException) as e:
+    with pytest.raises((CheckpointException, C.ConfigError)) as e:  # DCP's error, or the checkpointer's report
         save_and_resume(env, tmp_path, saver, fresh, cfg)
-    assert re.search(r"Size mismatch between saved torch.Size\(\[\d+\]\) and current: torch.Size\(\[0\]\) "
-                     r"for model\.model\.layers\.0\.te_layer\..*\._extra_state", str(e.value)), str(e.value)[-500:]
+    text = str(e.value)
+    assert re.search(r"Size mismatch between saved torch.Size\(\[\d+\]\) and current: torch.Size\(\[0\]\) for "
+                     r"model\.model\.layers\.0\.te_layer\..*\._extra_state", text) or re.search(
+        r"model\.model\.layers\.0\.te_layer\.\S*\._extra_state saved \(\d+,\), this run \(0,\)", text), text[-500:]
 
 
 def test_delayed_scaling_state_resumes_exactly_with_no_pickle(env, tmp_path):

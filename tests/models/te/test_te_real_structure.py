@@ -52,7 +52,8 @@ def test_te_state_dict_matches_mapping(device):
     assert all(p.device.type == device for p in model.parameters())
     layer = model.model.layers[0].te_layer
     assert isinstance(layer, te.TransformerLayer)
-    assert layer.self_attention.layernorm_qkv.key_weight.shape == (2 * 16, 64)  # GQA: 2 KV heads
+    assert layer.self_attention.layernorm_qkv.weight.shape == (64 + 2 * 2 * 16, 64)  # [q; k; v], 2 KV heads
+    assert layer.self_attention.qkv_weight_interleaved is False
 
 
 def test_hf_checkpoint_loads_into_real_te_model_and_exports_back(tmp_path):
@@ -62,7 +63,7 @@ def test_hf_checkpoint_loads_into_real_te_model_and_exports_back(tmp_path):
     hf.save_pretrained(tmp_path, max_shard_size="1KB")
     model = build("cpu", cfg)
     load_hf_checkpoint_into_te(model.state_dict(), tmp_path)
-    exported = te_state_to_hf(model.state_dict())
+    exported = te_state_to_hf(model.state_dict(), cfg)
     expected = hf.state_dict()
     assert set(exported) == set(expected)
     for name, tensor in expected.items():
@@ -132,7 +133,7 @@ def test_fully_shard_wraps_te_layers_and_init_runs_on_dtensors(gloo_world):
     init_te_weights(model, std=0.02)
     qkv = model.model.layers[1].te_layer.self_attention.layernorm_qkv
     assert torch.all(qkv.layer_norm_weight.full_tensor() == 1)
-    assert abs(qkv.query_weight.full_tensor().std().item() - 0.02) < 0.005
+    assert abs(qkv.weight.full_tensor().std().item() - 0.02) < 0.005
 
 
 @pytest.mark.parametrize("name", te_recipes.RECIPES)

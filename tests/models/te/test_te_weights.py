@@ -6,6 +6,7 @@ The HF checkpoints are real ones written by ``transformers.save_pretrained`` for
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -59,23 +60,22 @@ def test_hf_to_te_to_hf_is_exact(layout, request):
     target = zeros_target(tiny_config())
     loaded = load_hf_checkpoint_into_te(target, hf_dir)
     assert sorted(loaded) == sorted(hf_state)  # every tensor exactly once
-    back = te_state_to_hf(target)
+    back = te_state_to_hf(target, tiny_config())
     assert set(back) == set(hf_state)
     for name, tensor in hf_state.items():
         assert torch.equal(back[name], tensor), name
 
 
-def test_fc1_is_gate_then_up_and_attention_lands_in_layernorm_qkv(single):
+def test_fc1_is_gate_then_up_and_qkv_is_q_then_k_then_v(single):
     hf_dir, hf = single
     target = zeros_target(tiny_config())
     load_hf_checkpoint_into_te(target, hf_dir)
     p = "model.layers.1."
     fc1 = target[p + "te_layer.layernorm_mlp.fc1_weight"]
     assert torch.equal(fc1, torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]))
-    assert torch.equal(
-        target[p + "te_layer.self_attention.layernorm_qkv.key_weight"],
-        hf[p + "self_attn.k_proj.weight"],
-    )
+    qkv = target[p + "te_layer.self_attention.layernorm_qkv.weight"]  # GQA: q 64 rows, k and v 32 each
+    assert qkv.shape == (128, 64)
+    assert torch.equal(qkv, torch.cat([hf[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]))
     assert torch.equal(
         target[p + "te_layer.layernorm_mlp.layer_norm_weight"],
         hf[p + "post_attention_layernorm.weight"],
@@ -94,7 +94,9 @@ def test_write_callback_gets_one_call_per_hf_tensor_with_row_slices(sharded):
         if key == "model.layers.0.te_layer.layernorm_mlp.fc1_weight"
     ]
     assert sorted((r.start, r.stop) for r, _ in fc1) == [(0, 80), (80, 160)]
-    assert all(rows is None for key, rows, _ in calls if not key.endswith("fc1_weight"))
+    qkv = [rows for key, rows, _ in calls if key == "model.layers.0.te_layer.self_attention.layernorm_qkv.weight"]
+    assert sorted((r.start, r.stop) for r in qkv) == [(0, 64), (64, 96), (96, 128)]  # unequal blocks, by shape
+    assert all(rows is None for key, rows, _ in calls if not key.endswith(("fc1_weight", "qkv.weight")))
 
 
 def test_tied_embeddings_single_file(tmp_path):
@@ -103,7 +105,7 @@ def test_tied_embeddings_single_file(tmp_path):
     target = zeros_target(tiny_config(tie_word_embeddings=True))
     target["lm_head.weight"] = target["model.embed_tokens.weight"]  # tied, as in the model
     load_hf_checkpoint_into_te(target, hf_dir)
-    back = te_state_to_hf(target, tie_word_embeddings=True)
+    back = te_state_to_hf(target, tiny_config(tie_word_embeddings=True), tie_word_embeddings=True)
     assert "lm_head.weight" not in back
     assert torch.equal(back["model.embed_tokens.weight"], hf["model.embed_tokens.weight"])
 
@@ -143,8 +145,16 @@ def test_checkpoint_with_more_layers_than_model(single):
 def test_shape_mismatch_is_reported(single):
     target = zeros_target(tiny_config())
     target["model.layers.0.te_layer.layernorm_mlp.fc1_weight"] = torch.zeros(2 * 81, 64)
-    with pytest.raises(ValueError, match=r"gate_proj\.weight has shape \(80, 64\), the model expects \(81, 64\) \(block 0 of .*fc1_weight"):
+    target["model.layers.1.te_layer.self_attention.layernorm_qkv.weight"] = torch.zeros(128, 65)
+    target["model.layers.1.te_layer.self_attention.proj.weight"] = torch.zeros(64, 63)
+    with pytest.raises(ValueError) as e:
         load_hf_checkpoint_into_te(target, single[0])
+    msg = str(e.value)
+    assert re.search(r"gate_proj\.weight \(80 rows\) \+ model\.layers\.0\.mlp\.up_proj\.weight \(80 rows\) = 160 "
+                     r"rows, but model\.layers\.0\.te_layer\.layernorm_mlp\.fc1_weight has 162", msg), msg
+    assert re.search(r"layers\.1\.self_attn\.k_proj\.weight has shape \(32, 64\), the model expects \(rows, 65\)",
+                     msg), msg
+    assert "model.layers.1.self_attn.o_proj.weight has shape (64, 64), the model expects (64, 63)" in msg
 
 
 def test_no_checkpoint_files(tmp_path):
@@ -160,4 +170,4 @@ def test_key_functions_reject_unknown_names():
     with pytest.raises(ValueError, match="rotary"):
         te_weights.hf_to_te_key("model.rotary.weight")
     with pytest.raises(ValueError, match="unexpected TE key"):
-        te_state_to_hf({"model.layers.0.te_layer.foo": torch.zeros(1)})
+        te_state_to_hf({"model.layers.0.te_layer.foo": torch.zeros(1)}, tiny_config())

@@ -65,6 +65,24 @@ class TEImpl(ModelImpl):
         except ImportError as e:
             raise ConfigError(f"--model_impl {self.name}: {e}") from None
 
+    def materialize(self, model: nn.Module, device: torch.device, cfg) -> None:
+        """FP8-weight modules (``--fp8_all_gather 1``) through TE's reset_parameters, the rest by to_empty."""
+        from llama_fp8.models.te import fp8_params
+
+        fp8_params.materialize(model, device, cfg)
+
+    def init_weights(self, model: nn.Module, cfg, device: torch.device) -> None:
+        from llama_fp8.models import common
+        from llama_fp8.models.te import fp8_params
+
+        common.init_weights(model, cfg, skip=fp8_params.owned(model))  # FP8 weights: set by materialize
+
+    def check_weights(self, model: nn.Module, cfg) -> None:
+        from llama_fp8.models import common
+        from llama_fp8.models.te import fp8_params
+
+        common.check_weights(model, cfg, skip=fp8_params.owned(model))  # quantized by TE from our values
+
     def wrap_activation_checkpointing(self, layer: nn.Module, mode: str) -> nn.Module:
         """TE's own checkpoint, which recomputes under the same FP8 autocast state."""
         from llama_fp8.models.te.model import te_checkpoint_wrap
@@ -89,6 +107,14 @@ class TEImpl(ModelImpl):
         from llama_fp8.models.te.weights import te_to_hf_keys
 
         return te_to_hf_keys(key)
+
+    def to_hf_state(self, state, cfg):
+        """TE names -> HF (fused QKV and fc1 split); the FP8 scaling buffers have no HF counterpart."""
+        from llama_fp8.models.common import hf_config
+        from llama_fp8.models.te import fp8_state, weights
+
+        kept = {k: v for k, v in state.items() if k.rsplit(".", 1)[-1] not in fp8_state.BUFFERS}
+        return weights.te_state_to_hf(kept, hf_config(cfg))
 
 
 IMPL = TEImpl()

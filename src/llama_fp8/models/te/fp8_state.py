@@ -29,6 +29,7 @@ from torch import nn
 
 EXTRA_STATE = "_extra_state"
 SCALING = {"fwd": "scaling_fwd", "bwd": "scaling_bwd"}
+BUFFERS = tuple(f"fp8_{what}_{tag}" for tag in SCALING for what in ("scale", "amax_history"))
 # GEMMs per forward of the TE modules in a TransformerLayer (the ``num_gemms`` each passes to
 # ``prepare_forward``; TE's module/layernorm_mlp.py and attention/dot_product_attention.py); others have one.
 GEMMS_BY_CLASS = {"LayerNormMLP": 2, "DotProductAttention": 3}

@@ -198,7 +198,10 @@ def _make_te_layer(te: Any, cfg: Any, index: int, device: torch.device) -> nn.Mo
         activation="swiglu",  # SiLU(first half of fc1) * second half -> fc1 = [gate; up]
         normalization="RMSNorm",
         attn_input_format="bshd",
-        fuse_qkv_params=False,  # separate query/key/value weights, so HF weights map 1:1
+        # One QKV weight [q; k; v] (one GEMM; FP8 parameters need it: TE cannot split an FP8 weight into
+        # q/k/v parameters), not interleaved per KV group, so it is HF's three weights stacked (weights.py).
+        fuse_qkv_params=True,
+        qkv_weight_interleaved=False,
         # A string: TE's modules test `device == "meta"` to defer init, which a torch.device fails.
         device=str(device),
     )

@@ -2,16 +2,22 @@
 
 Pure tensor code (no Transformer Engine import), so it is tested on any CPU machine.
 The TE side is :mod:`llama_fp8.models.te.model`'s model, built from ``te.TransformerLayer`` with
-``fuse_qkv_params=False``; its per-layer parameter names (checked against TE's own state_dict in
-tests/te_real) are::
+``fuse_qkv_params=True, qkv_weight_interleaved=False``; its per-layer parameter names (checked against
+TE's own state_dict in tests/models/te/test_te_real_structure.py) are::
 
-    model.layers.N.te_layer.self_attention.layernorm_qkv.{layer_norm_weight,query_weight,key_weight,value_weight}
+    model.layers.N.te_layer.self_attention.layernorm_qkv.{layer_norm_weight,weight}
     model.layers.N.te_layer.self_attention.proj.weight
     model.layers.N.te_layer.layernorm_mlp.{layer_norm_weight,fc1_weight,fc2_weight}
 
-``fc1_weight`` (2*ffn, hidden) is ``[gate_proj; up_proj]``: TE's swiglu applies SiLU to the first
-half. Embedding, final norm and LM head keep HF's names. TE's ``*._extra_state`` entries (FP8
-metadata) have no HF counterpart and are skipped.
+Two weights are fused, their row blocks stacked in HF order:
+- ``layernorm_qkv.weight`` (heads*d + 2*kv_heads*d, hidden) is ``[q_proj; k_proj; v_proj]``. Without
+  interleaving TE views the projection as (heads/kv_heads + 2, kv_heads, d) and splits it along the first
+  dimension (TE attention/multi_head_attention.py), so query head h is rows [h*d, (h+1)*d) and uses KV head
+  h // (heads/kv_heads), as HF's repeat_kv. (One GEMM instead of three; FP8 parameters need it: TE cannot
+  split an FP8 weight into q/k/v parameters.)
+- ``fc1_weight`` (2*ffn, hidden) is ``[gate_proj; up_proj]``: TE's swiglu applies SiLU to the first half.
+Embedding, final norm and LM head keep HF's names. TE's ``*._extra_state`` entries (FP8 metadata) have
+no HF counterpart and are skipped.
 """
 
 from __future__ import annotations
@@ -31,9 +37,9 @@ _MLP = "te_layer.layernorm_mlp."
 # HF suffix inside a layer -> (TE suffix inside the layer, row block in a fused weight or None)
 _LAYER_MAP: dict[str, tuple[str, int | None]] = {
     "input_layernorm.weight": (_QKV + "layer_norm_weight", None),
-    "self_attn.q_proj.weight": (_QKV + "query_weight", None),
-    "self_attn.k_proj.weight": (_QKV + "key_weight", None),
-    "self_attn.v_proj.weight": (_QKV + "value_weight", None),
+    "self_attn.q_proj.weight": (_QKV + "weight", 0),
+    "self_attn.k_proj.weight": (_QKV + "weight", 1),
+    "self_attn.v_proj.weight": (_QKV + "weight", 2),
     "self_attn.o_proj.weight": ("te_layer.self_attention.proj.weight", None),
     "post_attention_layernorm.weight": (_MLP + "layer_norm_weight", None),
     "mlp.gate_proj.weight": (_MLP + "fc1_weight", 0),
@@ -42,7 +48,7 @@ _LAYER_MAP: dict[str, tuple[str, int | None]] = {
 }
 _TE_LAYER_MAP: dict[str, list[str]] = {}
 for _hf, (_te, _part) in _LAYER_MAP.items():
-    _TE_LAYER_MAP.setdefault(_te, []).append(_hf)  # insertion order = block order (gate, up)
+    _TE_LAYER_MAP.setdefault(_te, []).append(_hf)  # insertion order = block order (q, k, v; gate, up)
 _SAME_NAME = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 
 
@@ -75,9 +81,7 @@ def expected_te_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
     kv_rows = (cfg.num_key_value_heads or cfg.num_attention_heads) * head_dim
     per_layer = {
         _QKV + "layer_norm_weight": (hidden,),
-        _QKV + "query_weight": (q_rows, hidden),
-        _QKV + "key_weight": (kv_rows, hidden),
-        _QKV + "value_weight": (kv_rows, hidden),
+        _QKV + "weight": (q_rows + 2 * kv_rows, hidden),
         "te_layer.self_attention.proj.weight": (hidden, q_rows),
         _MLP + "layer_norm_weight": (hidden,),
         _MLP + "fc1_weight": (2 * ffn, hidden),
@@ -90,27 +94,46 @@ def expected_te_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class _Mapping:
-    """The TE model's names for ``models.hf_io``."""
+def qkv_rows(cfg: Any) -> tuple[int, int, int]:
+    """Rows of q, k and v in the fused QKV weight of a LlamaConfig ``cfg``."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = (cfg.num_key_value_heads or cfg.num_attention_heads) * head_dim
+    return cfg.num_attention_heads * head_dim, kv, kv
+
+
+class TEMapping:
+    """The TE model's names for ``models.hf_io``; with a config it can also split the fused QKV weight."""
+
+    def __init__(self, cfg: Any = None):
+        self.cfg = cfg
 
     hf_to_key = staticmethod(hf_to_te_key)
     key_to_hf = staticmethod(te_to_hf_keys)
 
+    def block_sizes(self, key: str, rows: int) -> list[int]:
+        """Rows of each HF tensor stacked in ``key`` (fc1: two halves; QKV: from the head counts)."""
+        n = len(te_to_hf_keys(key))
+        if key.endswith(_QKV + "weight"):
+            if self.cfg is None:
+                raise ValueError(f"{key}: splitting the fused QKV weight needs the model config")
+            return list(qkv_rows(self.cfg))
+        return [rows // n] * n
 
-MAPPING = _Mapping()
+
+MAPPING = TEMapping()
 
 
-def te_state_to_hf(te_state: Mapping[str, torch.Tensor], tie_word_embeddings: bool = False) -> dict:
-    """TE state dict -> HF names (for export). Fused fc1 is split into gate/up views.
-
-    With tied embeddings ``lm_head.weight`` is left out, as ``save_pretrained`` does.
+def te_state_to_hf(te_state: Mapping[str, torch.Tensor], cfg: Any, tie_word_embeddings: bool = False) -> dict:
+    """TE state dict -> HF names (for export), for a LlamaConfig ``cfg``. Fused QKV and fc1 are split into
+    q/k/v and gate/up views. With tied embeddings ``lm_head.weight`` is left out, as ``save_pretrained`` does.
     """
-    return hf_io.to_hf_names(te_state, MAPPING, tie_word_embeddings)
+    return hf_io.to_hf_names(te_state, TEMapping(cfg), tie_word_embeddings)
 
 
 def load_hf_checkpoint_into_te(target: Mapping[str, Any], hf_dir: str | Path,
                                write: hf_io.WriteFn | None = None) -> list[str]:
     """Load an HF Llama safetensors checkpoint into a TE model's tensors (``target``: TE key -> full-shape
     tensor), one tensor at a time; ``write(te_key, rows, tensor)`` stores one HF tensor (``rows``: the
-    slice of dim 0 a fused weight's block fills, else None). See ``models.hf_io.load``."""
+    slice of dim 0 a fused weight's block fills, else None; blocks are placed by the checkpoint's own
+    shapes). See ``models.hf_io.load``."""
     return hf_io.load(target, hf_dir, MAPPING, write)

@@ -1,0 +1,56 @@
+"""FP8 primary weights (``--fp8_all_gather 1`` with the TE model): TE modules built under
+``quantized_model_init`` hold FP8 weights, which FSDP2 then all-gathers as FP8 bytes (half of BF16's).
+
+Such a module cannot be materialized by ``to_empty`` and filled in place like a BF16 one: its weights are
+``QuantizedTensor`` subclasses. TE's own FSDP2 path (its tests/pytorch/distributed/fsdp2_tests) builds on
+meta, shards, then calls ``reset_parameters()``, which allocates each local shard, runs the parameter's
+``init_fn`` on the high-precision values and quantizes them (reducing the amax over the shard group for
+current scaling). We follow it, with one change: each parameter's ``init_fn`` is replaced by our own
+sharding-independent init of exactly the rows that shard holds (``models.common.init_rows_``), so an FP8-
+parameter run starts from the same values as its BF16 partner (before quantization). All other modules are
+materialized by ``to_empty`` and initialized as usual.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from llama_fp8.models.common import canonical_name, init_rows_, local_rows
+
+
+def fp8_param_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """TE modules whose primary weights are FP8 (built under ``quantized_model_init``)."""
+    for prefix, module in model.named_modules():
+        if getattr(module, "primary_weights_in_fp8", False):
+            yield prefix, module
+
+
+def owned(model: nn.Module) -> set[int]:
+    """Ids of the parameters that ``materialize`` initialized (TE's reset_parameters with our values)."""
+    return {id(p) for _, m in fp8_param_modules(model) for p in m.parameters(recurse=False)}
+
+
+def materialize(model: nn.Module, device: torch.device, cfg) -> int:
+    """Allocate the sharded meta model: FP8-weight modules through TE's ``reset_parameters`` (initialized with
+    our values), every other module with ``to_empty``. Returns the number of FP8-weight modules."""
+    count = 0
+    for prefix, module in model.named_modules():
+        if not getattr(module, "primary_weights_in_fp8", False):
+            module.to_empty(device=device, recurse=False)
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            _, row0 = local_rows(param)  # metadata only: works on a meta DTensor
+            full = canonical_name(f"{prefix}.{name}" if prefix else name)
+            module.param_init_meta[name].init_fn = functools.partial(_init, row0=row0, name=full, cfg=cfg)
+        module.reset_parameters()
+        count += 1
+    return count
+
+
+@torch.no_grad()
+def _init(local: torch.Tensor, *, row0: int, name: str, cfg) -> None:
+    init_rows_(local, row0, name, cfg)
