@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -127,29 +128,38 @@ def canonical_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
+Blocks = list[tuple[str, int, int]]
+"""Row blocks of a parameter: (the name whose seed draws them, first row in the parameter, rows)."""
+
+
 @torch.no_grad()
-def init_weights(model: nn.Module, cfg: TrainConfig, skip: set[int] = frozenset()) -> None:
+def init_weights(model: nn.Module, cfg: TrainConfig, skip: set[int] = frozenset(),
+                 blocks_of: Callable[[str, int], Blocks | None] | None = None) -> None:
     """Initialize every parameter (but those whose id is in ``skip``) after ``to_empty``; each rank fills
-    only its own rows."""
+    only its own rows. ``blocks_of(name, rows)`` may split a fused parameter into the tensors it stacks, each
+    drawn under its own name (so a fused weight starts from the same values as its unfused counterparts)."""
     seen: set[int] = set(skip)
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
         local, row0 = local_rows(p)
-        init_rows_(local, row0, canonical_name(name), cfg)
+        name = canonical_name(name)
+        init_rows_(local, row0, name, cfg, blocks_of(name, p.shape[0]) if blocks_of and p.dim() >= 2 else None)
 
 
 @torch.no_grad()
-def init_rows_(local: torch.Tensor, row0: int, name: str, cfg: TrainConfig) -> None:
-    """HF Llama's init of rows [row0, ...) of parameter ``name``: N(0, initializer_range) for matrices, zeros
-    for biases, ones for norm weights."""
-    if local.dim() >= 2:
-        fill_rows_normal_(local, row0, cfg.initializer_range, cfg.seed, name)
-    elif name.endswith("bias"):
-        local.zero_()
-    else:  # RMSNorm weights
-        local.fill_(1.0)
+def init_rows_(local: torch.Tensor, row0: int, name: str, cfg: TrainConfig, blocks: Blocks | None = None) -> None:
+    """HF Llama's init of rows [row0, ...) of parameter ``name``: N(0, initializer_range) for matrices (by
+    ``blocks``, default: the whole parameter under its own name), zeros for biases, ones for norm weights."""
+    if local.dim() < 2:
+        local.zero_() if name.endswith("bias") else local.fill_(1.0)  # RMSNorm weights: ones
+        return
+    end = row0 + local.shape[0]
+    for seed_name, start, rows in blocks or [(name, 0, end)]:
+        lo, hi = max(start, row0), min(start + rows, end)
+        if lo < hi:
+            fill_rows_normal_(local[lo - row0:hi - row0], lo - start, cfg.initializer_range, cfg.seed, seed_name)
 
 
 @torch.no_grad()

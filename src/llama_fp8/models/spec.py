@@ -80,8 +80,20 @@ class ModelImpl:
         """After ``to_empty``: every parameter (sharded or not), the same values on any world size."""
         from llama_fp8.models import common
 
-        common.init_weights(model, cfg)
+        common.init_weights(model, cfg, blocks_of=lambda name, rows: self.init_blocks(name, rows, cfg))
         self.reset_buffers(model, device)
+
+    def init_blocks(self, name: str, rows: int, cfg: TrainConfig) -> list[tuple[str, int, int]] | None:
+        """How to draw a parameter's rows: by default under its own name. A fused parameter is drawn as the
+        HF tensors it stacks, each under its HF name, so every implementation starts from the same values."""
+        names = self.key_to_hf(name)
+        if len(names) == 1:
+            return None if names[0] == name else [(names[0], 0, rows)]
+        sizes, start, out = self.block_sizes(name, rows, cfg), 0, []
+        for hf_name, n in zip(names, sizes, strict=True):
+            out.append((hf_name, start, n))
+            start += n
+        return out
 
     def reset_buffers(self, model: nn.Module, device: torch.device) -> None:
         """Recompute non-persistent buffers, which ``to_empty`` leaves as garbage (also after a load)."""
@@ -111,7 +123,7 @@ class ModelImpl:
         """This model's parameter name -> the HF names stacked in it (along dim 0)."""
         return [key]
 
-    def block_sizes(self, key: str, rows: int) -> list[int]:
+    def block_sizes(self, key: str, rows: int, cfg: TrainConfig | None = None) -> list[int]:
         """Rows of each HF tensor stacked in ``key`` (equal blocks unless an implementation says otherwise)."""
         n = len(self.key_to_hf(key))
         return [rows // n] * n

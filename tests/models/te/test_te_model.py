@@ -259,3 +259,69 @@ def test_te_checkpoint_hooks_save_scaling_state_as_tensors_and_never_a_pickle():
     assert torch.equal(fresh.fp8_meta["scaling_bwd"].amax_history, saved.fp8_meta["scaling_bwd"].amax_history)
     assert fresh.fp8_meta["scaling_bwd"].amax_history.data_ptr() == ptr  # in place
     assert fresh.loaded_extra == [None]
+
+
+def test_te_model_starts_from_the_hf_models_values(gloo_one_rank, monkeypatch):
+    """Audit of the TE init after fully_shard + to_empty: every TE weight, fused ones included, holds exactly
+    the values the HF model's init gives the HF tensors it maps to (each block drawn under its HF name), so
+    the HF-BF16 vs TE-FP8 comparison starts from one init; norms are ones; matrix stds are the preset's."""
+    from llama_fp8 import config as C
+    from llama_fp8 import models, parallel
+    from llama_fp8.models.common import hf_config
+    from llama_fp8.models.te.weights import te_state_to_hf
+
+    monkeypatch.setattr(te_llama, "te_import", lambda: types.SimpleNamespace(TransformerLayer=FakeTransformerLayer))
+    cfg = C.parse_args(["--model", "tiny", "--num_layers", "2", "--device", "cpu"])
+    env = parallel.DistEnv(0, 0, 1, 1, torch.device("cpu"))
+    states = {}
+    for name in ("te", "hf"):
+        impl = models.get(name)
+        with torch.device("meta"):
+            model = impl.build(cfg)
+        parallel.parallelize(model, impl, parallel.build_mesh(parallel.ParallelDims.from_config(cfg, env), env), cfg)
+        impl.materialize(model, torch.device("cpu"), cfg)
+        impl.init_weights(model, cfg, torch.device("cpu"))
+        states[name] = {k: v.full_tensor() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
+    te_as_hf = te_state_to_hf(states["te"], hf_config(cfg))
+    assert set(te_as_hf) == set(states["hf"])
+    for key, want in states["hf"].items():
+        assert torch.equal(te_as_hf[key], want), key
+    qkv = states["te"]["model.layers.1.te_layer.self_attention.layernorm_qkv.weight"]
+    assert abs(qkv.std().item() - cfg.initializer_range) < 0.05 * cfg.initializer_range
+
+
+@pytest.mark.parametrize("preset", ["llama3.1-8b", "llama3.2-1b", "llama2-7b"])
+def test_rope_equals_hf_bitwise_at_every_position(preset):
+    """Audit of the TE model's RoPE: with each preset's theta and (Llama 3.1) llama3 scaling, the angles we
+    hand TE give exactly HF's cos and sin (FP32, before any cast) at every position up to the preset's
+    max_position_embeddings (131072 for Llama 3.1/3.2), and the inverse frequencies are HF's to the bit."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from llama_fp8 import config as C
+    from llama_fp8.models.common import hf_config
+
+    cfg = hf_config(C.parse_args(["--model", preset]))
+    theta, scaling = te_llama.rope_settings(cfg)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    hf = LlamaRotaryEmbedding(cfg)
+    assert hf.attention_scaling == 1.0  # HF would scale cos/sin otherwise; TE does not
+    assert torch.equal(te_llama.rope_inv_freq(head_dim, theta, scaling), hf.inv_freq)
+    T = cfg.max_position_embeddings
+    cos, sin = hf(torch.zeros(1, T, head_dim), torch.arange(T)[None])
+    angles = te_llama.LlamaRotary(head_dim, theta, scaling)(T, torch.device("cpu"))[:, 0, 0]
+    assert torch.equal(angles.cos(), cos[0]) and torch.equal(angles.sin(), sin[0])
+
+
+def test_fp8_amax_reduction_group_is_every_data_parallel_rank(gloo_one_rank, monkeypatch):
+    """Audit: TE's delayed-scaling amax reduction runs over the whole world (replicas x shards under HSDP):
+    all ranks run the same model, so each FP8 tensor gets one scale everywhere; FP8 weights sharded by FSDP2
+    need it (only their FP8 bytes are all-gathered, the scale travels as metadata)."""
+    import torch.distributed as dist
+
+    from llama_fp8.models.te import precision as te_precision
+    from llama_fp8.models.te import recipes as te_recipes
+
+    seen = []
+    monkeypatch.setattr(te_recipes, "autocast", lambda enabled, recipe, group: seen.append((enabled, group)))
+    te_precision.TEFp8("R", all_gather=False, stateful=False).autocast()
+    assert seen == [(True, dist.group.WORLD)]

@@ -110,3 +110,24 @@ def test_rotary_angles_reach_the_real_te_layer_in_fp32(one_rank):
     assert seen["kwargs"]["rotary_pos_emb"].dtype == torch.float32
     assert torch.equal(seen["kwargs"]["rotary_pos_emb"], want)
     assert seen["args"][0].dtype == torch.bfloat16
+
+
+def test_te_init_equals_the_hf_init_through_the_mapping(one_rank):
+    """Real TE layers (fused QKV) after our sharded init hold exactly the HF model's init, mapped."""
+    from llama_fp8.models.common import hf_config
+    from llama_fp8.models.te.weights import te_state_to_hf
+
+    cfg = C.parse_args(ARGS)
+    te_model = build_sharded(cfg, one_rank)
+    TE.init_weights(te_model, cfg, torch.device("cpu"))
+    hf_impl = models.get("hf")
+    with torch.device("meta"):
+        hf = hf_impl.build(cfg)
+    hf.to_empty(device="cpu")
+    hf_impl.init_weights(hf, cfg, torch.device("cpu"))
+    te_state = {k: v.full_tensor() for k, v in te_model.state_dict().items() if hasattr(v, "full_tensor")}
+    mapped = te_state_to_hf(te_state, hf_config(cfg))
+    for key, want in hf.state_dict().items():
+        if key in mapped:
+            assert torch.equal(mapped[key], want), key
+    assert set(mapped) == {k for k in hf.state_dict() if "rotary" not in k}

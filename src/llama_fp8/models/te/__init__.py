@@ -69,13 +69,16 @@ class TEImpl(ModelImpl):
         """FP8-weight modules (``--fp8_all_gather 1``) through TE's reset_parameters, the rest by to_empty."""
         from llama_fp8.models.te import fp8_params
 
-        fp8_params.materialize(model, device, cfg)
+        fp8_params.materialize(model, device, cfg, blocks_of=lambda name, rows: self.init_blocks(name, rows, cfg))
 
     def init_weights(self, model: nn.Module, cfg, device: torch.device) -> None:
         from llama_fp8.models import common
         from llama_fp8.models.te import fp8_params
 
-        common.init_weights(model, cfg, skip=fp8_params.owned(model))  # FP8 weights: set by materialize
+        # FP8 weights are set by materialize; every other weight is drawn under its HF name(s), so the TE model
+        # starts from exactly the HF model's values (the HF-BF16 vs TE-FP8 comparison starts from one init).
+        common.init_weights(model, cfg, skip=fp8_params.owned(model),
+                            blocks_of=lambda name, rows: self.init_blocks(name, rows, cfg))
 
     def check_weights(self, model: nn.Module, cfg) -> None:
         from llama_fp8.models import common
@@ -107,6 +110,13 @@ class TEImpl(ModelImpl):
         from llama_fp8.models.te.weights import te_to_hf_keys
 
         return te_to_hf_keys(key)
+
+    def block_sizes(self, key: str, rows: int, cfg=None) -> list[int]:
+        """fc1: two halves; the fused QKV: q, k, v rows from the head counts (needs ``cfg``)."""
+        from llama_fp8.models.common import hf_config
+        from llama_fp8.models.te.weights import TEMapping
+
+        return TEMapping(hf_config(cfg) if cfg is not None else None).block_sizes(key, rows)
 
     def to_hf_state(self, state, cfg):
         """TE names -> HF (fused QKV and fc1 split); the FP8 scaling buffers have no HF counterpart."""

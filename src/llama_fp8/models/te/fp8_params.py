@@ -14,7 +14,7 @@ materialized by ``to_empty`` and initialized as usual.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -34,9 +34,10 @@ def owned(model: nn.Module) -> set[int]:
     return {id(p) for _, m in fp8_param_modules(model) for p in m.parameters(recurse=False)}
 
 
-def materialize(model: nn.Module, device: torch.device, cfg) -> int:
+def materialize(model: nn.Module, device: torch.device, cfg, blocks_of: Callable | None = None) -> int:
     """Allocate the sharded meta model: FP8-weight modules through TE's ``reset_parameters`` (initialized with
-    our values), every other module with ``to_empty``. Returns the number of FP8-weight modules."""
+    our values; ``blocks_of`` as for ``common.init_weights``), every other module with ``to_empty``. Returns
+    the number of FP8-weight modules."""
     count = 0
     for prefix, module in model.named_modules():
         if not getattr(module, "primary_weights_in_fp8", False):
@@ -45,12 +46,10 @@ def materialize(model: nn.Module, device: torch.device, cfg) -> int:
         for name, param in module.named_parameters(recurse=False):
             _, row0 = local_rows(param)  # metadata only: works on a meta DTensor
             full = canonical_name(f"{prefix}.{name}" if prefix else name)
-            module.param_init_meta[name].init_fn = functools.partial(_init, row0=row0, name=full, cfg=cfg)
+            blocks = blocks_of(full, param.shape[0]) if blocks_of and param.dim() >= 2 else None
+            module.param_init_meta[name].init_fn = functools.partial(init_rows_, row0=row0, name=full, cfg=cfg,
+                                                                     blocks=blocks)
         module.reset_parameters()
         count += 1
     return count
 
-
-@torch.no_grad()
-def _init(local: torch.Tensor, *, row0: int, name: str, cfg) -> None:
-    init_rows_(local, row0, name, cfg)
