@@ -156,10 +156,17 @@ class TrainConfig:
     # --- parallelism ---------------------------------------------------------------------------------
     sharding_strategy: str = _f("full", "full: shard over all ranks; hybrid: replicate across nodes, shard "
                                 "within a node (HSDP)", choices=("full", "hybrid"), group="parallel")
-    dp_replicate_size: int = _f(1, "HSDP replicas (1 = plain FSDP; -1 = world / --dp_shard_size)", min=-1,
+    dp_replicate_size: int = _f(1, "HSDP replicas (1 = plain FSDP; -1 = the rest of the world)", min=-1,
                                 group="parallel")
     dp_shard_size: int = _f(-1, "ranks each replica shards over (-1 = the rest of the world)", min=-1,
                             group="parallel")
+    tp_size: int = _f(1, "tensor-parallel ranks (keep within a node): each decoder block's linears split across them, "
+                      "with sequence parallelism (Hugging Face model; torchao FP8 tensorwise)", min=1, group="parallel")
+    cp_size: int = _f(1, "context-parallel ranks: each sequence split across them in load-balanced chunks (long "
+                      "contexts; needs CUDA)", min=1, group="parallel")
+    cp_comm_type: str = _f("p2p", "how context-parallel ranks exchange keys and values: p2p (ring), all_gather, a2a "
+                           "(Ulysses: heads across ranks; TE model), a2a+p2p (a2a within pairs, p2p between; TE model)",
+                           choices=("p2p", "all_gather", "a2a", "a2a+p2p"), group="parallel")
     activation_checkpointing: str = _f("0", "recompute activations in backward: 0 off, 1 every decoder block, "
                                        "selective (HF model: keep matmul outputs, recompute the rest)",
                                        choices=("0", "1", "selective"), group="parallel")

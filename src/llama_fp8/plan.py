@@ -61,6 +61,7 @@ def _decide_setup(cfg: TrainConfig, env: DistEnv):
     from llama_fp8 import data
 
     dims = ParallelDims.from_config(cfg, env)
+    parallel.check_shapes(cfg, dims)
     try:
         data.validate_data_config(cfg, dims.dp_size)
     except ValueError as e:

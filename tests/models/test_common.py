@@ -119,9 +119,20 @@ def test_fill_normal_rows_do_not_depend_on_the_split(monkeypatch):
     M.fill_normal_(full, 0.02, 3, "w")
     for lo, hi in ((0, 300), (300, 700), (250, 260)):
         part = torch.empty(hi - lo, 24)
-        monkeypatch.setattr(M, "local_rows", lambda p, lo=lo: (p, lo))
+        monkeypatch.setattr(M, "local_part", lambda p, lo=lo: (p, (lo, 0), (700, 24)))
         M.fill_normal_(part, 0.02, 3, "w")
         assert torch.equal(part, full[lo:hi])
+
+
+def test_fill_normal_columns_do_not_depend_on_the_split(monkeypatch):
+    """Tensor parallelism shards row-parallel weights along columns (FSDP2 then along rows): a rank holding
+    rows [300, 700) x columns [8, 16) gets exactly that block of the full init."""
+    full = torch.empty(700, 24)
+    M.fill_normal_(full, 0.02, 3, "w")
+    part = torch.empty(400, 8)
+    monkeypatch.setattr(M, "local_part", lambda p: (p, (300, 8), (700, 24)))
+    M.fill_normal_(part, 0.02, 3, "w")
+    assert torch.equal(part, full[300:, 8:16])
 
 
 def test_model_impl_auto_is_hf_on_cpu_whatever_fp8():

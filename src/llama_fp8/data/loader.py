@@ -93,13 +93,24 @@ class SyntheticLoader:
             yield batch
 
     def state_dict(self) -> dict:
-        """Batches consumed; the next global sample is ``step * B * dp_world`` (rescale ``step`` to
-        resume with another B * dp_world)."""
-        return {"version": STATE_VERSION, "kind": "synthetic", "step": self._step}
+        """Batches consumed; the next global sample is ``step * batch_size * dp_world``."""
+        return {"version": STATE_VERSION, "kind": "synthetic", "step": self._step, "dp_world": self._world,
+                "batch_size": self._cfg.train_batch_size}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume at the same global sample, also with another data-parallel layout or batch size (a resume
+        from (dp=2, tp=2) at (dp=4, tp=1) with half the batch reads the same samples); ``step`` is rescaled."""
         _check_state(state, "synthetic")
-        self._step = int(state["step"])
+        step = int(state["step"])
+        saved = int(state.get("dp_world", self._world)) * int(state.get("batch_size", self._cfg.train_batch_size))
+        mine = self._world * self._cfg.train_batch_size
+        if saved != mine:
+            if (step * saved) % mine:
+                raise DataStateError(f"the synthetic data position (sample {step * saved}) is not a whole number of "
+                                     f"batches of {mine} samples (--train_batch_size x data-parallel ranks); resume "
+                                     f"with a global batch that divides it")
+            step = step * saved // mine
+        self._step = step
 
 
 # --------------------------------------------------------------------------------- train loader

@@ -84,42 +84,48 @@ def model_size(model: nn.Module, cfg: TrainConfig) -> ModelSize:
     return ModelSize(num_params=total, num_embedding_params=emb, flops_per_token=6.0 * n_matmul + attn)
 
 
-def local_rows(p: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(local tensor, first global row it holds) for a plain tensor or a dim-0 sharded DTensor."""
+def local_part(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(local tensor, its offset in the full tensor along each dimension, the full shape) for a plain tensor
+    or a DTensor sharded along any dimensions (FSDP2 along rows; tensor parallelism along rows or columns)."""
     if not hasattr(p, "to_local"):
-        return p, 0
+        return p, (0,) * p.dim(), tuple(p.shape)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    local = p.to_local()
     _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    assert all(o == 0 for o in offset[1:]), f"only dim-0 sharding is supported, got offset {offset}"
-    return local, offset[0] if local.dim() else 0
+    return p.to_local(), tuple(offset), tuple(p.shape)
+
+
+def _cols(local: torch.Tensor, offset: tuple[int, ...]) -> tuple[slice, ...]:
+    """Index of the local part's columns (every dimension after the first) in full-width rows."""
+    return (slice(None), *(slice(o, o + n) for o, n in zip(offset[1:], local.shape[1:])))
 
 
 @torch.no_grad()
 def fill_normal_(p: torch.Tensor, std: float, seed: int, name: str) -> None:
     """Fill p (or its local shard) with N(0, std) drawn block by block from generators seeded by
-    (seed, name, block). Rows are identical whatever the sharding; only local rows are generated."""
-    local, row0 = local_rows(p)
-    fill_rows_normal_(local, row0, std, seed, name)
+    (seed, name, block). Values are identical whatever the sharding; only local rows are generated."""
+    local, offset, full = local_part(p)
+    fill_part_normal_(local, offset, full, std, seed, name)
 
 
 @torch.no_grad()
-def fill_rows_normal_(local: torch.Tensor, row0: int, std: float, seed: int, name: str) -> None:
-    """``fill_normal_`` for a tensor holding rows [row0, row0 + len(local)) of parameter ``name``."""
+def fill_part_normal_(local: torch.Tensor, offset: tuple[int, ...], full_shape: tuple[int, ...], std: float,
+                      seed: int, name: str) -> None:
+    """``fill_normal_`` for the part of parameter ``name`` (full shape ``full_shape``) that starts at
+    ``offset``: full-width rows are drawn, the part's columns cut out of them."""
     if local.numel() == 0:
         return
-    rows, row_shape = local.shape[0], local.shape[1:]
+    row0, rows, cols = offset[0], local.shape[0], _cols(local, offset)
     first, last = row0 // INIT_BLOCK_ROWS, (row0 + rows - 1) // INIT_BLOCK_ROWS
     gen = torch.Generator(device=local.device)
     base = zlib.crc32(name.encode()) ^ (seed * 0x9E3779B1)
     for block in range(first, last + 1):
         gen.manual_seed((base * 1_000_003 + block) % (2**63))
         b0 = block * INIT_BLOCK_ROWS
-        values = torch.empty((INIT_BLOCK_ROWS, *row_shape), device=local.device, dtype=torch.float32)
+        values = torch.empty((INIT_BLOCK_ROWS, *full_shape[1:]), device=local.device, dtype=torch.float32)
         values.normal_(0.0, std, generator=gen)
         lo, hi = max(b0, row0), min(b0 + INIT_BLOCK_ROWS, row0 + rows)
-        local[lo - row0:hi - row0].copy_(values[lo - b0:hi - b0])
+        local[lo - row0:hi - row0].copy_(values[lo - b0:hi - b0][cols])
 
 
 def canonical_name(name: str) -> str:
@@ -143,23 +149,26 @@ def init_weights(model: nn.Module, cfg: TrainConfig, skip: set[int] = frozenset(
         if id(p) in seen:
             continue
         seen.add(id(p))
-        local, row0 = local_rows(p)
+        local, offset, full = local_part(p)
         name = canonical_name(name)
-        init_rows_(local, row0, name, cfg, blocks_of(name, p.shape[0]) if blocks_of and p.dim() >= 2 else None)
+        init_part_(local, offset, full, name, cfg, blocks_of(name, p.shape[0]) if blocks_of and p.dim() >= 2 else None)
 
 
 @torch.no_grad()
-def init_rows_(local: torch.Tensor, row0: int, name: str, cfg: TrainConfig, blocks: Blocks | None = None) -> None:
-    """HF Llama's init of rows [row0, ...) of parameter ``name``: N(0, initializer_range) for matrices (by
-    ``blocks``, default: the whole parameter under its own name), zeros for biases, ones for norm weights."""
+def init_part_(local: torch.Tensor, offset: tuple[int, ...], full_shape: tuple[int, ...], name: str,
+               cfg: TrainConfig, blocks: Blocks | None = None) -> None:
+    """HF Llama's init of the part of parameter ``name`` at ``offset``: N(0, initializer_range) for matrices
+    (by ``blocks`` of rows, default: the whole parameter under its own name), zeros for biases, ones for norm
+    weights."""
     if local.dim() < 2:
         local.zero_() if name.endswith("bias") else local.fill_(1.0)  # RMSNorm weights: ones
         return
-    end = row0 + local.shape[0]
-    for seed_name, start, rows in blocks or [(name, 0, end)]:
+    row0, end = offset[0], offset[0] + local.shape[0]
+    for seed_name, start, rows in blocks or [(name, 0, full_shape[0])]:
         lo, hi = max(start, row0), min(start + rows, end)
         if lo < hi:
-            fill_rows_normal_(local[lo - row0:hi - row0], lo - start, cfg.initializer_range, cfg.seed, seed_name)
+            fill_part_normal_(local[lo - row0:hi - row0], (lo - start, *offset[1:]), (rows, *full_shape[1:]),
+                              cfg.initializer_range, cfg.seed, seed_name)
 
 
 @torch.no_grad()

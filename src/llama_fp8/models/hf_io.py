@@ -119,15 +119,16 @@ def copy_into(target: Mapping[str, torch.Tensor]) -> WriteFn:
 
 def sharded_writer(params: Mapping[str, torch.Tensor]) -> WriteFn:
     """Writer into (possibly FSDP-sharded) parameters: each rank copies only the rows it holds."""
-    from llama_fp8.models.common import local_rows
+    from llama_fp8.models.common import local_part
 
     @torch.no_grad()
     def write(key: str, rows: slice | None, tensor: torch.Tensor) -> None:
-        local, row0 = local_rows(params[key])
-        lo, hi = (0, tensor.shape[0]) if rows is None else (rows.start, rows.stop)
+        local, offset, _ = local_part(params[key])
+        row0, lo, hi = offset[0], *((0, tensor.shape[0]) if rows is None else (rows.start, rows.stop))
         a, b = max(lo, row0), min(hi, row0 + local.shape[0])
-        if a < b:  # the part of this (block of the) tensor that this rank holds
-            local[a - row0:b - row0].copy_(tensor[a - lo:b - lo].to(local.dtype))
+        if a < b:  # the part of this (block of the) tensor that this rank holds: its rows, then its columns
+            cols = (slice(None), *(slice(o, o + n) for o, n in zip(offset[1:], local.shape[1:])))
+            local[a - row0:b - row0].copy_(tensor[a - lo:b - lo][cols].to(local.dtype))
 
     return write
 

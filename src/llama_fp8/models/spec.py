@@ -40,6 +40,10 @@ class ModelImpl:
     """Whether FSDP2's mixed-precision policy may cast the floating inputs of a decoder block to the
     parameter dtype (False when a block takes inputs that must stay FP32)."""
     activation_checkpointing_modes: tuple[str, ...] = ("1", "selective")
+    tensor_parallel: bool = False
+    """Has a tensor-parallel plan (``apply_tensor_parallel``)."""
+    context_parallel: bool = False
+    """Supports context parallelism (``apply_context_parallel``)."""
 
     # --- choice ------------------------------------------------------------------------------------
     def unavailable(self, device: torch.device) -> str | None:
@@ -63,6 +67,29 @@ class ModelImpl:
             modes = ", ".join(["0", *self.activation_checkpointing_modes])
             raise ConfigError(f"--activation_checkpointing {cfg.activation_checkpointing} does not work with "
                               f"--model_impl {self.name}; valid with it: {modes}")
+        if cfg.tp_size > 1 and not self.tensor_parallel:
+            raise ConfigError(f"--tp_size {cfg.tp_size}: --model_impl {self.name} has no tensor-parallel plan")
+        if cfg.cp_size > 1 and not self.context_parallel:
+            raise ConfigError(f"--cp_size {cfg.cp_size}: --model_impl {self.name} has no context parallelism")
+
+    # --- tensor and context parallelism (the plans parallelize() applies) ---------------------------------
+    def apply_tensor_parallel(self, model: nn.Module, tp_mesh, cfg: TrainConfig, fp8_collectives: bool) -> None:
+        """Split the blocks' linears over ``tp_mesh`` (before FSDP2). Only called when ``check`` allowed TP."""
+        raise NotImplementedError
+
+    def apply_context_parallel(self, model: nn.Module, cp_mesh, cfg: TrainConfig, dims) -> str:
+        """Prepare the model for context parallelism over ``cp_mesh``; returns how a step's batch is cut:
+        "torch" (torch's context_parallel cuts it and runs ring attention) or "split" (cut here, the model's
+        attention exchanges keys and values itself). Only called when ``check`` allowed CP."""
+        raise NotImplementedError
+
+    def cp_rotate(self, cfg: TrainConfig) -> str:
+        """torch context parallelism: how key/value shards travel (set_rotate_method's name)."""
+        return "allgather"
+
+    def model_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The forward's keyword inputs for a (B, T) batch of token ids."""
+        return {"input_ids": input_ids}
 
     # --- build and initialize ----------------------------------------------------------------------
     def build(self, cfg: TrainConfig) -> nn.Module:

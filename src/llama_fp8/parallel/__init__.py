@@ -2,7 +2,8 @@
 fixed order (``parallelize``)."""
 
 from llama_fp8.errors import AgreedError
-from llama_fp8.parallel.dims import ParallelDims, build_mesh
+from llama_fp8.parallel.context import StepContext
+from llama_fp8.parallel.dims import ParallelDims, build_mesh, check_shapes
 from llama_fp8.parallel.dist import (
            DistEnv,
            all_reduce_mean,
@@ -12,5 +13,5 @@ from llama_fp8.parallel.dist import (
 )
 from llama_fp8.parallel.parallelize import parallelize
 
-__all__ = ["AgreedError", "DistEnv", "ParallelDims", "all_reduce_mean", "build_mesh", "destroy_distributed",
-           "init_distributed", "on_every_rank", "parallelize"]
+__all__ = ["AgreedError", "DistEnv", "ParallelDims", "StepContext", "all_reduce_mean", "build_mesh", "check_shapes",
+           "destroy_distributed", "init_distributed", "on_every_rank", "parallelize"]

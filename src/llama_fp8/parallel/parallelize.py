@@ -1,28 +1,53 @@
-"""FSDP2 around a model, in one fixed order: the only place that shards anything.
+"""Tensor parallelism, context parallelism and FSDP2 around a model, in one fixed order: the only place that
+shards anything.
 
-activation checkpointing -> torch.compile per block -> fully_shard per block -> fully_shard the root.
-What differs per model implementation (its AC wrapper, whether FSDP2 may cast a block's inputs, what
-must survive the swap to DTensors) comes from the implementation object.
+(FP8 conversion on meta, done before) -> tensor parallelism -> context parallelism -> activation
+checkpointing -> torch.compile per block -> fully_shard per block -> fully_shard the root.
+
+TP first, so that FSDP2 shards the TP-local weights further (2-D DTensors); FSDP2 runs on the data-parallel
+part of the mesh only (never a mesh with tp in it). What differs per model implementation (its TP plan, its
+CP mechanism, its AC wrapper, whether FSDP2 may cast a block's inputs, what must survive the swap to
+DTensors) comes from the implementation object.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
+from llama_fp8.parallel.context import StepContext
+from llama_fp8.parallel.dims import ParallelDims, fsdp_mesh
 
-def parallelize(model: nn.Module, impl, mesh, cfg) -> nn.Module:
-    """Shard ``model`` (on meta, FP8-converted already) over ``mesh``. With --bf16 1, parameters are
-    all-gathered in BF16 and gradients reduced in FP32."""
+log = logging.getLogger(__name__)
+
+
+def parallelize(model: nn.Module, impl, mesh, cfg, dims: ParallelDims | None = None,
+                fp8_collectives: bool = False) -> StepContext:
+    """Shard ``model`` (on meta, FP8-converted already) over ``mesh`` (``build_mesh(dims)``; without ``dims``,
+    a data-parallel mesh used as is). With --bf16 1, parameters are all-gathered in BF16 and gradients
+    reduced in FP32. ``fp8_collectives``: TP may all-gather in FP8 (torchao tensorwise on NCCL). Returns what
+    every training step runs inside."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+    context = StepContext()
+    if dims is not None and dims.tp > 1:
+        context.loss_parallel = impl.apply_tensor_parallel(model, mesh["tp"], cfg, fp8_collectives)
+        log.info("tensor parallel over %d ranks%s", dims.tp, " (FP8 collectives)" if fp8_collectives else "")
+    if dims is not None and dims.cp > 1:
+        context.cp_mesh = mesh["cp"]
+        context.cp_mode = impl.apply_context_parallel(model, mesh["cp"], cfg, dims)
+        context.cp_rotate = impl.cp_rotate(cfg)
+        log.info("context parallel over %d ranks (%s, %s)", dims.cp, context.cp_mode, cfg.cp_comm_type)
     layers = impl.decoder_layers(model)
     for i, layer in enumerate(layers):
         layer = impl.wrap_activation_checkpointing(layer, cfg.activation_checkpointing)
         if cfg.compile:
             layer.compile()  # in place: parameter names (and checkpoints) stay the same
         layers[i] = layer
-    root, block = {"mesh": mesh}, {"mesh": mesh}
+    dp_mesh = mesh if dims is None else fsdp_mesh(mesh, dims)
+    root, block = {"mesh": dp_mesh}, {"mesh": dp_mesh}
     if cfg.bf16:
         root["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         block["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -35,4 +60,4 @@ def parallelize(model: nn.Module, impl, mesh, cfg) -> nn.Module:
             # backward gather it straight back.
             fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **block)
         fully_shard(model, reshard_after_forward=False, **root)
-    return model
+    return context

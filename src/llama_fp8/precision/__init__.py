@@ -115,6 +115,12 @@ def _implementations():
     return models.implementations()
 
 
+def fp8_collectives(choice: PrecisionChoice) -> bool:
+    """Whether tensor parallelism may all-gather and reduce-scatter in FP8: a recipe with FP8 tensor-parallel
+    layers, on real FP8 hardware (emulation runs on CPU, whose gloo has no float8 type)."""
+    return choice.backend != "none" and not choice.emulated and recipe_table.get(choice.recipe).tensor_parallel
+
+
 def build(choice: PrecisionChoice, impl, cfg) -> Any:
     """The runtime object (convert / autocast / model_init_context / post_step) for a choice."""
     if choice.backend == "none":

@@ -72,6 +72,10 @@ def check(cfg, recipe: Recipe, device: torch.device, world_size: int) -> bool:
         able = ", ".join(r.name for r in RECIPES if r.fp8_all_gather_since)
         raise ConfigError(f"--fp8_all_gather 1 works with the {able} recipe only (one scale per weight can be "
                           f"computed before the all-gather); got --fp8_recipe {recipe.name}")
+    if cfg.tp_size > 1 and not recipe.tensor_parallel:
+        able = ", ".join(r.name for r in RECIPES if r.tensor_parallel)
+        raise ConfigError(f"--fp8_recipe {recipe.name} with --tp_size {cfg.tp_size}: torchao's FP8 tensor-parallel "
+                          f"layers scale whole tensors; use --fp8_recipe {able}")
     if cfg.fp8_all_gather and device.type == "cpu" and world_size > 1:
         raise ConfigError("--fp8_all_gather 1 needs NCCL: gloo (CPU) has no float8 dtype to all-gather; on CPU it "
                           "runs with one process only")

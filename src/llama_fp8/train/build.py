@@ -17,15 +17,18 @@ from llama_fp8.models.common import ModelSize, model_size
 log = logging.getLogger("llama_fp8.train")
 
 
-def build_model(cfg: TrainConfig, env: parallel.DistEnv, plan, impl, prec) -> tuple[nn.Module, ModelSize]:
-    """Each rank only ever materializes its own shard: the model is built on meta, converted, sharded,
-    then ``to_empty`` allocates the local shards, which are initialized (or loaded) in place."""
+def build_model(cfg: TrainConfig, env: parallel.DistEnv, plan, impl, prec
+                ) -> tuple[nn.Module, ModelSize, parallel.StepContext]:
+    """Each rank only ever materializes its own shard: the model is built on meta, converted, parallelized,
+    then ``materialize`` allocates the local shards, which are initialized (or loaded) in place. Also returns
+    what every step runs inside (loss parallelism, context parallelism)."""
+    from llama_fp8 import precision
     with torch.device("meta"), prec.model_init_context():
         model = impl.build(cfg)
     size = model_size(model, cfg)
     model = prec.convert(model)
     mesh = parallel.build_mesh(plan.dims, env)
-    parallel.parallelize(model, impl, mesh, cfg)
+    context = parallel.parallelize(model, impl, mesh, cfg, plan.dims, precision.fp8_collectives(plan.precision))
     impl.materialize(model, env.device, cfg)
     if cfg.init_from_hf:
         try:
@@ -41,7 +44,7 @@ def build_model(cfg: TrainConfig, env: parallel.DistEnv, plan, impl, prec) -> tu
     log.info("model %s (%s): %.3fM parameters, %.3g FLOPs/token; mesh %s; precision %s", cfg.model, impl.name,
              size.num_params / 1e6, size.flops_per_token, dict(zip(mesh.mesh_dim_names, mesh.shape)),
              plan.precision.name)
-    return model, size
+    return model, size, context
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -87,13 +90,15 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg) / cfg.lr if cfg.lr else 0.0)
 
 
-def build_loaders(cfg: TrainConfig, env: parallel.DistEnv):
-    """This rank's endless training batches and, with --validation_freq, its validation batches."""
+def build_loaders(cfg: TrainConfig, env: parallel.DistEnv, dims: parallel.ParallelDims | None = None):
+    """This rank's endless training batches and, with --validation_freq, its validation batches: one stream per
+    data-parallel rank; the ranks of one tensor/context-parallel group read the same batches."""
     from llama_fp8 import data
 
+    dp_rank, dp_world = (env.rank, env.world_size) if dims is None else (dims.dp_rank(env.rank), dims.dp_size)
     try:
-        train_loader = data.build_train_loader(cfg, env.rank, env.world_size)
-        val_loader = data.build_val_loader(cfg, env.rank, env.world_size) if cfg.validation_freq else None
+        train_loader = data.build_train_loader(cfg, dp_rank, dp_world)
+        val_loader = data.build_val_loader(cfg, dp_rank, dp_world) if cfg.validation_freq else None
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.validation_freq and val_loader is None:

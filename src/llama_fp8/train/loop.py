@@ -18,8 +18,14 @@ log = logging.getLogger("llama_fp8.train")
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy; labels are already aligned with logits (B, T), -100 ignored."""
+    """Mean next-token cross entropy; labels are already aligned with logits (B, T), -100 ignored. (Under
+    loss parallelism the logits are a DTensor sharded over the vocabulary and so is the computation.)"""
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor for bookkeeping: the (replicated) value of a DTensor loss, else ``t``."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def loop(s: TrainState) -> list[float]:
@@ -80,11 +86,13 @@ def train_step(s: TrainState, batches, step: int):
             model.set_requires_gradient_sync(micro == accum - 1)
         input_ids = batch["input_ids"].to(device, non_blocking=True)
         labels = batch["labels"].to(device, non_blocking=True)
-        with s.precision.autocast():  # forward only: TE wants backward outside its FP8 autocast
-            logits = model(input_ids=input_ids).logits  # (B, T, V)
-        loss = guard.maybe_inject(loss_fn(logits, labels), step)
-        (loss / accum).backward()
-        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        with s.context.step(s.impl.model_inputs(input_ids), labels) as (inputs, labels):
+            with s.precision.autocast():  # forward only: TE wants backward outside its FP8 autocast
+                logits = model(**inputs).logits  # (B, T, V); sharded over V (TP) or T (CP)
+            loss = guard.maybe_inject(loss_fn(logits, labels), step)
+            (loss / accum).backward()
+        loss = local(loss.detach())
+        loss_sum = loss if loss_sum is None else loss_sum + loss
     loss = loss_sum / accum
     grad_norm = clip_gradients(model, s.cfg.grad_clip)
     if guard.policy == "skip" and guard.step_is_bad(grad_norm):
@@ -105,9 +113,11 @@ def validate(s: TrainState, step: int) -> tuple[dict, str]:
     batches = iter(s.val_loader)
     for _ in range(s.cfg.validation_batches):
         batch = next(batches)
-        with s.precision.autocast():
-            logits = s.model(input_ids=batch["input_ids"].to(s.env.device)).logits
-        total += loss_fn(logits, batch["labels"].to(s.env.device))
+        ids, labels = batch["input_ids"].to(s.env.device), batch["labels"].to(s.env.device)
+        with s.context.step(s.impl.model_inputs(ids), labels) as (inputs, labels):
+            with s.precision.autocast():
+                logits = s.model(**inputs).logits
+            total += local(loss_fn(logits, labels))
     s.model.train()
     val_loss = parallel.all_reduce_mean(total / s.cfg.validation_batches).item()
     ppl = math.exp(min(val_loss, 50.0))

@@ -35,6 +35,7 @@ class TrainState:
     watch: faults.SignalWatch
     guard: faults.NanGuard
     start_step: int
+    context: parallel.StepContext  # what each step runs inside (tensor/context parallelism)
 
     def close(self) -> None:
         self.checkpointer.wait()
@@ -46,10 +47,10 @@ def start(cfg: TrainConfig, env: parallel.DistEnv) -> TrainState:
     """Plan, build the model, optimizer and loaders, resume if there is a checkpoint, open the sinks."""
     from llama_fp8 import data
 
-    plan, impl, prec, model, size = plan_and_build_model(cfg, env)
+    plan, impl, prec, model, size, context = plan_and_build_model(cfg, env)
     optimizer = build.build_optimizer(model, cfg, env.device)
     scheduler = build.build_scheduler(optimizer, cfg)
-    train_loader, val_loader = parallel.on_every_rank(env, lambda: build.build_loaders(cfg, env))
+    train_loader, val_loader = parallel.on_every_rank(env, lambda: build.build_loaders(cfg, env, plan.dims))
     ckpt = checkpoint.Checkpointer(Path(plan.checkpoint_dir), cfg.keep_last_k, cfg.async_checkpoint, env.rank,
                                    env.world_size)
     start_step = 0
@@ -62,17 +63,18 @@ def start(cfg: TrainConfig, env: parallel.DistEnv) -> TrainState:
     meter, writer = start_metrics(cfg, plan, env, size, start_step)
     return TrainState(cfg, plan, env, impl, prec, model, size, optimizer, scheduler, train_loader, val_loader, ckpt,
                       meter, writer, faults.SignalWatch(env.world_size),
-                      faults.NanGuard(env.device, cfg.nan_policy, cfg.max_nan_skips), start_step)
+                      faults.NanGuard(env.device, cfg.nan_policy, cfg.max_nan_skips), start_step, context)
 
 
 def plan_and_build_model(cfg: TrainConfig, env: parallel.DistEnv):
-    """(plan, implementation, precision runtime, model, size): the run plan, then the model in the fixed order."""
+    """(plan, implementation, precision runtime, model, size, step context): the run plan, then the model in the
+    fixed order."""
     torch.manual_seed(cfg.seed)
     plan = make_plan(cfg, env)
     impl = models.get(plan.model_impl)
     prec = precision.build(plan.precision, impl, cfg)
-    model, size = build.build_model(cfg, env, plan, impl, prec)
-    return plan, impl, prec, model, size
+    model, size, context = build.build_model(cfg, env, plan, impl, prec)
+    return plan, impl, prec, model, size, context
 
 
 def start_metrics(cfg: TrainConfig, plan: RunPlan, env: parallel.DistEnv, size: ModelSize, start_step: int):

@@ -87,7 +87,7 @@ def test_fp8_weights_start_from_the_bf16_runs_values(one_rank):
 def test_each_shard_gets_its_own_rows(monkeypatch):
     """A rank holding rows [300, 1000) of a 1000-row FP8 weight gets exactly those rows of the full init."""
     m = FakeFP8Linear(700, 16)
-    monkeypatch.setattr(fp8_params, "local_rows", lambda p: (p, 300))
+    monkeypatch.setattr(fp8_params, "local_part", lambda p: (p, (300, 0)[:p.dim()], (1000, 16)[:p.dim()]))
     fp8_params.materialize(m, torch.device("cpu"), CFG)
     full = torch.empty(1000, 16)
     common.fill_normal_(full, CFG.initializer_range, CFG.seed, "weight")

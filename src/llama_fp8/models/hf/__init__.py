@@ -6,18 +6,61 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llama_fp8.errors import ConfigError
 from llama_fp8.models.spec import ModelImpl
+
+# --cp_comm_type -> torch's context-parallel rotate method: "p2p" passes key/value shards around the CP ring
+# (all-to-all between neighbours), "all_gather" gathers them all first.
+TORCH_CP_ROTATE = {"p2p": "alltoall", "all_gather": "allgather"}
 
 
 class HFImpl(ModelImpl):
     name = "hf"
     description = "Hugging Face LlamaForCausalLM"
     auto_when = "otherwise"
+    tensor_parallel = context_parallel = True
 
     def fp8_backends(self):
         from llama_fp8.precision.torchao import TORCHAO
 
         return (TORCHAO,)
+
+    def check(self, cfg, device: torch.device) -> None:
+        if cfg.tp_size > 1 and cfg.tie_word_embeddings:
+            raise ConfigError(f"--tp_size {cfg.tp_size} with tied embeddings (--tie_word_embeddings 1, e.g. the "
+                              "Llama 3.2 presets): the tensor-parallel plan splits the embedding by rows and the "
+                              "LM head by columns, which one shared weight cannot be; use --tp_size 1 (FSDP) for it")
+        if cfg.cp_size > 1:
+            if device.type != "cuda":
+                raise ConfigError(f"--cp_size {cfg.cp_size} with the Hugging Face model needs CUDA: torch's context "
+                                  "parallelism runs the flash/efficient/cuDNN attention kernels only (none on CPU)")
+            if cfg.cp_comm_type not in TORCH_CP_ROTATE:
+                raise ConfigError(f"--cp_comm_type {cfg.cp_comm_type} is for the TE model; with --model_impl hf "
+                                  f"use {' or '.join(TORCH_CP_ROTATE)}")
+        super().check(cfg, device)
+
+    def apply_tensor_parallel(self, model: nn.Module, tp_mesh, cfg, fp8_collectives: bool) -> bool:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from llama_fp8.models.hf.parallel import tensor_parallel_plan
+
+        parallelize_module(model, tp_mesh, tensor_parallel_plan(model, fp8_collectives))
+        return True  # the LM head's logits stay sharded over the vocabulary: loss_parallel
+
+    def apply_context_parallel(self, model: nn.Module, cp_mesh, cfg, dims) -> str:
+        from llama_fp8.models.hf.parallel import use_causal_sdpa
+
+        use_causal_sdpa(model)
+        return "torch"
+
+    def cp_rotate(self, cfg) -> str:
+        return TORCH_CP_ROTATE[cfg.cp_comm_type]
+
+    def model_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Explicit positions 0..T-1: with sequence parallelism HF would count positions from the sharded
+        hidden states, and under context parallelism they are cut with the tokens."""
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+        return {"input_ids": input_ids, "position_ids": positions.contiguous()}
 
     def build(self, cfg) -> nn.Module:
         from transformers import LlamaForCausalLM

@@ -19,6 +19,7 @@ class TEImpl(ModelImpl):
     description = "Transformer Engine TransformerLayer blocks"
     auto_when = "when Transformer Engine imports on a CUDA machine"
     activation_checkpointing_modes = ("1",)
+    context_parallel = True  # TE's own (set_context_parallel_group); no tensor parallelism: see te/parallel.py
     # Each block receives the RoPE angles (positions x inverse frequencies, up to ~T radians) as an FP32
     # input; FSDP2's mixed-precision policy would cast them to BF16 with the hidden states, which keeps 8
     # significant bits: at positions 2048-4096 the angles would be rounded to multiples of 16 rad. So the
@@ -45,6 +46,13 @@ class TEImpl(ModelImpl):
         return (TE,)
 
     def check(self, cfg, device: torch.device) -> None:
+        if cfg.tp_size > 1:
+            raise ConfigError(f"--tp_size {cfg.tp_size} with --model_impl te: Transformer Engine's tensor parallelism "
+                              "keeps plain per-rank weight shards that FSDP2's checkpoints would mix up (its DTensor "
+                              "support, NVIDIA/TransformerEngine#2713, is not released); use --model_impl hf with "
+                              "--fp8_backend torchao for tensor parallelism, or --tp_size 1")
+        if cfg.cp_size > 1:
+            check_context_parallel(cfg)
         if cfg.activation_checkpointing == "selective":
             raise ConfigError("--activation_checkpointing selective is for the Hugging Face model; the TE model "
                               "checkpoints whole blocks with TE's checkpoint: use --activation_checkpointing 1")
@@ -118,6 +126,12 @@ class TEImpl(ModelImpl):
 
         return TEMapping(hf_config(cfg) if cfg is not None else None).block_sizes(key, rows)
 
+    def apply_context_parallel(self, model: nn.Module, cp_mesh, cfg, dims) -> str:
+        from llama_fp8.models.te.parallel import set_context_parallel
+
+        set_context_parallel(model, cp_mesh, cfg.cp_comm_type, dims.groups("cp"))
+        return "split"
+
     def to_hf_state(self, state, cfg):
         """TE names -> HF (fused QKV and fc1 split); the FP8 scaling buffers have no HF counterpart."""
         from llama_fp8.models.common import hf_config
@@ -125,6 +139,16 @@ class TEImpl(ModelImpl):
 
         kept = {k: v for k, v in state.items() if k.rsplit(".", 1)[-1] not in fp8_state.BUFFERS}
         return weights.te_state_to_hf(kept, hf_config(cfg))
+
+
+def check_context_parallel(cfg) -> None:
+    if cfg.cp_comm_type == "a2a" and (cfg.num_heads % cfg.cp_size or cfg.num_key_value_heads % cfg.cp_size):
+        raise ConfigError(f"--cp_comm_type a2a spreads attention heads over the --cp_size {cfg.cp_size} ranks: "
+                          f"--num_heads {cfg.num_heads} and --num_key_value_heads {cfg.num_key_value_heads} must be "
+                          f"divisible by it; use --cp_comm_type p2p")
+    if cfg.cp_comm_type == "a2a+p2p" and (cfg.cp_size % 2 or cfg.num_key_value_heads % 2):
+        raise ConfigError(f"--cp_comm_type a2a+p2p runs a2a within pairs of context ranks: --cp_size {cfg.cp_size} "
+                          f"and --num_key_value_heads {cfg.num_key_value_heads} must be even; use --cp_comm_type p2p")
 
 
 IMPL = TEImpl()

@@ -6,7 +6,7 @@ Such a module cannot be materialized by ``to_empty`` and filled in place like a 
 meta, shards, then calls ``reset_parameters()``, which allocates each local shard, runs the parameter's
 ``init_fn`` on the high-precision values and quantizes them (reducing the amax over the shard group for
 current scaling). We follow it, with one change: each parameter's ``init_fn`` is replaced by our own
-sharding-independent init of exactly the rows that shard holds (``models.common.init_rows_``), so an FP8-
+sharding-independent init of exactly the part that shard holds (``models.common.init_part_``), so an FP8-
 parameter run starts from the same values as its BF16 partner (before quantization). All other modules are
 materialized by ``to_empty`` and initialized as usual.
 """
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from llama_fp8.models.common import canonical_name, init_rows_, local_rows
+from llama_fp8.models.common import canonical_name, init_part_, local_part
 
 
 def fp8_param_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -44,11 +44,11 @@ def materialize(model: nn.Module, device: torch.device, cfg, blocks_of: Callable
             module.to_empty(device=device, recurse=False)
             continue
         for name, param in module.named_parameters(recurse=False):
-            _, row0 = local_rows(param)  # metadata only: works on a meta DTensor
+            _, offset, shape = local_part(param)  # metadata only: works on a meta DTensor
             full = canonical_name(f"{prefix}.{name}" if prefix else name)
             blocks = blocks_of(full, param.shape[0]) if blocks_of and param.dim() >= 2 else None
-            module.param_init_meta[name].init_fn = functools.partial(init_rows_, row0=row0, name=full, cfg=cfg,
-                                                                     blocks=blocks)
+            module.param_init_meta[name].init_fn = functools.partial(init_part_, offset=offset, full_shape=shape,
+                                                                     name=full, cfg=cfg, blocks=blocks)
         module.reset_parameters()
         count += 1
     return count

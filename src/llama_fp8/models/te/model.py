@@ -129,9 +129,12 @@ class TELlamaModel(nn.Module):
         self.embed_tokens, self.layers, self.norm = embed, nn.ModuleList(layers), norm
         self.rotary = rotary
 
+    cp_size = 1  # set by context parallelism: this rank holds 1/cp_size of each sequence
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # (B, T, H)
-        rope = self.rotary(input_ids.shape[1], hidden.device)  # (T, 1, 1, head_dim)
+        hidden = self.embed_tokens(input_ids)  # (B, T/cp, H)
+        # The angles of the whole sequence: under context parallelism TE's fused RoPE picks this rank's chunks.
+        rope = self.rotary(input_ids.shape[1] * self.cp_size, hidden.device)  # (T, 1, 1, head_dim)
         for layer in self.layers:
             hidden = layer(hidden, rope)
         return self.norm(hidden)
