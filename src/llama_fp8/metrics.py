@@ -37,6 +37,14 @@ PEAK_TFLOPS: list[tuple[str, float, float | None]] = [
 ]
 
 
+def peak_table_markdown() -> str:
+    """The README's table of the peaks MFU is measured against."""
+    rows = ["| GPU (name contains) | dense BF16 TFLOPS | dense FP8 TFLOPS |", "|---|---|---|"]
+    for key, bf16, fp8 in PEAK_TFLOPS:
+        rows.append(f"| {key} | {bf16:g} | {'-' if fp8 is None else f'{fp8:g}'} |")
+    return "\n".join(rows)
+
+
 def peak_tflops(device: torch.device, override: float | None = None) -> tuple[str, float | None, float | None]:
     """(device name, bf16 peak, fp8 peak) for this device; peaks are None when unknown (CPU included).
     ``override`` (--peak_tflops) is the dense BF16 peak; FP8's is taken as twice that, as on every

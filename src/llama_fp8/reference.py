@@ -1,0 +1,40 @@
+"""The tables the docs show that the code already holds (flags, FP8 recipes, GPU peaks), generated so that
+the docs cannot drift: each sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` markers and
+``scripts/update_docs.py`` rewrites them; tests/test_docs.py fails when one is stale."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+
+def tables() -> dict[str, Callable[[], str]]:
+    from llama_fp8 import config, metrics
+    from llama_fp8.precision import recipes
+
+    return {"flags": config.flag_reference_markdown, "recipes": recipes.recipe_table_markdown,
+            "gpu-peaks": metrics.peak_table_markdown}
+
+
+FILES = ("README.md", "docs/fp8.md")
+
+
+def render(text: str) -> str:
+    """``text`` with every marked table regenerated."""
+    for name, make in tables().items():
+        text = re.sub(rf"(<!-- {name}:start -->\n).*?(\n<!-- {name}:end -->)",
+                      lambda m, make=make: m.group(1) + make() + m.group(2), text, flags=re.S)
+    return text
+
+
+def stale(repo: Path) -> list[str]:
+    """``file: table`` for every marked table that differs from what the code generates."""
+    out = []
+    for rel in FILES:
+        text = (repo / rel).read_text()
+        for name, make in tables().items():
+            m = re.search(rf"<!-- {name}:start -->\n(.*?)\n<!-- {name}:end -->", text, re.S)
+            if m and m.group(1) != make():
+                out.append(f"{rel}: {name}")
+    return out
