@@ -29,3 +29,16 @@ def tiny_args(tmp_path) -> list[str]:
     """Flags for a fast single-process CPU run of a smaller-than-tiny model."""
     return ["--model", "tiny", "--device", "cpu", "--num_layers", "2", "--max_context_width", "32",
             "--train_batch_size", "2", "--run_dir", str(tmp_path / "run")]
+
+
+@pytest.fixture
+def one_rank():
+    """A one-process gloo world (what FSDP2 needs to shard on CPU); yields its DistEnv."""
+    import torch
+    import torch.distributed as dist
+
+    from llama_fp8 import parallel
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield parallel.DistEnv(0, 0, 1, 1, torch.device("cpu"))
+    dist.destroy_process_group()

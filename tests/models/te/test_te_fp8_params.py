@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import types
 
-import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -53,15 +52,6 @@ def model(fp8: bool) -> nn.Module:
 
 
 CFG = types.SimpleNamespace(initializer_range=0.02, seed=3)
-
-
-@pytest.fixture
-def one_rank():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_fp8_weights_start_from_the_bf16_runs_values(one_rank):

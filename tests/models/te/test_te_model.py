@@ -181,12 +181,8 @@ def record_layer_inputs(layer: nn.Module) -> dict:
 
 
 @pytest.fixture
-def gloo_one_rank():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+def gloo_one_rank(one_rank):
+    return one_rank
 
 
 @pytest.mark.parametrize("preset", ["llama3.1-8b", "llama2-7b"])

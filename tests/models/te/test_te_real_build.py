@@ -9,7 +9,6 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformer_engine.pytorch as te  # noqa: F401  (torch first: TE finds libnccl through torch)
 
 from llama_fp8 import config as C
@@ -19,13 +18,6 @@ from llama_fp8.models import common as M
 pytestmark = pytest.mark.te
 
 ARGS = ["--model", "tiny", "--num_layers", "2", "--device", "cpu", "--model_impl", "te"]
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield parallel.DistEnv(0, 0, 1, 1, torch.device("cpu"))
-    dist.destroy_process_group()
 
 
 TE = models.get("te")

@@ -22,7 +22,7 @@ from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScalin
 from transformer_engine.pytorch.quantization import RecipeState
 
 from helpers import build_te_sharded
-from llama_fp8 import checkpoint, data, parallel
+from llama_fp8 import checkpoint, data
 from llama_fp8 import config as C
 from llama_fp8.models.te import fp8_state
 
@@ -31,10 +31,8 @@ ARGS = ["--model", "tiny", "--num_layers", "2", "--device", "cpu", "--model_impl
 
 
 @pytest.fixture
-def env():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield parallel.DistEnv(0, 0, 1, 1, torch.device("cpu"))
-    dist.destroy_process_group()
+def env(one_rank):
+    return one_rank
 
 
 def set_fp8_state(model, recipe, seed: int | None) -> None:
