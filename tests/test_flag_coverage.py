@@ -89,6 +89,10 @@ FLAG_TESTS: dict[str, list[str]] = {
     "tensorboard_dir": ["test_metrics::test_tensorboard_sink_writes_the_scalars"],
     "wandb_project": ["test_metrics::test_wandb_offline_sink_needs_no_network"],
     "wandb_mode": ["test_metrics::test_wandb_flags_reach_wandb_init"],
+    "profile_steps": ["test_profiling::test_profile_steps_writes_a_trace_of_those_steps_naming_our_modules"],
+    "profile_ranks": ["test_profiling::test_profile_ranks_picks_the_ranks_that_write"],
+    "memory_snapshot": ["test_profiling::test_memory_snapshot_needs_cuda",
+                        "test_profiling::test_memory_snapshot_records_history_and_dumps_at_the_end_and_on_oom"],
     "run_dir": ["train/test_train::test_run_writes_config_metrics_and_log_line",
                 "train/test_train::test_existing_run_dir_is_not_overwritten"],
 }

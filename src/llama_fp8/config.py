@@ -207,6 +207,12 @@ class TrainConfig:
                          choices=("offline", "online"), group="logging")
     run_dir: str | None = _f(None, "where config.yaml and metrics.jsonl go (default: runs/<SLURM_JOB_ID or "
                              "timestamp>)", group="logging")
+    # --- profiling -------------------------------------------------------------------------------------
+    profile_steps: str | None = _f(None, "A:B: a torch.profiler trace of steps A..B (CPU + CUDA activities, "
+                                   "Chrome/Perfetto JSON) in <run_dir>/profile/", group="profiling")
+    profile_ranks: str = _f("0", "ranks that write a trace: 0, a comma-separated list, or all", group="profiling")
+    memory_snapshot: bool = _f(False, "1: record CUDA memory history and dump a snapshot for PyTorch's memory "
+                               "visualizer (<run_dir>/profile/, at the end and on out-of-memory)", group="profiling")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -405,6 +411,11 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
                           f"{cfg.num_key_value_heads} (GQA groups must be whole)")
     if cfg.min_lr > cfg.lr:
         raise ConfigError(f"--min_lr {cfg.min_lr} is larger than --lr {cfg.lr}")
+    if cfg.profile_steps is not None:
+        from llama_fp8 import profiling
+
+        profiling.parse_steps(cfg.profile_steps, cfg.max_steps)
+        profiling.parse_ranks(cfg.profile_ranks)
     if cfg.fp8_all_gather and not cfg.fp8:
         raise ConfigError("--fp8_all_gather 1 needs --fp8 1 (it all-gathers the FP8 weights)")
     if cfg.fp8 and cfg.fp8_recipe != "auto" and cfg.fp8_backend != "auto":

@@ -83,6 +83,9 @@ def check_device_options(cfg: TrainConfig, env: DistEnv) -> None:
     if cfg.cpu_offload:
         raise ConfigError("--cpu_offload 1 moves parameters between GPU and host memory and needs CUDA; on CPU "
                           "they are in host memory already: drop it")
+    if cfg.memory_snapshot:
+        raise ConfigError("--memory_snapshot 1 records CUDA memory history and needs CUDA; on CPU the log line "
+                          "reports the peak resident memory")
     if cfg.optimizer == "adamw_fp8":
         raise ConfigError("--optimizer adamw_fp8 needs CUDA (torchao's FP8 optimizer states have no CPU kernels); "
                           "on CPU use --optimizer adamw8bit")

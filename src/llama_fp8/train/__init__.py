@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
 from llama_fp8 import config as config_mod
 from llama_fp8 import faults, metrics, parallel
 from llama_fp8.config import TrainConfig
@@ -62,6 +64,9 @@ def train(cfg: TrainConfig, env: parallel.DistEnv) -> dict:
     s = state.start(cfg, env)
     try:
         losses = loop.loop(s)
+    except torch.cuda.OutOfMemoryError:
+        s.profiler.dump_snapshot("oom")  # with --memory_snapshot 1: what filled the memory
+        raise
     finally:
         s.close()
     if env.is_main:

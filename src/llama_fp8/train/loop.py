@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llama_fp8 import data, faults, metrics, parallel
+from llama_fp8.profiling import phase
 from llama_fp8.train.state import TrainState
 
 log = logging.getLogger("llama_fp8.train")
@@ -36,8 +37,10 @@ def loop(s: TrainState) -> list[float]:
     for step in range(s.start_step + 1, cfg.max_steps + 1):
         log_now = step % cfg.logging_freq == 0 or step == cfg.max_steps
         lr = s.optimizer.param_groups[0]["lr"]
+        s.profiler.before_step(step)
         loss, grad_norm, data_wait = train_step(s, batches, step)
         s.scheduler.step()
+        s.profiler.after_step(step)
         s.meter.add_step(loss, data_wait)
         if log_now:
             s.guard.check()
@@ -87,10 +90,12 @@ def train_step(s: TrainState, batches, step: int):
         input_ids = batch["input_ids"].to(device, non_blocking=True)
         labels = batch["labels"].to(device, non_blocking=True)
         with s.context.step(s.impl.model_inputs(input_ids), labels) as (inputs, labels):
-            with s.precision.autocast():  # forward only: TE wants backward outside its FP8 autocast
-                logits = model(**inputs).logits  # (B, T, V); sharded over V (TP) or T (CP)
-            loss = guard.maybe_inject(loss_fn(logits, labels), step)
-            (loss / accum).backward()
+            with phase("forward"):
+                with s.precision.autocast():  # forward only: TE wants backward outside its FP8 autocast
+                    logits = model(**inputs).logits  # (B, T, V); sharded over V (TP) or T (CP)
+                loss = guard.maybe_inject(loss_fn(logits, labels), step)
+            with phase("backward"):
+                (loss / accum).backward()
         loss = local(loss.detach())
         loss_sum = loss if loss_sum is None else loss_sum + loss
     loss = loss_sum / accum
@@ -99,9 +104,10 @@ def train_step(s: TrainState, batches, step: int):
         s.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, data_wait
     guard.record(step, loss, grad_norm)
-    s.optimizer.step()
-    s.optimizer.zero_grad(set_to_none=True)
-    s.precision.post_step(model)
+    with phase("optimizer"):
+        s.optimizer.step()
+        s.optimizer.zero_grad(set_to_none=True)
+        s.precision.post_step(model)
     return loss, grad_norm, data_wait
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llama_fp8 import checkpoint, faults, metrics, models, parallel, precision
+from llama_fp8 import checkpoint, faults, metrics, models, parallel, precision, profiling
 from llama_fp8.config import ConfigError, TrainConfig
 from llama_fp8.models.common import ModelSize
 from llama_fp8.plan import RunPlan, make_plan
@@ -36,11 +36,13 @@ class TrainState:
     guard: faults.NanGuard
     start_step: int
     context: parallel.StepContext  # what each step runs inside (tensor/context parallelism)
+    profiler: profiling.Profiler
 
     def close(self) -> None:
         self.checkpointer.wait()
         self.watch.close()
         self.writer.close()
+        self.profiler.close()
 
 
 def start(cfg: TrainConfig, env: parallel.DistEnv) -> TrainState:
@@ -63,7 +65,8 @@ def start(cfg: TrainConfig, env: parallel.DistEnv) -> TrainState:
     meter, writer = start_metrics(cfg, plan, env, size, start_step)
     return TrainState(cfg, plan, env, impl, prec, model, size, optimizer, scheduler, train_loader, val_loader, ckpt,
                       meter, writer, faults.SignalWatch(env.world_size),
-                      faults.NanGuard(env.device, cfg.nan_policy, cfg.max_nan_skips), start_step, context)
+                      faults.NanGuard(env.device, cfg.nan_policy, cfg.max_nan_skips), start_step, context,
+                      profiling.Profiler(cfg, Path(plan.run_dir), env.rank, env.device))
 
 
 def plan_and_build_model(cfg: TrainConfig, env: parallel.DistEnv):
