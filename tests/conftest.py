@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -22,6 +23,28 @@ def _te_importable() -> bool:
 # collected at all, so `make test` neither imports them nor reports them as skipped; `make test-te` with
 # a broken TE collects no test and fails (pytest exit code 5).
 collect_ignore_glob = [] if _te_importable() else ["models/te/test_te_real_*.py"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Tests that run training in this process let it set RANK, WORLD_SIZE, MASTER_ADDR... as a launcher would;
+    put the environment back so that a later test (or the Slurm jobs it submits) does not inherit them."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture
+def registry():
+    """The model registry, with what a test registers removed again afterwards (the flag help lists it)."""
+    from llama_fp8 import models
+
+    saved = dict(models._REGISTRY)
+    yield models
+    models._REGISTRY.clear()
+    models._REGISTRY.update(saved)
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -146,3 +147,30 @@ def build_te_sharded(cfg, env) -> nn.Module:
     model.to_empty(device="cpu")
     impl.init_weights(model, cfg, torch.device("cpu"))
     return model
+
+
+def worker_pids(parent: int) -> dict[int, int]:
+    """{rank: pid} of torchrun's workers, read from /proc."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(stat[1]) != parent:
+                continue
+            env = dict(kv.split("=", 1) for kv in (d / "environ").read_text().split("\0") if "=" in kv)
+        except (OSError, ValueError):
+            continue
+        if "RANK" in env:
+            out[int(env["RANK"])] = int(d.name)
+    return out
+
+
+def wait_for(pred, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -15,7 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, build_meta, cli_env, local_text_flags, read_metrics, run_cli, train_records
+from helpers import (
+    REPO,
+    build_meta,
+    cli_env,
+    local_text_flags,
+    read_metrics,
+    run_cli,
+    train_records,
+    wait_for,
+    worker_pids,
+)
 from llama_fp8 import checkpoint as K
 from llama_fp8 import config as C
 from llama_fp8 import train as T
@@ -64,7 +74,7 @@ def test_resume_on_local_text_with_workers_reproduces_the_uninterrupted_run_bitw
     # Step 3 is odd: with 2 workers serving batches round-robin, the resume starts mid-cycle.
     assert run(b, *data, "--max_steps", "3", "--checkpoint_freq", "3") == 0
     assert [s for s, _ in K.complete_checkpoints(b / "checkpoints")] == [3]
-    loader = torch.load(b / "checkpoints" / "step_3" / "rank0.pt", weights_only=False)["loader"]
+    loader = K.read_rank_file(b / "checkpoints" / "step_3", 0)["loader"]
     assert loader["kind"] == "packed" and loader["consumed"] == 3 and len(loader["workers"]) == 2
     assert run(b, *data, "--max_steps", "7", "--checkpoint_freq", "3") == 0
     full, resumed = losses_by_step(tmp_path / "a"), losses_by_step(b)
@@ -149,7 +159,7 @@ def test_nan_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, 
     assert "non-finite loss or gradient norm at step 5" in capsys.readouterr().err
     assert [s for s, _ in K.complete_checkpoints(b / "checkpoints")] == [2, 4]
     assert not list((b / "checkpoints").glob("step_6*"))
-    state = torch.load(b / "checkpoints" / "step_4" / "rank0.pt", weights_only=False)
+    state = K.read_rank_file(b / "checkpoints" / "step_4", 0)
     assert state["loader"]["step"] == 4
 
 
@@ -184,6 +194,12 @@ def test_hf_export_gives_the_trained_models_logits(tmp_path):
         assert torch.equal(exported(input_ids=ids).logits, ref(input_ids=ids).logits)
     again = run_cli(["convert", str(b / "checkpoints"), str(tmp_path / "hf")], timeout=180)
     assert again.returncode == 2 and "is not empty" in again.stderr   # nothing overwritten
+    shard = b / "checkpoints" / "step_3" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a flipped bit would export wrong weights without a word
+    shard.write_bytes(bytes(data))
+    damaged = run_cli(["convert", str(b / "checkpoints"), str(tmp_path / "hf2")], timeout=180)
+    assert damaged.returncode == 2 and f"{shard}: checksum" in damaged.stderr, damaged.stderr[-2000:]
 
 
 def make_hf_checkpoint(path: Path, **shape) -> dict[str, torch.Tensor]:
@@ -230,33 +246,6 @@ def spawn(args: list[str], nproc: int) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(), cwd=REPO)
 
 
-def worker_pids(parent: int) -> dict[int, int]:
-    """{rank: pid} of torchrun's workers, read from /proc."""
-    out = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(stat[1]) != parent:
-                continue
-            env = dict(kv.split("=", 1) for kv in (d / "environ").read_text().split("\0") if "=" in kv)
-        except (OSError, ValueError):
-            continue
-        if "RANK" in env:
-            out[int(env["RANK"])] = int(d.name)
-    return out
-
-
-def wait_for(pred, timeout: float, what: str) -> None:
-    end = time.time() + timeout
-    while time.time() < end:
-        if pred():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.slow
 def test_sigusr1_to_one_rank_saves_and_exits_with_the_requeue_code(tmp_path):
     b = tmp_path / "b"
@@ -271,8 +260,8 @@ def test_sigusr1_to_one_rank_saves_and_exits_with_the_requeue_code(tmp_path):
         p.kill()
     assert p.returncode == EXIT_REQUEUE, err[-3000:]
     (step, path), = K.complete_checkpoints(b / "checkpoints")
-    assert step == train_records(b)[-1]["step"] and sorted(x.name for x in path.glob("rank*.pt")) == \
-        ["rank0.pt", "rank1.pt"]
+    assert step == train_records(b)[-1]["step"] and sorted(x.name for x in path.glob("rank*")) == \
+        ["rank0.safetensors", "rank1.safetensors"]
     r = run_cli(["train", *BASE, "--run_dir", str(b), "--max_steps", str(step + 2)], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [m["start_step"] for m in read_metrics(b) if m["type"] == "meta"] == [0, step]
@@ -334,3 +323,146 @@ def test_process_group_timeout_reaches_the_process_group(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: seen.update(kw))
     parallel.init_distributed(C.parse_args([*BASE, "--process_group_timeout", "42"]))
     assert seen["timeout"] == datetime.timedelta(seconds=42)
+
+
+# --- safe formats, fault hooks, side groups ------------------------------------------------------------
+def test_per_rank_state_round_trips_exactly_without_pickles(tmp_path):
+    import random
+
+    import numpy as np
+
+    from llama_fp8.checkpoint import checkpointer, files
+
+    state = {"loader": {"version": 1, "kind": "packed", "consumed": 7, "settings": {"seed": 3, "data_files": None},
+                        "workers": [None, {"remainder": torch.arange(5, dtype=torch.int32), "offset": 0,
+                                           "pending": torch.empty((0, 33), dtype=torch.int32),
+                                           "reader": {"epoch": 1, "hf": {"shard": [0, 2], "done": False, "x": 0.1}}}]},
+             "rng": checkpointer._rng_state()}
+    files.write_rank_state(tmp_path / "rank0.safetensors", state)
+    assert b"\x80\x04" not in (tmp_path / "rank0.safetensors").read_bytes()[:64]  # not a pickle
+    back = files.read_rank_state(tmp_path / "rank0.safetensors")
+    w = back["loader"]["workers"][1]
+    assert back["loader"]["workers"][0] is None and back["loader"]["settings"] == {"seed": 3, "data_files": None}
+    assert torch.equal(w["remainder"], state["loader"]["workers"][1]["remainder"]) and w["pending"].shape == (0, 33)
+    assert w["reader"] == {"epoch": 1, "hf": {"shard": [0, 2], "done": False, "x": 0.1}}
+    assert isinstance(back["rng"]["python"], tuple) and back["rng"]["python"] == random.getstate()
+    assert back["rng"]["numpy"][1].dtype == np.uint32 and np.array_equal(back["rng"]["numpy"][1],
+                                                                         np.random.get_state()[1])
+    expect = torch.rand(3), random.random(), np.random.rand()
+    checkpointer._set_rng_state(back["rng"])  # the RNG streams continue exactly as if never saved
+    assert (torch.equal(torch.rand(3), expect[0]), random.random(), np.random.rand()) == (True, *expect[1:])
+    with pytest.raises(TypeError, match="no safe file format"):
+        files.write_rank_state(tmp_path / "x.safetensors", {"loader": object()})
+
+
+def test_legacy_rank_file_loads_but_a_pickled_callable_is_refused(tmp_path):
+    import numpy as np
+
+    from llama_fp8.checkpoint import files
+
+    good = {"loader": {"kind": "synthetic", "step": 3}, "rng": {"numpy": np.random.get_state()}}
+    torch.save(good, tmp_path / "rank0.pt")
+    assert files.read_legacy_rank_state(tmp_path / "rank0.pt")["loader"] == {"kind": "synthetic", "step": 3}
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    torch.save({"loader": Payload(), "rng": {}}, tmp_path / "rank1.pt")
+    with pytest.raises(K.UnsafeCheckpointFile, match=r"rank1.pt: refused: .*posix.system"):
+        files.read_legacy_rank_state(tmp_path / "rank1.pt")
+    assert not marker.exists()
+
+
+def test_dcp_metadata_is_read_with_an_allow_list(tmp_path):
+    import pickle
+
+    from llama_fp8.checkpoint import files
+
+    b = tmp_path / "b"
+    assert run(b, "--max_steps", "1", "--checkpoint_freq", "1") == 0
+    step = b / "checkpoints" / "step_1"
+    with open(step / ".metadata", "rb") as f:
+        want = pickle.load(f)  # our own file, read the unsafe way once for the comparison
+    got = files.read_dcp_metadata(step)
+    assert got.state_dict_metadata == want.state_dict_metadata and got.storage_data == want.storage_data
+    marker = tmp_path / "ran"
+    (tmp_path / "evil").mkdir()
+    (tmp_path / "evil" / ".metadata").write_bytes(
+        b"cposix\nsystem\n(" + f"Vtouch {marker}\n".encode() + b"tR.")  # protocol 0: posix.system("touch ...")
+    with pytest.raises(K.UnsafeCheckpointFile, match="global posix.system is not allowed"):
+        files.read_dcp_metadata(tmp_path / "evil")
+    assert not marker.exists()
+
+
+def test_fault_specs_are_checked_and_inert_when_unset(monkeypatch):
+    from llama_fp8 import faults
+
+    assert faults.parse_faults("kill@save.pruning:step=4:rank=0;sleep@step:seconds=0.5:once") == [
+        faults.Fault("kill", "save.pruning", step=4, rank=0), faults.Fault("sleep", "step", seconds=0.5, once=True)]
+    for bad in ("kil@step", "kill@stpe", "kill@step:steps=3"):
+        with pytest.raises(ValueError, match="LLAMA_FP8_FAULT"):
+            faults.parse_faults(bad)
+    monkeypatch.delenv("LLAMA_FP8_FAULT", raising=False)
+    faults.at("save.pruning", 4)  # nothing happens
+    monkeypatch.setenv("LLAMA_FP8_FAULT", "sleep@step:step=2:seconds=0.3")
+    t0 = time.monotonic()
+    faults.at("step", 1)
+    assert time.monotonic() - t0 < 0.2
+    faults.at("step", 2)
+    assert time.monotonic() - t0 >= 0.3
+
+
+def test_side_groups_use_the_process_group_timeout_and_async_saves_get_their_own(tmp_path, monkeypatch):
+    """The signal check's and the checkpointer's gloo groups wait --process_group_timeout, not torch's
+    30-minute default for new groups; DCP's async save runs on the checkpointer's group, never on the
+    group the training's collectives use (which may also be NCCL-only, without the CPU backend it needs)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from llama_fp8 import faults, parallel
+
+    parallel.init_distributed(C.parse_args([*BASE, "--device", "cpu", "--process_group_timeout", "42"]))
+    try:
+        def timeout(group) -> datetime.timedelta:
+            return group._get_backend(torch.device("cpu")).options._timeout
+
+        watch = faults.SignalWatch(2)  # as with two ranks: a group of its own
+        watch.close()
+        ck = K.Checkpointer(tmp_path / "ck", 1, True, 0, 1)
+        assert timeout(watch._group) == timeout(ck._pg) == datetime.timedelta(seconds=42)
+        assert ck._pg is not dist.group.WORLD
+    finally:
+        parallel.destroy_distributed()
+
+
+def test_signal_after_a_stop_cannot_kill_the_exiting_process():
+    from llama_fp8 import faults
+
+    before, before_term = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    watch = faults.SignalWatch(1)
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert watch.requested()
+        watch.close()  # a second SIGUSR1 or Slurm's SIGTERM now must not end the process before it exits 85
+        assert signal.getsignal(signal.SIGUSR1) == signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+        signal.signal(signal.SIGTERM, before_term)
+    quiet = faults.SignalWatch(1)
+    quiet.close()  # no signal: the previous handlers come back
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_collective_timeout_gets_one_line_naming_the_flag():
+    from llama_fp8 import faults
+
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed out "
+                        "waiting 20000ms for send operation to complete")
+    msg = faults.collective_timeout_message(gloo, 20.0)
+    assert msg.startswith("a collective did not complete within --process_group_timeout=20 s") and "20000ms" in msg
+    nccl = RuntimeError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE)")
+    assert "--process_group_timeout=600 s" in faults.collective_timeout_message(nccl, 600.0)
+    assert faults.collective_timeout_message(RuntimeError("CUDA out of memory"), 600.0) is None

@@ -37,6 +37,9 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype) -> Path:
     from transformers import LlamaForCausalLM
 
     path = _checkpoint_path(ckpt)
+    problems = checkpoint.verify(path)  # sizes, checksums and structure, before anything is read into a model
+    if problems:
+        raise ConfigError(f"{path} is damaged: {'; '.join(problems)}")
     saved = json.loads((path / "train_state.json").read_text())
     asked = {k: v for k, v in saved["config"].items() if k != "config"}
     cfg = config_mod.resolve(TrainConfig(**asked))
@@ -47,7 +50,9 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype) -> Path:
         model = impl.build(cfg)
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)  # in place, into the model's tensors
+    # In place, into the model's tensors; the readers that never execute what they read (checkpoint/files.py).
+    dcp.load(state, storage_reader=checkpoint.files.SafeFileSystemReader(str(path)),
+             planner=checkpoint.files.SafeLoadPlanner(), no_dist=True)
     hf = LlamaForCausalLM(hf_config(cfg))
     hf.load_state_dict(impl.to_hf_state(state["model"], cfg), strict=True)
     hf.to(dtype).save_pretrained(str(out), safe_serialization=True)

@@ -1,10 +1,29 @@
-"""Signals (Slurm preemption / time limit) and non-finite values, detected without per-step device syncs."""
+"""Signals (Slurm preemption / time limit) and non-finite values, detected without per-step device syncs;
+fault injection hooks for tests and drills (inert unless their environment variable is set).
+
+``LLAMA_FP8_FAULT`` injects a process fault at a named point of a run, on one rank or all::
+
+    LLAMA_FP8_FAULT="ACTION@POINT[:step=N][:rank=R][:seconds=S][:once]"   (several: separated by ";")
+
+ACTION is ``kill`` (SIGKILL this process: a crash or an OOM kill), ``hang`` (stop making progress, as a
+rank stuck in a kernel or a dead network link; only SIGKILL ends it), ``sleep`` (``seconds``, then go
+on: a slow rank) or ``pause`` (announce ``$LLAMA_FP8_FAULT_DIR/paused.POINT.rankR``, then wait until
+``$LLAMA_FP8_FAULT_DIR/release`` exists: a test can act at that exact moment). ``once`` fires only if
+``$LLAMA_FP8_FAULT_DIR/fired.POINT.rankR`` does not exist yet, and creates it (a requeued job runs clean).
+POINT is one of ``POINTS``. Without ``step`` the fault fires at every pass through the point (once with
+``once``), without ``rank`` on every rank.
+"""
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
+import re
 import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -13,6 +32,122 @@ log = logging.getLogger(__name__)
 
 FAULT_NAN_ENV = "LLAMA_FP8_FAULT_NAN_AT_STEP"
 """Fault injection for tests and drills: make the loss NaN at this step."""
+FAULT_ENV = "LLAMA_FP8_FAULT"
+"""Fault injection for tests and drills: kill, hang, slow down or pause a rank at a point (module docstring)."""
+FAULT_DIR_ENV = "LLAMA_FP8_FAULT_DIR"
+"""Where ``pause`` announces itself and waits for ``release``, and where ``once`` remembers a fired fault."""
+POINTS = {
+    "step": "the middle of an optimizer step: after the forward pass, before the backward pass",
+    "save.files_written": "a save: this rank's own files written, before the sharded model/optimizer write",
+    "save.shards_written": "a save: this rank's shards written and checksummed, before the ranks agree that "
+                           "all are (so before the COMPLETE marker)",
+    "save.marker_written": "a save: every rank's files written; rank 0 has written COMPLETE in step_N.tmp, "
+                           "before the rename to step_N",
+    "save.renamed": "a save (rank 0): step_N complete under its final name, before older checkpoints are deleted",
+    "save.pruning": "a save (rank 0): an old checkpoint renamed for deletion, before its files are deleted",
+    "save.async_in_flight": "an async save: state staged, the background write under way, training resumes",
+}
+ACTIONS = ("kill", "hang", "sleep", "pause")
+
+
+@dataclass(frozen=True)
+class Fault:
+    action: str
+    point: str
+    step: int | None = None
+    rank: int | None = None
+    seconds: float = 0.0
+    once: bool = False
+
+
+def parse_faults(text: str) -> list[Fault]:
+    """``LLAMA_FP8_FAULT``'s value -> faults; a ValueError names what is wrong (a typo must not be inert)."""
+    out = []
+    for spec in filter(None, (s.strip() for s in text.split(";"))):
+        head, *opts = spec.split(":")
+        action, _, point = head.partition("@")
+        if action not in ACTIONS or point not in POINTS:
+            raise ValueError(f"{FAULT_ENV}={text!r}: {spec!r} is not ACTION@POINT with ACTION in {ACTIONS} and "
+                             f"POINT in {sorted(POINTS)}")
+        kw: dict = {}
+        for opt in opts:
+            key, _, value = opt.partition("=")
+            if key in ("step", "rank"):
+                kw[key] = int(value)
+            elif key == "seconds":
+                kw[key] = float(value)
+            elif key == "once" and not value:
+                kw[key] = True
+            else:
+                raise ValueError(f"{FAULT_ENV}={text!r}: unknown option {opt!r} (step=N, rank=R, seconds=S, once)")
+        out.append(Fault(action, point, **kw))
+    return out
+
+
+def collective_timeout() -> datetime.timedelta | None:
+    """The default group's timeout (--process_group_timeout), for the groups created beside it: torch's
+    ``new_group`` would otherwise give them its own default of 30 minutes, and a dead rank would hold the
+    others that long in a signal check or a checkpoint's collectives. None when it cannot be read."""
+    if not dist.is_initialized():
+        return None
+    for device in ("cpu", "cuda"):
+        try:
+            return dist.group.WORLD._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+    return None
+
+
+def collective_timeout_message(exc: BaseException, timeout_s: float) -> str | None:
+    """One line for a collective that gave up after --process_group_timeout - gloo's "Timed out waiting
+    Nms for recv operation", NCCL's watchdog "collective operation timeout" - or None for other errors."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if re.search(r"[Tt]imed out|operation timeout", ln)]
+    if not lines:
+        return None
+    return (f"a collective did not complete within --process_group_timeout={timeout_s:g} s: another rank is hung "
+            f"or dead (its own log says why); the last complete checkpoint is intact, requeue or rerun to resume "
+            f"({lines[0][-200:]})")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def at(point: str, step: int | None = None) -> None:
+    """A fault injection point: does nothing unless ``LLAMA_FP8_FAULT`` names it (one environment lookup)."""
+    assert point in POINTS, point
+    text = os.environ.get(FAULT_ENV)
+    if not text:
+        return
+    rank = _rank()
+    for f in parse_faults(text):
+        if f.point != point or (f.step is not None and f.step != step) or (f.rank is not None and f.rank != rank):
+            continue
+        folder = Path(os.environ.get(FAULT_DIR_ENV, "."))
+        if f.once:
+            marker = folder / f"fired.{point}.rank{rank}"
+            if marker.exists():
+                continue
+            marker.touch()
+        _fire(f, rank, step, folder)
+
+
+def _fire(f: Fault, rank: int, step: int | None, folder: Path) -> None:
+    log.warning("fault injection (%s): %s at %s, step %s, rank %d", FAULT_ENV, f.action, f.point, step, rank)
+    for h in logging.getLogger().handlers:
+        h.flush()
+    if f.action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif f.action == "sleep":
+        time.sleep(f.seconds)
+    elif f.action == "pause":
+        (folder / f"paused.{f.point}.rank{rank}").touch()
+        deadline = time.monotonic() + 600
+        while not (folder / "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    else:  # hang: signals only set flags (SignalWatch); only SIGKILL (torchrun, Slurm) ends it
+        while True:
+            time.sleep(1)
 
 
 class Preempted(Exception):
@@ -38,12 +173,15 @@ class SignalWatch:
 
     def __init__(self, world_size: int):
         self._flag = False
-        self._group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self._group = dist.new_group(backend="gloo", timeout=collective_timeout()) if world_size > 1 else None
         self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
     def _handle(self, signum, frame) -> None:
         if not self._flag:
             log.warning("received %s: finishing this step, then saving a checkpoint", signal.Signals(signum).name)
+        else:
+            log.warning("received %s again: already stopping (the checkpoint is being saved)",
+                        signal.Signals(signum).name)
         self._flag = True
 
     def requested(self) -> bool:
@@ -54,8 +192,13 @@ class SignalWatch:
         return bool(t.item())
 
     def close(self) -> None:
+        """Give the signals back, unless one arrived: then the process is on its way out with the requeue
+        code, and a repeated signal (Slurm sends SIGTERM at the time limit after the USR1 warning; an
+        operator may signal twice) must not kill it before it exits - the default action of both signals
+        is to terminate, which would turn exit code 85 into a signal death and lose the requeue. SIG_IGN
+        (not a Python handler) also holds through interpreter shutdown, which resets Python handlers."""
         for s, handler in self._previous.items():
-            signal.signal(s, handler)
+            signal.signal(s, signal.SIG_IGN if self._flag else handler)
 
 
 class NanGuard:
@@ -68,6 +211,9 @@ class NanGuard:
         self.inject_step = int(inject) if inject else None
 
     def maybe_inject(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        """Fault injection in the middle of a step (after the forward pass): a NaN loss
+        (``LLAMA_FP8_FAULT_NAN_AT_STEP``) or a process fault at point ``step`` (``LLAMA_FP8_FAULT``)."""
+        at("step", step)
         return loss * float("nan") if step == self.inject_step else loss
 
     def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:

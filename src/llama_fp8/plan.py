@@ -51,6 +51,7 @@ def make_plan(cfg: TrainConfig, env: DistEnv) -> RunPlan:
                    dims=dims, run_dir=str(run_dir), checkpoint_dir=str(ckpt_dir),
                    resume_from=None if resume is None else str(resume),
                    global_batch=cfg.train_batch_size * dims.dp_size * cfg.grad_accum_steps)
+    plan = checkpoint.check_resume(cfg, env, plan)  # every rank: writable, sound (or the previous one), fits
     if env.is_main:
         write_config(cfg, plan)
     return plan
@@ -110,14 +111,20 @@ def _agree_on_dirs(cfg: TrainConfig, env: DistEnv) -> tuple[Path, Path, Path | N
 
 
 def decide_dirs(cfg: TrainConfig) -> tuple[Path, Path, Path | None]:
-    """(run dir, checkpoint dir, checkpoint to resume from); refuses to write over another run's metrics."""
+    """(run dir, checkpoint dir, checkpoint to resume from); refuses to write over another run's metrics,
+    and refuses folders it cannot write to (a ConfigError, so that ``_agree_on_dirs`` tells every rank)."""
     run_dir = Path(cfg.run_dir or config_mod.default_run_dir())
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else run_dir / "checkpoints"
     resume = checkpoint.find_resume(cfg.resume_from_checkpoint, ckpt_dir)
     if (run_dir / "metrics.jsonl").exists() and resume is None:
         raise ConfigError(f"--run_dir {run_dir} already holds metrics.jsonl and there is no checkpoint to resume "
                           f"from in {ckpt_dir}; choose a new --run_dir (nothing was overwritten)")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--run_dir {run_dir} cannot be created ({e.strerror or e}); choose a writable "
+                          f"--run_dir") from None
+    checkpoint.probe_writable(ckpt_dir)  # before anything is computed, not at the first save
     return run_dir, ckpt_dir, resume
 
 

@@ -14,15 +14,6 @@ from llama_fp8 import config as C
 from llama_fp8 import models
 
 
-@pytest.fixture
-def registry():
-    """Register implementations for one test only."""
-    saved = dict(models._REGISTRY)
-    yield models
-    models._REGISTRY.clear()
-    models._REGISTRY.update(saved)
-
-
 def test_builtin_order_and_auto():
     assert models.names() == ("te", "hf")  # auto tries TE first
     assert models.resolve("auto", torch.device("cpu")).name == "hf"  # TE never on CPU

@@ -35,7 +35,7 @@ def test_parallel_dims_fill_and_validate():
     assert (ParallelDims(1, -1, 8).dp_replicate, ParallelDims(1, -1, 8).dp_shard) == (1, 8)
     d = ParallelDims(-1, 4, 8)
     assert (d.dp_replicate, d.dp_shard, d.hsdp, d.dp_size) == (2, 4, True, 8)
-    with pytest.raises(ConfigError, match=r"2 x --dp_shard_size 3 = 6, but the world size is 8"):
+    with pytest.raises(ConfigError, match=r"--dp_replicate_size 2 x --dp_shard_size 3 x --cp_size 1 x --tp_size 1 = 6, but the world size is 8"):
         ParallelDims(2, 3, 8)
     with pytest.raises(ConfigError, match="world size 8 is not divisible by 3"):
         ParallelDims(-1, 3, 8)
@@ -78,9 +78,9 @@ def test_activation_checkpointing_wraps_every_block(tmp_path, monkeypatch):
     real = B.build_model
 
     def spy(*args):
-        model, size = real(*args)
-        seen["types"] = [type(layer) for layer in model.model.layers]
-        return model, size
+        built = real(*args)
+        seen["types"] = [type(layer) for layer in built[0].model.layers]
+        return built
 
     monkeypatch.setattr(B, "build_model", spy)
     losses(tmp_path, "w", "--max_steps", "1", "--activation_checkpointing", "1")

@@ -9,11 +9,23 @@ hold-out. Hub datasets stream when ``--streaming=1`` and are read in stored orde
 
 Readers (``MapDocReader``, ``StreamDocReader``) hand out documents in chunks of strings together
 with a small resumable position; ``packing.py`` turns them into packed token blocks.
+
+Bad local data is found when the sources are opened, at start-up (docs/reliability.md):
+
+- a file that cannot be read (permissions, a dangling symlink), malformed content (a line that is not
+  JSON, bytes that are not UTF-8, a text field that is not a string): an error naming the file and
+  line; nothing is trained on data that was silently cut short;
+- an empty file: skipped, named and counted in a warning (an error if every file is empty);
+- a document without the text field (key missing, or null): skipped, counted in a warning. Empty
+  strings are skipped too (they hold no tokens). Hub datasets that stream are not scanned up front:
+  their documents without text are skipped as they come.
 """
 
 from __future__ import annotations
 
 import glob
+import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 # File suffix -> `datasets` packaged builder.
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text",
@@ -102,6 +116,11 @@ def _folder_splits(folder: Path) -> dict[str, list[str]]:
     """Split files of a folder by name, as `datasets` does (train*, validation*/valid*/dev*/val*)."""
     from datasets.data_files import DataFilesDict, get_data_patterns
 
+    # `datasets` leaves out what it cannot stat, so a dangling link would silently shrink the data.
+    for p in sorted(folder.rglob("*")):
+        if p.suffix in BUILDERS and not p.name.startswith(".") and p.is_symlink() and not p.exists():
+            raise ValueError(f"--dataset: {p}: cannot be read (a dangling symbolic link to {os.readlink(p)})")
+
     resolved = DataFilesDict.from_patterns(get_data_patterns(str(folder)), base_path=str(folder))
     splits = {str(k): _supported(list(v)) for k, v in resolved.items()}
     if not splits.get("train"):
@@ -148,20 +167,88 @@ def _load_local(key: SourceKey) -> dict[str, Any]:
         out = dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
         if key.val_data_files:
             out["validation"] = _load_files(expand_files(key.val_data_files, root, "val_data_files"),
-                                            "val_data_files")
+                                            "val_data_files", key.text_field)
         return out
-    return {split: _load_files(files, "dataset" if split == "train" else "val_data_files")
+    return {split: _load_files(files, "dataset" if split == "train" else "val_data_files", key.text_field)
             for split, files in _local_split_files(key).items()}
 
 
-def _load_files(files: list[str], flag: str) -> Any:
+def _load_files(files: list[str], flag: str, field: str | None = None) -> Any:
     import datasets
 
+    files = _nonempty(files, flag)
     try:
-        return datasets.load_dataset(_builder_for(files, flag), data_files=files, split="train")
-    except Exception as e:  # a parse error of a user file: report it as a config error
+        ds = datasets.load_dataset(_builder_for(files, flag), data_files=files, split="train")
+    except Exception as e:  # a parse error of a user file: report it as a config error, naming file and line
+        where = _first_bad_record(files, field)
+        if where:
+            raise ValueError(f"--{flag}: {where}") from None
         raise ValueError(f"--{flag}: cannot read {files[:3]}{'...' if len(files) > 3 else ''}: "
                          f"{type(e).__name__}: {e}") from e
+    if field in ds.column_names:
+        # The JSON reader does not check UTF-8; a bad byte would stop training when its chunk is read. The
+        # check is one vectorized pass over the text column (GB/s).
+        import pyarrow as pa
+
+        try:
+            ds.data.column(field).validate(full=True)
+        except pa.ArrowInvalid:
+            raise ValueError(f"--{flag}: {_first_bad_record(files, field) or 'text that is not valid UTF-8'}") from None
+    return ds
+
+
+def _nonempty(files: list[str], flag: str) -> list[str]:
+    """The files with data; unreadable ones are an error, empty ones a warning (all empty: an error)."""
+    empty = []
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                if not fh.read(1):
+                    empty.append(f)
+        except OSError as e:
+            raise ValueError(f"--{flag}: {f}: cannot be read ({e.strerror}); fix or remove it") from None
+    if empty and len(empty) == len(files):
+        raise ValueError(f"--{flag}: every data file is empty ({len(files)}: {', '.join(files[:5])}"
+                         f"{', ...' if len(files) > 5 else ''}): no documents to train on")
+    if empty:
+        log.warning("--%s: skipping %d of %d data files: empty: %s", flag, len(empty), len(files),
+                    ", ".join(empty[:5]) + (", ..." if len(empty) > 5 else ""))
+    return [f for f in files if f not in set(empty)]
+
+
+def _first_bad_record(files: list[str], field: str | None = None) -> str | None:
+    """Where a text or JSON-lines file is malformed ("FILE line N: why"), or None. Only called after
+    `datasets` failed on the files (it reports a row of an internal block, not the file's line)."""
+    fields: dict[str, set] = {}
+    for f in files:
+        if Path(f).suffix not in (".jsonl", ".json", ".txt"):
+            continue
+        keys = fields.setdefault(f, set())
+        with open(f, "rb") as fh:
+            for n, raw in enumerate(fh, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    return f"{f} line {n}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                if Path(f).suffix == ".txt" or not line.strip():
+                    continue
+                if Path(f).suffix == ".json" and n == 1 and line.lstrip().startswith("["):
+                    break  # one JSON document, not JSON lines: `datasets` gave the reason
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    return f"{f} line {n}: not valid JSON: {e.msg} (column {e.colno})"
+                keys.update(record if isinstance(record, dict) else ())
+                value = record.get(field) if isinstance(record, dict) and field else None
+                if isinstance(value, (int, float, bool, list, dict)):
+                    kind = {bool: "a boolean", list: "a list", dict: "an object"}.get(type(value), "a number")
+                    return f"{f} line {n}: {field!r} holds {kind}, not a string"
+    first = next(iter(fields), None)
+    for f, keys in fields.items():  # `datasets` needs the same fields in every JSON file of a split
+        if Path(f).suffix != ".txt" and keys != fields[first]:
+            return (f"{f} has the fields {sorted(keys)}, {first} has {sorted(fields[first])}: every JSON file "
+                    f"of a split needs the same fields")
+    return None
 
 
 def _hub_files(files: str) -> list[str]:
@@ -204,6 +291,16 @@ def _check_text_field(ds: Any, key: SourceKey, split: str) -> None:
     if key.text_field not in columns:
         raise ValueError(f"--text_field={key.text_field!r} is not a column of the {split!r} split of "
                          f"--dataset={key.dataset!r}; columns: {columns}")
+    feature = (getattr(ds, "features", None) or {}).get(key.text_field)
+    if feature is not None and getattr(feature, "dtype", "string") not in ("string", "large_string"):
+        raise ValueError(f"--text_field={key.text_field!r} of the {split!r} split of --dataset={key.dataset!r} "
+                         f"holds {feature.dtype}, not text")
+    table = getattr(ds, "data", None)  # map-style: count documents without text in the arrow column
+    if table is not None and hasattr(table, "column"):
+        missing = table.column(key.text_field).null_count
+        if missing:
+            log.warning("--dataset=%s: %d of %d %s documents have no %r (the key is missing or null): skipped",
+                        key.dataset, missing, len(ds), "training" if split == "train" else split, key.text_field)
 
 
 def _hold_out(n_docs: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:

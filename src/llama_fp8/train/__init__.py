@@ -51,6 +51,12 @@ def run(cfg: TrainConfig) -> int:
     except faults.NonFinite as e:
         print(f"llama-fp8 train: error (rank {env.rank}): {e}", file=sys.stderr)
         return EXIT_NONFINITE
+    except RuntimeError as e:  # a collective that gave up after --process_group_timeout: one line, not a traceback
+        msg = faults.collective_timeout_message(e, cfg.process_group_timeout)
+        if msg is None:
+            raise
+        print(f"llama-fp8 train: error (rank {env.rank}): {msg}", file=sys.stderr)
+        return 1
     finally:
         # After an agreed error every rank is here: leave together, so that no rank closes its connections
         # while another still has a message in flight (seen once as an abort at exit under load).

@@ -81,6 +81,7 @@ def plan_and_build_model(cfg: TrainConfig, env: parallel.DistEnv):
 
 
 def start_metrics(cfg: TrainConfig, plan: RunPlan, env: parallel.DistEnv, size: ModelSize, start_step: int):
+    from llama_fp8.cluster import environment  # meta record: nodes, GPU/driver, versions, NCCL network
     device_name, peak_bf16, peak_fp8 = metrics.peak_tflops(env.device, cfg.peak_tflops)
     meter = metrics.StepMeter(env.device, env.world_size, plan.global_batch, cfg.max_context_width,
                               size.flops_per_token, peak_bf16, peak_fp8, cfg.fp8)
@@ -90,5 +91,6 @@ def start_metrics(cfg: TrainConfig, plan: RunPlan, env: parallel.DistEnv, size: 
                   "peak_tflops_bf16": peak_bf16, "peak_tflops_fp8": peak_fp8, "seq_len": cfg.max_context_width,
                   "global_batch_size": plan.global_batch,
                   "flops_per_token": size.flops_per_token, "num_params": size.num_params,
-                  "fp8_emulated": plan.precision.emulated, "start_step": start_step})
+                  "fp8_emulated": plan.precision.emulated, "start_step": start_step,
+                  "environment": environment.describe(env.device.type) if env.is_main else {}})
     return meter, writer

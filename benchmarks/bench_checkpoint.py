@@ -1,0 +1,227 @@
+"""Checkpoint I/O: our save (sync and async) and load against writing and reading the same bytes raw.
+
+Two ranks (gloo, CPU) build the real training state through ``train.state.start`` - an FSDP-sharded Llama
+with FP32 master weights and AdamW moments, ~1.3 GB in all by default - and train one step so that every
+optimizer state exists. Then, in alternating rounds (raw first, then ours first, ...), in one folder on
+one file system (``--dir``):
+
+- raw write: each rank writes its local shards (parameters, then optimizer states) into one file, fsync;
+- raw read: each rank reads its file back into preallocated tensors;
+- ours save (sync): ``Checkpointer.save`` - per-rank file, DCP shards (fsynced), CRC32 of what each rank
+  wrote, the manifest, the atomic rename;
+- ours save (async): the same with ``--async_checkpoint 1``: the time ``save`` blocks the training thread
+  (staging into host memory), then the time until the background write is finished (``wait``);
+- ours load: ``Checkpointer.load`` (DCP reads and reshards, per-rank state, scheduler);
+- ours verify: the start-up check of the same checkpoint (every file's size and CRC32, files split
+  between the ranks), which runs once per resume before the load.
+
+Before every read, the files just written are dropped from the page cache (``posix_fadvise DONTNEED``
+on each file: ours and raw alike), so reads come from the device, not from memory. A phase's time is
+the slowest rank's (barriers around each phase). GB/s = bytes of model + optimizer state of all ranks /
+seconds. Ratios: ours save / raw write and ours load / raw read (goal >= 0.5 each); async blocked time /
+sync save time (goal <= 0.2). Prints a table, then one JSON line ``{"bench": "checkpoint", ...}``.
+
+Run: ``python benchmarks/bench_checkpoint.py`` (relaunches itself under torch.distributed.run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+GOAL_RATIO, GOAL_BLOCKED = 0.5, 0.2
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden_width", type=int, default=1024, help="model width (default 1024)")
+    p.add_argument("--num_layers", type=int, default=4, help="decoder layers (default 4)")
+    p.add_argument("--vocab_size", type=int, default=32000, help="vocabulary (default 32000)")
+    p.add_argument("--intermediate_size", type=int, default=2816, help="MLP width (default 2816)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of every variant (default 3)")
+    p.add_argument("--dir", default=None, help="folder for the files (default: a new folder under runs/)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks to launch (ignored under torchrun)")
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.nproc < 1:
+        p.error("--rounds and --nproc must be >= 1")
+    return args
+
+
+def relaunch(args: argparse.Namespace, argv: list[str]) -> int:
+    folder = Path(args.dir or tempfile.mkdtemp(prefix="bench_checkpoint-", dir=REPO / "runs"
+                                                if (REPO / "runs").is_dir() else None))
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           os.path.abspath(__file__), *argv, "--dir", str(folder)]
+    try:
+        return subprocess.run(cmd, env=env).returncode
+    finally:
+        if args.dir is None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def train_flags(args: argparse.Namespace, folder: Path, async_save: bool) -> list[str]:
+    return ["--model", "tiny", "--device", "cpu", "--model_impl", "hf", "--hidden_width", str(args.hidden_width),
+            "--num_layers", str(args.num_layers), "--vocab_size", str(args.vocab_size), "--num_heads", "16",
+            "--num_key_value_heads", "8", "--intermediate_size", str(args.intermediate_size),
+            "--max_context_width", "32", "--train_batch_size", "1", "--max_steps", "1000", "--seed", "0",
+            "--run_dir", str(folder / "run"), "--checkpoint_dir", str(folder / "ckpt"), "--keep_last_k", "1",
+            "--async_checkpoint", str(int(async_save)), "--resume_from_checkpoint", "none"]
+
+
+def local_tensors(model, optimizer) -> list[torch.Tensor]:
+    """This rank's shards of the parameters and optimizer states: the bytes a checkpoint must hold."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+    out = [local(p).detach() for p in model.parameters()]
+    for st in optimizer.state.values():
+        out += [local(v) for v in st.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def drop_cache(folder: Path) -> None:
+    """Evict ``folder``'s files from the page cache (they are fsynced, so their pages are clean)."""
+    for p in folder.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def timed(fn) -> float:
+    """Seconds of ``fn`` on the slowest rank (a barrier before and after)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def raw_write(path: Path, tensors: list[torch.Tensor]) -> None:
+    with open(path, "wb", buffering=0) as f:
+        for t in tensors:
+            f.write(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+        os.fsync(f.fileno())
+
+
+def raw_read(path: Path, into: list[torch.Tensor]) -> None:
+    with open(path, "rb", buffering=0) as f:
+        for t in into:
+            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            got = f.readinto(view)
+            assert got == len(view), (got, len(view))
+
+
+def rank_main(args: argparse.Namespace) -> int:
+    from llama_fp8 import checkpoint, config, parallel
+    from llama_fp8.train import loop, state
+
+    folder = Path(args.dir)
+    cfg = config.parse_args(train_flags(args, folder, False))
+    env = parallel.init_distributed(cfg)
+    s = state.start(cfg, env)
+    try:
+        s.model.train()
+        loop.train_step(s, iter(s.train_loader), 1)  # every AdamW state exists
+        tensors = local_tensors(s.model, s.optimizer)
+        mine = sum(t.numel() * t.element_size() for t in tensors)
+        total = torch.tensor([mine], dtype=torch.int64)
+        dist.all_reduce(total)
+        nbytes = int(total.item())
+        dest = [torch.empty_like(t) for t in tensors]
+
+        raw = folder / "raw"
+        raw.mkdir(exist_ok=True)
+        raw_file = raw / f"rank{env.rank}.bin"
+        sync = s.checkpointer
+        asyn = checkpoint.Checkpointer(Path(cfg.checkpoint_dir), 1, True, env.rank, env.world_size)
+        times: dict[str, list[float]] = {k: [] for k in ("raw write", "raw read", "ours save (sync)", "ours load",
+                                                         "ours verify", "async blocked", "async total")}
+        for r in range(args.rounds):
+            for variant in (("raw", "ours") if r % 2 == 0 else ("ours", "raw")):
+                if variant == "raw":
+                    times["raw write"].append(timed(lambda: raw_write(raw_file, tensors)))
+                    drop_cache(raw)
+                    times["raw read"].append(timed(lambda: raw_read(raw_file, dest)))
+                else:
+                    for k, v in ours_round(s, cfg, env, sync, asyn, 2 * r + 1).items():
+                        times[k].append(v)
+        if env.is_main:
+            report(args, env.world_size, nbytes, {k: statistics.median(v) for k, v in times.items()}, times)
+    finally:
+        s.close()
+        parallel.destroy_distributed()
+    return 0
+
+
+def ours_round(s, cfg, env, sync, asyn, step: int) -> dict[str, float]:
+    """Our sync save, the start-up check and the load of that checkpoint, then an async save."""
+    from llama_fp8.checkpoint import manifest
+
+    out = {"ours save (sync)": timed(lambda: sync.save(step, s.model, s.optimizer, s.scheduler, s.train_loader, cfg,
+                                                        s.plan))}
+    path = Path(cfg.checkpoint_dir) / f"step_{step}"
+    drop_cache(path)
+    out["ours verify"] = timed(lambda: manifest.verify(path, env.rank, env.world_size))
+    drop_cache(path)
+    out["ours load"] = timed(lambda: sync.load(path, s.model, s.optimizer, s.scheduler, s.train_loader,
+                                               cfg.train_batch_size))
+    out["async blocked"] = timed(lambda: asyn.save(step + 1, s.model, s.optimizer, s.scheduler, s.train_loader, cfg,
+                                                   s.plan))
+    out["async total"] = out["async blocked"] + timed(asyn.wait)
+    return out
+
+
+def report(args, world: int, nbytes: int, med: dict[str, float], times: dict[str, list[float]]) -> None:
+    gb = nbytes / 1e9
+    rate = {k: gb / v for k, v in med.items()}
+    save_ratio = med["raw write"] / med["ours save (sync)"]
+    load_ratio = med["raw read"] / med["ours load"]
+    blocked = med["async blocked"] / med["ours save (sync)"]
+    verify_load = gb / (med["ours verify"] + med["ours load"])
+    print(f"checkpoint I/O: hf Llama hidden {args.hidden_width} x {args.num_layers} layers, vocab {args.vocab_size}: "
+          f"{nbytes / 2**30:.2f} GiB of FP32 weights + AdamW moments over {world} ranks (gloo, CPU), "
+          f"{args.rounds} alternating rounds, median; files in {args.dir}; {os.cpu_count()} CPUs, load avg "
+          f"{os.getloadavg()[0]:.2f}")
+    print(f"{'variant':22s} {'median s':>9s} {'GB/s':>7s}  rounds")
+    for k in ("raw write", "ours save (sync)", "async blocked", "async total", "raw read", "ours load",
+              "ours verify"):
+        print(f"{k:22s} {med[k]:9.3f} {rate[k]:7.3f}  {' '.join(f'{t:.3f}' for t in times[k])}")
+    print(f"save ratio ours/raw: {save_ratio:.3f} (goal >= {GOAL_RATIO}); load ratio ours/raw: {load_ratio:.3f} "
+          f"(goal >= {GOAL_RATIO}); async save blocks training {blocked:.3f}x a sync save (goal <= {GOAL_BLOCKED}); "
+          f"verify + load: {verify_load:.3f} GB/s")
+    print(json.dumps({
+        "bench": "checkpoint", "world_size": world, "state_bytes": nbytes, "rounds": args.rounds,
+        "cpus": os.cpu_count(), "load_avg_1min": round(os.getloadavg()[0], 2),
+        "median_s": {k: round(v, 4) for k, v in med.items()}, "gbps": {k: round(v, 4) for k, v in rate.items()},
+        "save_ratio": round(save_ratio, 4), "load_ratio": round(load_ratio, 4),
+        "async_blocked_ratio": round(blocked, 4), "verify_and_load_gbps": round(verify_load, 4),
+        "ratio": round(min(save_ratio, load_ratio), 4), "goal_ratio": GOAL_RATIO, "goal_blocked": GOAL_BLOCKED}),
+        flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    if "RANK" not in os.environ:
+        return relaunch(args, argv)
+    return rank_main(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

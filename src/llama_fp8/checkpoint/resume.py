@@ -1,0 +1,145 @@
+"""Start-up checks of the checkpoint side of a run, on every rank, before anything is built:
+
+1. ``--checkpoint_dir`` is writable from every rank (a probe file), or the run stops now, not at its
+   first save hours later.
+2. The checkpoint to resume from is sound: every file has its manifest size and checksum and parses (the
+   ranks split the files and check in parallel). With ``--resume_from_checkpoint auto`` a damaged one
+   is renamed ``step_N.broken``, named loudly with its broken files, and the previous complete
+   checkpoint is tried; a checkpoint named explicitly is never replaced by another: the run stops.
+3. It fits this run: the same model implementation, model shape, optimizer and dataset, or the run
+   stops naming the flag. Other changes are allowed and logged (see docs/reliability.md for why each
+   is correct: precision, world size, batch size, LR schedule, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+from llama_fp8 import parallel
+from llama_fp8.checkpoint import layout as L
+from llama_fp8.checkpoint import manifest as M
+from llama_fp8.errors import ConfigError
+
+log = logging.getLogger("llama_fp8.checkpoint")
+
+SHAPE_FLAGS = ("vocab_size", "hidden_width", "num_layers", "num_heads", "num_key_value_heads", "intermediate_size",
+               "tie_word_embeddings")
+"""Flags that change which parameters exist or their shapes: a checkpoint of another shape cannot load."""
+MUST_MATCH = (*SHAPE_FLAGS, "optimizer", "dataset")
+"""... plus the optimizer (its state has another structure) and the data source (the saved position
+is a position in that data; to train the saved weights on other data, export them with ``llama-fp8
+convert`` and start a new run with --init_from_hf)."""
+_BOOKKEEPING = {"run_dir", "checkpoint_dir", "resume_from_checkpoint", "config"}
+
+
+def probe_writable(folder: Path, rank: int = 0) -> None:
+    """Create ``folder`` if needed and write, fsync and delete a probe file in it; ConfigError if not."""
+    probe = folder / f".write_probe.rank{rank}.{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"probe\n")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"--checkpoint_dir {folder} is not writable from rank {rank} ({e.strerror or e}): no "
+                          f"checkpoint could be saved; fix its permissions or mount, or choose another "
+                          f"--checkpoint_dir (nothing was computed)") from None
+
+
+def check_resume(cfg, env, plan):
+    """The plan with the checkpoint to resume from checked (or replaced by the previous sound one)."""
+    parallel.on_every_rank(env, lambda: probe_writable(Path(plan.checkpoint_dir), env.rank))
+    if plan.resume_from is None:
+        return plan
+    explicit = cfg.resume_from_checkpoint != "auto"
+    chosen = _first_sound(_candidates(env, Path(plan.resume_from), Path(plan.checkpoint_dir), explicit), env,
+                          explicit, Path(plan.checkpoint_dir))
+    parallel.on_every_rank(env, lambda: check_compatible(chosen, cfg, plan, env.is_main))
+    return dataclasses.replace(plan, resume_from=str(chosen))
+
+
+def _candidates(env, first: Path, ckpt_dir: Path, explicit: bool) -> list[Path]:
+    """The decided checkpoint, then (auto) every older complete one; rank 0's listing, so that every rank
+    tries the same list even if the file system shows them different views for a moment."""
+    out: list = [[first] if explicit else
+                 [p for s, p in reversed(L.complete_checkpoints(ckpt_dir)) if s <= L.step_of(first)]]
+    if env.world_size > 1:
+        dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
+def _first_sound(candidates: list[Path], env, explicit: bool, ckpt_dir: Path) -> Path:
+    damaged = []
+    for path in candidates:
+        try:
+            mine = M.verify(path, env.rank, env.world_size)
+        except Exception as e:  # noqa: BLE001 - every rank must reach the gather below
+            mine = [f"{path}: check failed: {type(e).__name__}: {e}"]
+        gathered: list = [None] * env.world_size
+        if env.world_size > 1:
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        problems = [p for part in gathered for p in part]
+        if not problems:
+            if damaged and env.is_main:
+                log.warning("RESUMING FROM %s: %d newer checkpoint(s) were damaged and set aside (see above)",
+                            path, len(damaged))
+            return path
+        if explicit:
+            raise ConfigError(f"--resume_from_checkpoint {path}: the checkpoint is damaged: {'; '.join(problems)}. "
+                              f"Nothing was changed; resume from another one, or use auto (the latest sound one)")
+        damaged.append(path)
+        _set_aside(path, problems, env.is_main)
+    raise ConfigError(f"no sound checkpoint to resume from in {ckpt_dir}: every complete one is damaged "
+                      f"({', '.join(p.name for p in damaged)}; renamed *.broken, see the warnings). Start over in a "
+                      f"new --run_dir, or repair them (nothing was deleted)")
+
+
+def _set_aside(path: Path, problems: list[str], is_main: bool) -> None:
+    if not is_main:
+        return
+    try:
+        where = f"renamed to {L.set_aside(path).name} for inspection"
+    except OSError as e:
+        where = f"could not be renamed ({e.strerror})"
+    log.warning("CHECKPOINT %s IS DAMAGED, not resuming from it (%s): %s. Trying the previous complete "
+                "checkpoint", path, where, "; ".join(problems))
+
+
+def check_compatible(path: Path, cfg, plan, is_main: bool = True) -> None:
+    """ConfigError naming every flag that makes ``path`` unusable for this run; logs what else changed."""
+    saved = json.loads((path / M.TRAIN_STATE).read_text())
+    asked, ran = saved.get("config") or {}, saved.get("plan") or {}
+    bad = []
+    impl = ran.get("model_impl") or asked.get("model_impl")
+    if impl and impl != "auto" and impl != plan.model_impl:
+        bad.append(f"saved with model implementation {impl!r}, this run resolves --model_impl to {plan.model_impl!r}")
+    bad += [f"saved with --{k}={asked[k]!r}, this run has --{k}={getattr(cfg, k)!r}" for k in MUST_MATCH
+            if k in asked and asked[k] != getattr(cfg, k)]
+    if bad:
+        raise ConfigError(f"cannot resume from {path}: it does not fit this run: {'; '.join(bad)}. Resume with the "
+                          f"saved settings, or start a new --run_dir (nothing was changed)")
+    if not is_main:
+        return
+    changed = {k: (asked[k], v) for k, v in dataclasses.asdict(cfg).items()
+               if k in asked and asked[k] != v and k not in _BOOKKEEPING}
+    if changed:
+        log.info("resuming from %s with changed settings: %s", path,
+                 ", ".join(f"--{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+    before = (ran.get("precision") or {}).get("name")
+    if before and before != plan.precision.name:
+        log.warning("resuming a %s checkpoint as %s: master weights and optimizer states are FP32 in both and load "
+                    "as saved; from step %s on the run is %s", before, plan.precision.name, saved["step"],
+                    plan.precision.name)
+    if int(saved["world_size"]) != plan.world_size:
+        log.info("checkpoint %s was saved by %d ranks, this run has %d: model and optimizer are resharded",
+                 path, saved["world_size"], plan.world_size)

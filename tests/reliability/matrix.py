@@ -1,0 +1,239 @@
+"""The fault matrix: what each test injects and expects (here, static), what it observed (recorded by the
+test when it passes), and the table docs/reliability.md rendered from both.
+
+    LLAMA_FP8_RELIABILITY_DOC=docs/reliability.md .venv/bin/python -m pytest tests/reliability   # + the doc
+    .venv/bin/python tests/reliability/matrix.py --out docs/reliability.md      # render the recorded rows
+
+A passing matrix test records its row (observed outcome, optimizer steps lost) in ROWS_FILE, replacing
+the row of an earlier run of the same test; the Slurm row (tests/cluster/test_faults_slurm.py) is
+recorded the same way when it runs. The doc is written only when every row of MATRIX has been recorded,
+so it always describes runs of the current tests. test_reliability_doc.py checks that the doc lists
+exactly MATRIX and that the README's headline figures are the doc's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ROWS_FILE = Path(os.environ.get("LLAMA_FP8_RELIABILITY_ROWS", REPO / ".pytest_cache" / "llama-fp8-reliability.json"))
+
+FAULT, BAD_INPUT, CHANGE = "fault", "bad input", "resume change"
+_KILL_SAVE = "the save of step_4 never becomes complete; step_2 stays intact; the rerun resumes from step_2 and " \
+             "ends bitwise equal to the uninterrupted run"
+# test id -> (kind, fault injected, expected outcome)
+MATRIX: dict[str, tuple[str, str, str]] = {
+    # --- process faults: 2 ranks (gloo), real torchrun ------------------------------------------------------
+    "test_sigkill_one_rank_mid_step": (
+        FAULT, "SIGKILL of rank 1 in the middle of step 5 (after forward, before backward)",
+        "the job fails fast (torchrun stops the other rank); step_4 intact; the rerun resumes from step_4, bitwise"),
+    "test_sigkill_every_rank_mid_step": (
+        FAULT, "SIGKILL of every rank in the middle of step 5",
+        "step_4 intact; the rerun resumes from step_4, bitwise"),
+    "test_sigkill_during_save[save.shards_written-rank0]": (
+        FAULT, "SIGKILL of rank 0 during the save of step_4: its shards written, before the COMPLETE marker",
+        _KILL_SAVE),
+    "test_sigkill_during_save[save.shards_written-rank1]": (
+        FAULT, "SIGKILL of rank 1 during the save of step_4: its shards written, before the COMPLETE marker",
+        _KILL_SAVE),
+    "test_sigkill_during_save[save.marker_written-rank0]": (
+        FAULT, "SIGKILL of rank 0 during the save of step_4: after the marker, before the rename", _KILL_SAVE),
+    "test_sigkill_during_save[save.marker_written-rank1]": (
+        FAULT, "SIGKILL of rank 1 during the save of step_4: after every rank's files are on disk, while rank 0 "
+        "writes the marker and renames", "rank 0 completes step_4 (nothing of it is missing); the job fails; the "
+        "rerun resumes from step_4, bitwise"),
+    "test_sigkill_during_save[save.async_in_flight-rank0]": (
+        FAULT, "SIGKILL of rank 0 while an async save of step_4 is being written", _KILL_SAVE),
+    "test_sigkill_during_save[save.async_in_flight-rank1]": (
+        FAULT, "SIGKILL of rank 1 while an async save of step_4 is being written", _KILL_SAVE),
+    "test_sigkill_during_save[save.pruning-rank0]": (
+        FAULT, "SIGKILL of rank 0 while --keep_last_k deletes step_2 after saving step_4",
+        "step_4 complete; the half-deleted step_2 is never a resume candidate and is removed by the next save; "
+        "the rerun resumes from step_4, bitwise"),
+    "test_slow_rank_during_async_save": (
+        FAULT, "rank 1 stalls 3 s right after an async save of step_4 started (training collectives on rank 0 "
+        "overlap the save's)", "training and the save both complete; losses and weights bitwise equal"),
+    "test_sigusr1_repeated": (
+        FAULT, "SIGUSR1 to both ranks, then again every 50 ms until the job exits",
+        "one checkpoint at the step where all ranks agreed, exit 85 (requeue), never killed by a later signal; "
+        "the rerun resumes, bitwise"),
+    "test_sigterm_during_async_save": (
+        FAULT, "SIGTERM to both ranks while the async save of step_4 is in flight",
+        "the in-flight save completes, one more checkpoint at the next step, exit 85; the rerun resumes, bitwise"),
+    "test_signal_during_validation": (
+        FAULT, "SIGUSR1 while validation runs (after step 2)",
+        "validation finishes and is logged, checkpoint at step 2, exit 85; the rerun resumes, bitwise"),
+    "test_disk_full_during_save": (
+        FAULT, "the checkpoint file system fills up during the save of step_4 (tmpfs; RLIMIT_FSIZE where mount "
+        "is not allowed)",
+        "every rank stops with exit 2 naming the path and its free space; no step_4, step_2 intact; after "
+        "space is freed the rerun resumes from step_2, bitwise"),
+    "test_checkpoint_dir_not_writable": (
+        FAULT, "--checkpoint_dir on a read-only file system",
+        "refused at start-up on every rank, before the model is built (exit 2, one message naming the dir)"),
+    "test_rank_hangs_in_a_collective_on_slurm": (
+        FAULT, "Slurm (2 ranks): rank 1 stops making progress in step 5; --process_group_timeout 20",
+        "rank 0's collective fails after 20 s naming the timeout; the job fails; after scontrol requeue it "
+        "resumes from step_4 and finishes"),
+    # --- damaged checkpoints and unsafe files (1 rank, in-process) --------------------------------------------
+    "test_damaged_latest_checkpoint_falls_back[truncated shard]": (
+        BAD_INPUT, "the latest checkpoint's .distcp shard truncated to half",
+        "auto resume names the file, sets step_4 aside as step_4.broken, resumes from step_2, bitwise"),
+    "test_damaged_latest_checkpoint_falls_back[flipped byte in shard]": (
+        BAD_INPUT, "one byte flipped in the middle of the latest shard (same size)",
+        "the checksum mismatch is named; falls back to step_2, bitwise"),
+    "test_damaged_latest_checkpoint_falls_back[missing shard]": (
+        BAD_INPUT, "the latest checkpoint's shard deleted", "named as missing; falls back to step_2, bitwise"),
+    "test_damaged_latest_checkpoint_falls_back[truncated .metadata]": (
+        BAD_INPUT, "DCP's .metadata truncated", "named; falls back to step_2, bitwise"),
+    "test_damaged_latest_checkpoint_falls_back[garbled train_state.json]": (
+        BAD_INPUT, "train_state.json cut in the middle", "named; falls back to step_2, bitwise"),
+    "test_damaged_latest_checkpoint_falls_back[garbled rank file]": (
+        BAD_INPUT, "rank0.safetensors overwritten with garbage of the same size", "named; falls back to step_2, "
+        "bitwise"),
+    "test_damaged_latest_checkpoint_falls_back[garbled COMPLETE]": (
+        BAD_INPUT, "the COMPLETE manifest overwritten", "named; falls back to step_2, bitwise"),
+    "test_every_checkpoint_damaged_stops": (
+        BAD_INPUT, "every complete checkpoint damaged",
+        "stops before building (exit 2) naming each; nothing deleted, metrics not appended"),
+    "test_explicitly_named_damaged_checkpoint_stops": (
+        BAD_INPUT, "--resume_from_checkpoint names a damaged checkpoint",
+        "stops (exit 2) naming the broken file; no fallback to another checkpoint, nothing renamed"),
+    "test_planted_pickle_in_legacy_rank_file_is_refused": (
+        BAD_INPUT, "a pickle whose payload runs a command, planted as rank0.pt of an old-format checkpoint",
+        "refused without running the payload (named: the global it tried to load); falls back to step_2"),
+    "test_planted_pickle_in_dcp_metadata_is_refused": (
+        BAD_INPUT, "the same payload planted as DCP's .metadata (manifest rewritten to match)",
+        "refused without running the payload; falls back to step_2"),
+    "test_planted_pickle_as_rank_file_with_forged_manifest_is_refused": (
+        BAD_INPUT, "a pickle payload as rank0.safetensors, manifest checksum forged to match",
+        "refused by the safetensors reader, payload not run; falls back to step_2"),
+    "test_old_format_checkpoint_still_resumes_bitwise": (
+        BAD_INPUT, "a checkpoint of the previous format (rank0.pt pickles, COMPLETE = ok, no checksums)",
+        "loads through the allow-listed reader and resumes bitwise"),
+    # --- resume with changed settings (1 rank, in-process) ---------------------------------------------------
+    "test_resume_with_changed_model_shape_stops[num_layers]": (
+        CHANGE, "resume with --num_layers 3 (saved: 2)", "stops before building, naming --num_layers"),
+    "test_resume_with_changed_model_shape_stops[hidden_width]": (
+        CHANGE, "resume with --hidden_width 64 (saved: 128)", "stops before building, naming --hidden_width"),
+    "test_resume_with_changed_model_shape_stops[optimizer]": (
+        CHANGE, "resume with --optimizer adamw8bit (saved: adamw)", "stops before building, naming --optimizer"),
+    "test_resume_with_changed_model_shape_stops[dataset]": (
+        CHANGE, "resume on another --dataset (saved: synthetic)", "stops before building, naming --dataset"),
+    "test_resume_with_another_model_implementation_stops": (
+        CHANGE, "resume with another --model_impl (a third, registered implementation)",
+        "stops before building, naming both implementations"),
+    "test_resume_with_changed_precision_works[fp8]": (
+        CHANGE, "resume a BF16 checkpoint with --fp8 1 (torchao tensorwise)",
+        "works: FP32 master weights and moments load unchanged; loss continues within 2 % of the BF16 run"),
+    "test_resume_with_changed_precision_works[fp8 rowwise]": (
+        CHANGE, "resume a BF16 checkpoint with --fp8 1 --fp8_recipe rowwise", "works, as above"),
+    "test_resume_with_changed_precision_works[fp8 all-gather]": (
+        CHANGE, "resume a BF16 checkpoint with --fp8 1 --fp8_all_gather 1", "works, as above"),
+    "test_resume_with_changed_precision_works[fp32]": (
+        CHANGE, "resume a BF16 checkpoint with --bf16 0", "works, as above"),
+    "test_resume_with_changed_world_size_works": (
+        CHANGE, "resume a 2-rank checkpoint on 1 rank (batch 2 -> 4: same global batch)",
+        "works: DCP reshards; synthetic data continues at the same global sample; losses within 2e-3"),
+    "test_resume_with_changed_lr_applies_the_new_schedule": (
+        CHANGE, "resume with --lr halved", "the new peak LR applies from the resumed step on"),
+    # --- bad data (1 rank, in-process, a local JSONL corpus) -------------------------------------------------
+    "test_bad_data_is_refused_naming_file_and_line[malformed JSON line]": (
+        BAD_INPUT, "a JSONL file with a malformed line", "stops at start-up (exit 2) naming the file and line"),
+    "test_bad_data_is_refused_naming_file_and_line[files with different fields]": (
+        BAD_INPUT, "one JSONL file with a field the others lack (the JSON reader needs one schema per split)",
+        "stops at start-up naming the file and both field lists"),
+    "test_bad_data_is_refused_naming_file_and_line[invalid UTF-8]": (
+        BAD_INPUT, "a .jsonl file with bytes that are not UTF-8", "stops at start-up naming the file and line"),
+    "test_bad_data_is_refused_naming_file_and_line[dangling symlink]": (
+        BAD_INPUT, "a data file that is a dangling symlink (unreadable)", "stops at start-up naming the file"),
+    "test_bad_data_is_refused_naming_file_and_line[every file empty]": (
+        BAD_INPUT, "every data file empty", "stops at start-up naming the files"),
+    "test_empty_file_is_skipped_and_counted": (
+        BAD_INPUT, "one empty file among the data files", "skipped, named and counted in the log; training runs"),
+    "test_documents_without_text_are_skipped_and_counted": (
+        BAD_INPUT, "documents without the text field (an empty record, a null text)",
+        "skipped and counted in the log; training runs on the others"),
+}
+
+
+def record(test_id: str, observed: str, steps_lost: int | None) -> None:
+    """Store a passing test's row (replacing that test's earlier row)."""
+    assert test_id in MATRIX, f"{test_id} is not in tests/reliability/matrix.py MATRIX"
+    rows = load_rows()
+    observed = re.sub(r"/tmp/pytest-of-[^/\s]+/pytest-\d+/[^/\s]+/", "", observed).replace("|", "/")
+    rows[test_id] = {"observed": observed, "steps_lost": steps_lost,
+                     "when": datetime.datetime.now().isoformat(timespec="seconds")}
+    ROWS_FILE.parent.mkdir(parents=True, exist_ok=True)
+    tmp = ROWS_FILE.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rows, indent=1, sort_keys=True))
+    tmp.replace(ROWS_FILE)
+
+
+def load_rows() -> dict[str, dict]:
+    return json.loads(ROWS_FILE.read_text()) if ROWS_FILE.is_file() else {}
+
+
+def summary(rows: dict[str, dict]) -> dict[str, int]:
+    kinds = {k: MATRIX[k][0] for k in rows if k in MATRIX}
+    lost = [r["steps_lost"] for k, r in rows.items() if kinds.get(k) == FAULT and r["steps_lost"] is not None]
+    return {"faults_injected": sum(v == FAULT for v in kinds.values()),
+            "faults_survived": sum(v == FAULT for v in kinds.values()),  # a row exists only for a passing test
+            "max_steps_lost": max(lost, default=0), "total_steps_lost": sum(lost),
+            "bad_inputs_tried": sum(v == BAD_INPUT for v in kinds.values()),
+            "resume_changes_tried": sum(v == CHANGE for v in kinds.values())}
+
+
+def headline(s: dict[str, int]) -> str:
+    return (f"{s['faults_injected']} faults injected, {s['faults_survived']} survived (at most "
+            f"{s['max_steps_lost']} optimizer steps lost, always at most the steps since the last checkpoint); "
+            f"{s['bad_inputs_tried']} bad inputs tried, all refused or skipped with a message naming them; "
+            f"{s['resume_changes_tried']} resume changes, each working or refused before training")
+
+
+def render(rows: dict[str, dict]) -> str:
+    missing = [k for k in MATRIX if k not in rows]
+    if missing:
+        raise SystemExit(f"no recorded result for {len(missing)} matrix rows (run them first): {missing[:5]}")
+    when = max(r["when"] for r in rows.values())
+    lines = ["# Reliability: the fault matrix", "",
+             "<!-- generated by tests/reliability/matrix.py from the recorded test results: do not edit -->", "",
+             f"Every row is a test that injects the fault into a real training run and asserts the outcome "
+             f"(tests/reliability/, tests/cluster/test_faults_slurm.py). Results as of {when[:10]} on "
+             f"{platform.machine()} Linux, Python {platform.python_version()}. **{headline(summary(rows))}.**", "",
+             "Steps lost: optimizer steps that had completed before the fault and had to be trained again "
+             "after the resume (checkpoints every 2 steps in these runs). Bitwise: the losses of every step "
+             "after the resume and the final model and optimizer shards equal the uninterrupted run's.", ""]
+    for kind, title in ((FAULT, "Faults"), (BAD_INPUT, "Bad inputs"), (CHANGE, "Resuming with changed settings")):
+        lines += [f"## {title}", "", "| fault | expected | observed | steps lost | test |", "|---|---|---|---|---|"]
+        for key, (k, fault, expected) in MATRIX.items():
+            if k == kind:
+                r = rows[key]
+                lost = "-" if r["steps_lost"] is None else str(r["steps_lost"])
+                lines.append(f"| {fault} | {expected} | {r['observed']} | {lost} | `{key}` |".replace("\n", " "))
+        lines.append("")
+    return "\n".join(lines) + "\n" + (DECISIONS.read_text() if DECISIONS.is_file() else "")
+
+
+DECISIONS = Path(__file__).with_name("decisions.md")
+"""The prose after the table (what was decided and why), kept next to the matrix it explains."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Render docs/reliability.md from the recorded matrix rows.")
+    p.add_argument("--out", default=str(REPO / "docs" / "reliability.md"))
+    args = p.parse_args(argv)
+    Path(args.out).write_text(render(load_rows()))
+    print(f"wrote {args.out}: {headline(summary(load_rows()))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
