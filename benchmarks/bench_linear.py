@@ -19,7 +19,19 @@ import torch
 from torch import nn
 
 # (model, name, in_features, out_features)
-SHAPES = [
+SHAPES = [  # (preset, GEMM, in features k, out features n): the presets' own projection shapes
+    ("llama3.2-1b", "qkv", 2048, 2048 + 2 * 8 * 64),
+    ("llama3.2-1b", "o", 2048, 2048),
+    ("llama3.2-1b", "gate/up", 2048, 8192),
+    ("llama3.2-1b", "down", 8192, 2048),
+    ("llama3.2-3b", "qkv", 3072, 3072 + 2 * 8 * 128),
+    ("llama3.2-3b", "o", 3072, 3072),
+    ("llama3.2-3b", "gate/up", 3072, 8192),
+    ("llama3.2-3b", "down", 8192, 3072),
+    ("llama2-7b", "qkv", 4096, 3 * 4096),
+    ("llama2-7b", "o", 4096, 4096),
+    ("llama2-7b", "gate/up", 4096, 11008),
+    ("llama2-7b", "down", 11008, 4096),
     ("llama3.1-8b", "qkv", 4096, 4096 + 2 * 8 * 128),
     ("llama3.1-8b", "o", 4096, 4096),
     ("llama3.1-8b", "gate/up", 4096, 14336),

@@ -1,0 +1,190 @@
+"""What a GPU visit runs, as a list of units in a fixed order, and the command line of each.
+
+Steps, in order: pytest (``pytest -m gpu``, the TE tests first, then the rest), bench
+(``benchmarks/bench_linear.py``), train (the A/B matrix through ``python -m llama_fp8 train``), resume (save
+at step k, resume to 2k), hf_init (``--init_from_hf`` TE vs HF), profile (one configuration under the
+trainer's profiler). A unit's id names it in the results file; ``verify.py --match`` selects ids by glob.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STEPS = ("pytest", "bench", "train", "resume", "hf_init", "profile")
+SEED = 1234
+TOKENS = 8192  # bench_linear rows: the training batch below (2 sequences of 4096)
+
+# name -> (train flags, seconds a cell of it takes, a guess for the budget check). The issue's three shapes:
+# Llama 3.2 1B and 3B at 4096 tokens (3B with activation checkpointing: FP32 AdamW states alone take
+# ~51 GB of the 80), and the AWS sample's Llama 2 7B shape cut to 8 layers.
+MODELS: dict[str, tuple[tuple[str, ...], int]] = {
+    "llama3.2-1b": (("--model", "llama3.2-1b", "--max_context_width", "4096"), 90),
+    "llama3.2-3b": (("--model", "llama3.2-3b", "--max_context_width", "4096", "--activation_checkpointing", "1"),
+                    180),
+    "llama2-7b-8l": (("--model", "llama2-7b", "--num_layers", "8"), 150),
+}
+DEFAULT_MODELS = tuple(MODELS)
+DATA = ("synthetic", "text")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    impl: str  # --model_impl
+    fp8: bool
+    recipe: str | None = None  # --fp8_recipe
+    compile: bool = False
+    expect: str = "run"  # run | refuse (must be refused: mxfp8 on Hopper) | may_refuse (where supported)
+
+    @property
+    def backend(self) -> str | None:
+        return None if not self.fp8 else ("te" if self.impl == "te" else "torchao")
+
+    def flags(self) -> list[str]:
+        out = ["--model_impl", self.impl, "--fp8", "1" if self.fp8 else "0"]
+        if self.fp8:
+            out += ["--fp8_backend", self.backend, "--fp8_recipe", self.recipe]
+        if self.compile:
+            out += ["--compile", "1"]
+        return out
+
+    def fields(self) -> dict:
+        return {"variant": self.name, "impl": self.impl, "fp8": self.fp8, "recipe": self.recipe,
+                "compile": self.compile, "backend": self.backend}
+
+
+# torchao's FP8 needs torch.compile to be fast, so HF FP8 runs compiled and has a compiled BF16 baseline;
+# TE's layers are fused already and TE's delayed recipe refuses --compile 1: TE cells run eager.
+VARIANTS = (
+    Variant("hf-bf16", "hf", False),
+    Variant("hf-bf16-compile", "hf", False, compile=True),
+    Variant("hf-fp8-tensorwise", "hf", True, "tensorwise", compile=True),
+    Variant("hf-fp8-rowwise", "hf", True, "rowwise", compile=True),
+    Variant("te-bf16", "te", False),
+    Variant("te-fp8-delayed", "te", True, "delayed"),
+    Variant("te-fp8-current", "te", True, "current"),
+    Variant("te-fp8-block", "te", True, "block", expect="may_refuse"),
+    Variant("te-fp8-mxfp8", "te", True, "mxfp8", expect="refuse"),
+)
+VARIANT = {v.name: v for v in VARIANTS}
+# Save/resume: each TE recipe and torchao (eager: compile changes nothing about what is saved), and TE BF16
+# as the control.
+RESUME_VARIANTS = ("te-fp8-delayed", "te-fp8-current", "te-fp8-block", "hf-fp8-tensorwise", "hf-fp8-rowwise",
+                   "te-bf16")
+# The GPU test that compares TE and HF logits at 4096 tokens through the build path from a save_pretrained
+# checkpoint (--init_from_hf): the hf_init unit runs it by node id.
+HF_INIT_TEST = "tests/models/te/test_te_gpu.py::test_te_logits_match_hf_at_4096_tokens_through_the_build_path"
+PYTEST_SETS = (("te", ("tests/models/te",)), ("other", ("tests", "--ignore=tests/models/te")))
+BENCH_SETS = (("current", "tensorwise"), ("delayed", "rowwise"), ("block", "tensorwise"))
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the verify flags decide (and a few shapes that only tests change)."""
+
+    device: str = "cuda"
+    models: tuple[str, ...] = DEFAULT_MODELS
+    data: tuple[str, ...] = DATA
+    max_steps: int = 50  # synthetic cells: warm-up + >= 30 timed steps
+    text_steps: int = 100  # real-text cells: the loss goal is stated after 100 steps
+    warmup: int = 10
+    logging_freq: int = 5
+    train_batch_size: int = 2
+    resume_k: int = 10
+    # Small enough that four runs and a checkpoint (~2 GB with AdamW states) fit a few minutes.
+    resume_model: tuple[str, ...] = ("--model", "llama3.2-1b", "--num_layers", "2", "--vocab_size", "32768",
+                                     "--max_context_width", "2048")
+    hf_init_model: tuple[str, ...] = ("--model", "llama3.2-1b", "--max_context_width", "4096")
+    profile_cell: str = "llama3.2-1b/synthetic/te-fp8-current"
+    profile_steps: str = "21:23"
+
+
+@dataclass(frozen=True)
+class Unit:
+    id: str
+    step: str
+    estimate_s: float  # for the budget check: a unit is not started with less left than this
+    timeout_s: float  # its own limit: killed there, recorded as timeout
+    info: dict = field(default_factory=dict)
+
+
+def model_flags(name: str) -> tuple[str, ...]:
+    """The issue's shapes by name; any other name is a preset (``tiny`` for CPU tests)."""
+    return MODELS[name][0] if name in MODELS else ("--model", name)
+
+
+def train_flags(opts: Options, model: str, data: str, variant: Variant, run_dir: Path,
+                demo: tuple[Path, Path] | None) -> list[str]:
+    """Flags of one A/B matrix cell (after ``python -m llama_fp8 train``)."""
+    steps = opts.text_steps if data == "text" else opts.max_steps
+    out = [*model_flags(model), "--seed", str(SEED), "--device", opts.device, "--train_batch_size",
+           str(opts.train_batch_size), "--max_steps", str(steps), "--logging_freq", str(opts.logging_freq),
+           "--run_dir", str(run_dir), *variant.flags()]
+    if data == "text":
+        if demo is None:
+            raise ValueError("a text cell needs the demo corpus (dataset dir, tokenizer dir)")
+        out += ["--dataset", str(demo[0]), "--tokenizer", str(demo[1])]
+    else:
+        out += ["--dataset", "synthetic"]
+    return out
+
+
+def resume_flags(opts: Options, variant: Variant, run_dir: Path, phase: str, ckpt: Path) -> list[str]:
+    """u1/u2: uninterrupted to 2k; p1: to k with a checkpoint at k; p2: resume from it to 2k. The LR schedule
+    spans 2k steps in all four (--lr_decay_iters), so p1 is the first half of u1."""
+    k = opts.resume_k
+    base = [*opts.resume_model, "--seed", str(SEED), "--device", opts.device, "--train_batch_size",
+            str(opts.train_batch_size), "--logging_freq", "1", "--lr_decay_iters", str(2 * k), "--dataset",
+            "synthetic", *dataclasses.replace(variant, compile=False).flags(), "--run_dir", str(run_dir)]
+    if phase in ("u1", "u2"):
+        return base + ["--max_steps", str(2 * k)]
+    if phase == "p1":
+        return base + ["--max_steps", str(k), "--checkpoint_freq", str(k), "--checkpoint_dir", str(ckpt)]
+    if phase == "p2":
+        return base + ["--max_steps", str(2 * k), "--checkpoint_dir", str(ckpt)]
+    raise ValueError(f"unknown resume phase {phase!r}")
+
+
+def hf_init_flags(opts: Options, impl: str, ckpt: Path, run_dir: Path) -> list[str]:
+    """Three steps at learning rate 0 from the same HF checkpoint: each step's loss is a forward pass of
+    the loaded weights on the same batch in both implementations."""
+    return [*opts.hf_init_model, "--seed", str(SEED), "--device", opts.device, "--model_impl", impl, "--fp8", "0",
+            "--init_from_hf", str(ckpt), "--lr", "0", "--min_lr", "0", "--max_steps", "3", "--logging_freq", "1",
+            "--train_batch_size", "1", "--dataset", "synthetic", "--run_dir", str(run_dir)]
+
+
+def profile_flags(opts: Options, run_dir: Path, demo: tuple[Path, Path] | None) -> list[str]:
+    """The profiled matrix cell, run two steps past the profiled ones."""
+    model, data, variant = opts.profile_cell.split("/")
+    last = int(opts.profile_steps.split(":")[1])
+    short = dataclasses.replace(opts, max_steps=last + 2, text_steps=last + 2)
+    return train_flags(short, model, data, VARIANT[variant], run_dir, demo) + [
+        "--profile_steps", opts.profile_steps, "--memory_snapshot", "1"]
+
+
+def plan(opts: Options) -> list[Unit]:
+    """Every unit, in the order a visit runs them."""
+    units = [Unit(f"pytest/{name}", "pytest", 300, 540, {"args": list(args)}) for name, args in PYTEST_SETS]
+    units += [Unit(f"bench/te-{te}+torchao-{ao}", "bench", 90, 400, {"te_recipe": te, "torchao_recipe": ao})
+              for te, ao in BENCH_SETS]
+    for model in opts.models:
+        base = MODELS.get(model, ((), 60))[1]
+        for data in opts.data:
+            for v in VARIANTS:
+                estimate = 30 if v.expect == "refuse" else base + 60 * v.compile + 30 * (data == "text")
+                units.append(Unit(f"train/{model}/{data}/{v.name}", "train", estimate, 480,
+                                  {"model": model, "data": data, **v.fields()}))
+    units += [Unit(f"resume/{name}", "resume", 150, 480, VARIANT[name].fields()) for name in RESUME_VARIANTS]
+    model = opts.hf_init_model[opts.hf_init_model.index("--model") + 1]
+    units.append(Unit(f"hf_init/{model}", "hf_init", 200, 480, {"model": model}))
+    units.append(Unit(f"profile/{opts.profile_cell}", "profile", 150, 480, {"cell": opts.profile_cell}))
+    return units
+
+
+def select(units: list[Unit], only: tuple[str, ...] | None, match: tuple[str, ...] | None) -> list[Unit]:
+    """Units of the ``only`` steps (all when None) whose id matches one of the ``match`` globs (all when None)."""
+    return [u for u in units if (not only or u.step in only)
+            and (not match or any(fnmatch.fnmatchcase(u.id, m) for m in match))]

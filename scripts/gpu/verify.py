@@ -1,0 +1,256 @@
+"""Verify the package on a GPU node, in slices that each fit one device command, resumable across visits.
+
+    python scripts/gpu/verify.py [--only STEP,...] [--match GLOB]... [--budget-seconds S] [--list] [--dry-run]
+
+Runs the units of gpu_units.py in order (pytest -m gpu, bench_linear, the training A/B matrix, save/resume,
+--init_from_hf TE vs HF, profile) and appends one record per unit (per test for pytest) to the results file
+(default docs/gpu-results/results.jsonl) as soon as the unit ends. A unit already recorded with a final
+status for this GPU + versions (gpu_versions.key) is skipped, so running the same command again continues
+where the last one stopped. Each unit has its own time limit, and no unit is started with less of
+--budget-seconds left than it is expected to take.
+
+Exit codes: 0 every selected unit is recorded; 10 the budget ran out first (run again); 2 bad arguments;
+3 the versions probe failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import gpu_checks
+import gpu_context
+import gpu_results
+import gpu_steps
+import gpu_te_build
+import gpu_timebox
+import gpu_units
+import gpu_versions
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+EXIT_MORE, EXIT_VERSIONS = 10, 3
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="verify.py", description=__doc__.splitlines()[0])
+    p.add_argument("--only", help=f"comma-separated steps to run, in this order: {','.join(gpu_units.STEPS)}")
+    p.add_argument("--match", action="append", metavar="GLOB",
+                   help="only units whose id matches (repeatable), e.g. 'train/llama3.2-1b/synthetic/*'")
+    p.add_argument("--budget-seconds", type=float, help="stop before a unit that would not fit in what is left")
+    p.add_argument("--results", default=str(REPO / "docs" / "gpu-results" / "results.jsonl"),
+                   help="the results file (JSONL, appended to)")
+    p.add_argument("--mirror", default=os.environ.get("OUT"),
+                   help="copy the results file, a logs archive and kept traces here after each unit (default $OUT)")
+    p.add_argument("--work", default="/tmp/llama-fp8-verify", help="run dirs, logs, demo corpus")
+    p.add_argument("--python", default=sys.executable, help="the Python that runs pytest and the trainer")
+    p.add_argument("--retry", action="store_true", help="run again the units whose last record failed or timed out")
+    p.add_argument("--list", action="store_true", help="print each selected unit with its status and exit")
+    p.add_argument("--dry-run", action="store_true", help="print the commands of the units still to run and exit")
+    d = gpu_units.Options()
+    p.add_argument("--device", default=d.device, choices=("cuda", "cpu"), help="--device of the training runs")
+    p.add_argument("--models", default=",".join(d.models),
+                   help=f"matrix models: {', '.join(gpu_units.MODELS)}, or other presets (default: all three)")
+    p.add_argument("--data", default=",".join(d.data), help="matrix data: synthetic, text (the demo corpus)")
+    p.add_argument("--max-steps", type=int, default=d.max_steps, help="steps of a synthetic-data cell")
+    p.add_argument("--text-steps", type=int, default=d.text_steps, help="steps of a real-text cell")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup, help="first steps left out of the timing")
+    p.add_argument("--logging-freq", type=int, default=d.logging_freq, help="--logging_freq of the matrix runs")
+    p.add_argument("--resume-k", type=int, default=d.resume_k, help="save at step k, resume to 2k")
+    p.add_argument("--profile-cell", default=d.profile_cell, help="matrix cell to profile (model/data/variant)")
+    p.add_argument("--profile-steps", default=d.profile_steps, help="--profile_steps A:B of that run")
+    args = p.parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        p.error(problem)
+    return args
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    only = [s for s in (args.only or "").split(",") if s]
+    bad = [s for s in only if s not in gpu_units.STEPS]
+    if bad:
+        return f"--only {','.join(bad)}: not a step; valid: {', '.join(gpu_units.STEPS)}"
+    presets = {p.stem for p in (REPO / "src" / "llama_fp8" / "configs").glob("*.yaml")}
+    bad = [m for m in args.models.split(",") if m not in gpu_units.MODELS and m not in presets]
+    if bad:
+        return f"--models {','.join(bad)}: valid: {', '.join(gpu_units.MODELS)} or a preset ({', '.join(sorted(presets))})"
+    bad = [d for d in args.data.split(",") if d not in gpu_units.DATA]
+    if bad:
+        return f"--data {','.join(bad)}: valid: {', '.join(gpu_units.DATA)}"
+    for name in ("max_steps", "text_steps", "logging_freq", "resume_k"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1"
+    if not 0 <= args.warmup_steps < min(args.max_steps, args.text_steps):
+        return f"--warmup-steps {args.warmup_steps}: must be >= 0 and below --max-steps and --text-steps"
+    parts = args.profile_cell.split("/")
+    if len(parts) != 3 or parts[1] not in gpu_units.DATA or parts[2] not in gpu_units.VARIANT:
+        return f"--profile-cell {args.profile_cell}: expected MODEL/DATA/VARIANT, e.g. {gpu_units.Options.profile_cell}"
+    try:
+        a, b = (int(x) for x in args.profile_steps.split(":"))
+        assert 0 < a <= b
+    except (ValueError, AssertionError):
+        return f"--profile-steps {args.profile_steps}: expected A:B with 0 < A <= B"
+    if args.budget_seconds is not None and args.budget_seconds <= 0:
+        return f"--budget-seconds {args.budget_seconds}: must be > 0"
+    return None
+
+
+def options(args: argparse.Namespace) -> gpu_units.Options:
+    return gpu_units.Options(device=args.device, models=tuple(args.models.split(",")), data=tuple(args.data.split(",")),
+                             max_steps=args.max_steps, text_steps=args.text_steps, warmup=args.warmup_steps,
+                             logging_freq=args.logging_freq, resume_k=args.resume_k, profile_cell=args.profile_cell,
+                             profile_steps=args.profile_steps)
+
+
+def child_env(work: Path) -> dict[str, str]:
+    env = {**os.environ, **gpu_te_build.OFFLINE_ENV, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_DATASETS_CACHE": str(work / "hf_datasets"), "HF_HOME": str(work / "hf_home")}
+    paths = [str(HERE), str(REPO / "src"), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+def provenance() -> dict:
+    """Which code measured: a hash of src/ (the device copy has no .git) and the git commit when there is one."""
+    h = hashlib.sha256()
+    for path in sorted((REPO / "src").rglob("*")):
+        if path.is_file() and path.suffix in (".py", ".yaml"):
+            h.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    out = {"src_sha": h.hexdigest()[:12]}
+    try:
+        out["git"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out["git"] = None
+    return out
+
+
+def probe_versions(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict:
+    path = work / "versions.json"
+    path.unlink(missing_ok=True)
+    out = gpu_timebox.run([args.python, str(HERE / "gpu_versions.py"), "--json", str(path)], 180,
+                          work / "logs" / "versions.log", env, REPO)
+    if out.returncode != 0 or not path.is_file():
+        raise SystemExit(f"verify: the versions probe failed ({out.returncode}):\n{out.tail()}")
+    versions = json.loads(path.read_text())
+    print(gpu_versions.format_block(versions), flush=True)
+    return versions
+
+
+def bundle_logs(work: Path, mirror: Path | None) -> None:
+    """logs/ and every run's metrics.jsonl and config.yaml, as one archive (a device run brings back 8 files)."""
+    if mirror is None:
+        return
+    mirror.mkdir(parents=True, exist_ok=True)
+    tmp = mirror / "logs.tar.gz.tmp"
+    with tarfile.open(tmp, "w:gz") as tar:
+        for path in sorted(work.glob("logs/*.log")) + sorted(work.glob("runs/**/metrics.jsonl")) + sorted(
+                work.glob("runs/**/config.yaml")):
+            tar.add(path, arcname=str(path.relative_to(work)))
+    tmp.replace(mirror / "logs.tar.gz")
+
+
+RUNNERS = {"pytest": gpu_steps.run_pytest, "bench": gpu_steps.run_bench, "train": gpu_steps.run_train,
+           "resume": gpu_checks.run_resume, "hf_init": gpu_checks.run_hf_init, "profile": gpu_checks.run_profile}
+
+
+def commands_of(ctx: gpu_context.Context, unit: gpu_units.Unit) -> list[str]:
+    """The command lines a unit runs (for --dry-run), with the paths it would use."""
+    import shlex
+
+    root = ctx.work / "runs" / gpu_context.slug(unit.id)
+    demo = (ctx.work / "demo" / "corpus", ctx.work / "demo" / "tokenizer")
+    v = gpu_units.VARIANT.get(unit.info.get("variant", ""))
+    if unit.step == "pytest":
+        cmds = [gpu_steps.pytest_cmd(ctx, ["-m", "gpu", *unit.info["args"]])]
+    elif unit.step == "bench":
+        cmds = [gpu_steps.bench_cmd(ctx, unit)]
+    elif unit.step == "train":
+        cmds = [ctx.train_cmd(gpu_units.train_flags(ctx.opts, unit.info["model"], unit.info["data"], v, root, demo))]
+    elif unit.step == "resume":
+        cmds = [ctx.train_cmd(gpu_units.resume_flags(ctx.opts, v, root / p, p, root / "ckpt"))
+                for p in ("u1", "u2", "p1", "p2")]
+    elif unit.step == "hf_init":
+        cmds = [gpu_steps.pytest_cmd(ctx, ["-m", "gpu", gpu_units.HF_INIT_TEST]), gpu_checks.checkpoint_cmd(ctx, root)]
+        cmds += [ctx.train_cmd(gpu_units.hf_init_flags(ctx.opts, i, root / "checkpoint", root / f"run_{i}"))
+                 for i in ("hf", "te")]
+    else:
+        cmds = [ctx.train_cmd(gpu_units.profile_flags(ctx.opts, root, demo))]
+    return [shlex.join(c) for c in cmds]
+
+
+def list_units(units: list[gpu_units.Unit], records: list[dict], key: str) -> None:
+    last = {r["unit"]: r["status"] for r in records if r.get("key") == key and "unit" in r}
+    for u in units:
+        print(f"{last.get(u.id, 'pending'):<12} ~{u.estimate_s:>4.0f}s  {u.id}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    work = Path(args.work).resolve()
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    mirror = Path(args.mirror).resolve() if args.mirror else None
+    store = gpu_results.Store(Path(args.results).resolve(), mirror)
+    budget = gpu_timebox.Budget(args.budget_seconds)
+    env = child_env(work)
+    try:
+        versions = probe_versions(args, work, env)
+    except SystemExit as e:
+        print(e, file=sys.stderr)
+        return EXIT_VERSIONS
+    key = versions["key"]
+    stamp = {**provenance(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    opts = options(args)
+    only = tuple(s for s in (args.only or "").split(",") if s) or None
+    units = gpu_units.select(gpu_units.plan(opts), only, tuple(args.match) if args.match else None)
+    records = store.records()
+    if args.list:
+        list_units(units, records, key)
+        return 0
+    ctx = gpu_context.Context(REPO, work, args.python, store, key, opts, env, budget, mirror, args.retry)
+    pending = [u for u in units if u.id not in gpu_results.done(records, key, args.retry)]
+    if args.dry_run:
+        for u in pending:
+            print(f"# {u.id} (~{u.estimate_s:.0f} s, limit {u.timeout_s:.0f} s)")
+            print("\n".join(commands_of(ctx, u)))
+        return 0
+    if not any(r.get("key") == key and r.get("unit") == "versions" for r in records):
+        store.append({"key": key, "unit": "versions", "kind": "versions", "status": "passed", "versions": versions,
+                      **stamp})
+    print(f"[verify] key {key}: {len(pending)} of {len(units)} selected units to run", flush=True)
+    return run_units(ctx, pending, stamp)
+
+
+def run_units(ctx: gpu_context.Context, pending: list[gpu_units.Unit], stamp: dict) -> int:
+    started = 0
+    for unit in pending:
+        left = ctx.budget.left()
+        if started and left is not None and left < unit.estimate_s:
+            print(f"[verify] budget: {left:.0f} s left, {unit.id} needs ~{unit.estimate_s:.0f} s: stopping here "
+                  f"(run the same command again to continue)", flush=True)
+            return EXIT_MORE
+        started += 1
+        print(f"[verify] {unit.id} ...", flush=True)
+        t0 = time.monotonic()
+        fields = RUNNERS[unit.step](ctx, unit)
+        rec = ctx.store.append({"key": ctx.key, "unit": unit.id, "kind": unit.step, **stamp, **fields,
+                                "seconds": round(time.monotonic() - t0, 1)})
+        print(f"[verify] {unit.id}: {rec['status']} in {rec['seconds']:.0f} s"
+              + (f"\n{rec['message'][-800:]}" if rec.get("message") and rec["status"] != "passed" else ""), flush=True)
+        bundle_logs(ctx.work, ctx.mirror)
+        if rec["status"] == "interrupted":
+            return EXIT_MORE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

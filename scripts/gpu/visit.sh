@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device command of a GPU visit: install the wheel kit, then run one slice of verify.py inside a time
+# budget, results and logs written to $OUT (what comes back from the device machine).
+#   bash scripts/gpu/visit.sh [verify.py flags]     e.g. --only pytest     or     --match 'train/llama3.2-1b/*'
+# Environment: WHEELS (the kit, default .whl; relative paths are the repo's), SITE (install target, default
+# /tmp/site), VISIT_SECONDS (the whole command's budget, default 480), PYTHON (default python3), OUT (where
+# results and logs go; the device tool sets it; default /tmp/llama-fp8-out).
+# Exit code: verify.py's (0 slice done, 10 budget ran out: run the same command again), or bootstrap's 2.
+set -uo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+out=${OUT:-/tmp/llama-fp8-out}
+site=${SITE:-/tmp/site}
+py=${PYTHON:-python3}
+wheels=${WHEELS:-.whl}
+[[ $wheels == /* ]] || wheels="$repo/$wheels"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+"$py" "$repo/scripts/gpu/bootstrap.py" "$wheels" "$site" --export "$out/built" 2>&1 | tee "$out/bootstrap.log"
+rc=${PIPESTATUS[0]}
+if (( rc == 3 )); then
+    echo "visit: Transformer Engine is not usable (see above); the torchao and HF runs go on, TE units will fail"
+elif (( rc != 0 )); then
+    echo "visit: bootstrap failed with exit code $rc"
+    exit "$rc"
+fi
+export PYTHONPATH="$site:$repo/src${PYTHONPATH:+:$PYTHONPATH}"
+budget=$(( ${VISIT_SECONDS:-480} - SECONDS - 15 ))
+if (( budget < 60 )); then
+    echo "visit: only ${budget} s left after bootstrap: nothing started"
+    exit 10
+fi
+"$py" "$repo/scripts/gpu/verify.py" --mirror "$out" --budget-seconds "$budget" "$@"

@@ -1,0 +1,139 @@
+"""metrics.jsonl -> results record (timing without the warm-up, MFU, memory, losses), the save/resume
+verdict, the results file (append, cut-off lines, done/retry), and the time box."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import gpu_records
+import gpu_results
+import gpu_timebox
+import pytest
+
+
+def write_metrics(run_dir: Path, losses: dict[int, float], *, start_step: int = 0, step_s: float = 0.5,
+                  warm_s: float = 30.0, precision: str = "bf16", logging_freq: int = 1, append: bool = False) -> Path:
+    """A metrics.jsonl as the trainer writes it: meta, then one train record per logged step; the first
+    logged window also holds ``warm_s`` seconds of compile/warm-up."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"type": "meta", "precision": precision, "model": "llama3.2-1b", "model_impl": "te", "world_size": 1,
+            "device": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "peak_tflops_bf16": 989.4,
+            "peak_tflops_fp8": 1978.9, "seq_len": 4096, "global_batch_size": 2, "flops_per_token": 1.0e10,
+            "num_params": 1_235_814_400, "fp8_emulated": False, "start_step": start_step}
+    lines = [meta]
+    for step in sorted(losses):
+        elapsed = warm_s + (step - start_step) * step_s
+        lines.append({"type": "train", "step": step, "loss": losses[step], "elapsed_s": elapsed,
+                      "mem_peak_gib": 20.0 + step / 100, "mem_reserved_peak_gib": 24.0, "alloc_retries": 0,
+                      "data_wait_frac": 0.01})
+    with open(run_dir / "metrics.jsonl", "a" if append else "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in lines)
+    return run_dir
+
+
+def test_timing_leaves_out_the_warmup_and_counts_tokens_over_time(tmp_path):
+    run = write_metrics(tmp_path / "r", {s: 10.0 - s / 10 for s in range(5, 51, 5)}, precision="fp8-te-delayed")
+    rec = gpu_records.summarize(run, warmup=10)
+    # window: logged step 10 (elapsed 30 + 5.0) to step 50 (30 + 25.0): 40 steps in 20 s
+    assert rec["warmup_steps"] == 10 and rec["timed_steps"] == 40 and rec["timed_seconds"] == pytest.approx(20.0)
+    tokens = 40 * 2 * 4096 / 20.0
+    assert rec["tokens_per_sec_per_gpu"] == pytest.approx(tokens)
+    assert rec["samples_per_sec"] == pytest.approx(4.0)
+    assert rec["tflops_per_gpu"] == pytest.approx(tokens * 1e10 / 1e12)
+    assert rec["mfu_vs_bf16_peak"] == pytest.approx(tokens * 1e-2 / 989.4)
+    assert rec["mfu_vs_fp8_peak"] == pytest.approx(tokens * 1e-2 / 1978.9)
+    assert rec["mem_peak_gib"] == pytest.approx(20.5) and rec["mem_reserved_peak_gib"] == 24.0
+    assert rec["losses"][0] == [5, 9.5] and (rec["last_step"], rec["last_loss"]) == (50, 5.0)
+    assert rec["preset"] == "llama3.2-1b" and "model" not in rec
+
+
+def test_bf16_runs_have_no_fp8_mfu_and_a_run_without_timed_steps_has_no_rates(tmp_path):
+    rec = gpu_records.summarize(write_metrics(tmp_path / "a", {s: 1.0 for s in range(1, 21)}), warmup=5)
+    assert rec["mfu_vs_fp8_peak"] is None and rec["timed_steps"] == 15
+    rec = gpu_records.summarize(write_metrics(tmp_path / "b", {1: 1.0, 2: 1.0}), warmup=5)
+    assert rec["timed_steps"] == 0 and rec["tokens_per_sec_per_gpu"] is None
+
+
+def test_a_resumed_run_dir_is_read_from_its_last_start(tmp_path):
+    run = write_metrics(tmp_path / "r", {1: 3.0, 2: 2.9})
+    write_metrics(run, {3: 2.8, 4: 2.7}, start_step=2, append=True)
+    assert gpu_records.losses_by_step(run) == {3: 2.8, 4: 2.7}
+    with pytest.raises(gpu_records.MetricsError, match="no metrics file"):
+        gpu_records.summarize(tmp_path / "missing", 0)
+
+
+def _resume_dirs(tmp_path, u1, u2, p1, p2, p2_start=2):
+    return (write_metrics(tmp_path / "u1", u1), write_metrics(tmp_path / "u2", u2),
+            write_metrics(tmp_path / "p1", p1), write_metrics(tmp_path / "p2", p2, start_step=p2_start))
+
+
+def test_resume_verdicts(tmp_path):
+    u = {1: 3.0, 2: 2.9, 3: 2.8, 4: 2.7}
+    exact = gpu_records.compare_resume(*_resume_dirs(tmp_path / "a", u, u, {1: 3.0, 2: 2.9}, {3: 2.8, 4: 2.7}), k=2)
+    assert exact["status"] == "passed" and exact["reason"] == "exact" and exact["gap_abs"] == 0
+    noisy = {**u, 4: 2.71}
+    within = gpu_records.compare_resume(*_resume_dirs(tmp_path / "b", u, noisy, {1: 3.0, 2: 2.9}, {3: 2.8, 4: 2.705}),
+                                        k=2)
+    assert within["status"] == "passed" and within["noise_abs"] == pytest.approx(0.01)
+    assert within["gap_abs"] == pytest.approx(0.005) and within["gap_rel"] == pytest.approx(0.005 / 2.7)
+    floor = gpu_records.compare_resume(*_resume_dirs(tmp_path / "e", u, u, {1: 3.0, 2: 2.9}, {3: 2.8, 4: 2.7027}),
+                                       k=2)
+    assert floor["status"] == "passed" and floor["noise_abs"] == 0  # 1e-3 relative: the floor for exact runs
+    outside = gpu_records.compare_resume(*_resume_dirs(tmp_path / "c", u, u, {1: 3.0, 2: 2.9}, {3: 2.8, 4: 2.75}), k=2)
+    assert outside["status"] == "failed" and "> max(2 x noise, 1e-3)" in outside["reason"]
+    restarted = gpu_records.compare_resume(*_resume_dirs(tmp_path / "d", u, u, {1: 3.0, 2: 2.9}, u, p2_start=0), k=2)
+    assert restarted["status"] == "failed" and "started at step 0, not 2" in restarted["reason"]
+
+
+# --- results file ----------------------------------------------------------------------------------------
+def test_results_file_appends_survives_a_cut_line_and_mirrors(tmp_path):
+    store = gpu_results.Store(tmp_path / "r" / "results.jsonl", mirror=tmp_path / "out")
+    store.append({"key": "k", "unit": "a", "status": "passed"})
+    with open(store.path, "a") as f:
+        f.write('{"key": "k", "unit": "b", "sta')  # a writer killed mid-line
+    store.append({"key": "k", "unit": "c", "status": "failed"})
+    assert [r["unit"] for r in store.records()] == ["a", "c"]
+    assert (tmp_path / "out" / "results.jsonl").read_text() == store.path.read_text()  # same name
+
+
+def test_done_means_a_final_status_for_this_key(tmp_path):
+    recs = [{"key": "k", "unit": "a", "status": "passed"}, {"key": "k", "unit": "b", "status": "interrupted"},
+            {"key": "k", "unit": "c", "status": "failed"}, {"key": "other", "unit": "d", "status": "passed"},
+            {"key": "k", "unit": "e", "status": "unavailable"}, {"key": "k", "unit": "f", "status": "refused"}]
+    assert gpu_results.done(recs, "k") == {"a", "c", "f"}
+    assert gpu_results.done(recs, "k", retry=True) == {"a", "f"}
+    assert gpu_results.done(recs + [{"key": "k", "unit": "c", "status": "passed"}], "k", retry=True) == {"a", "c", "f"}
+
+
+# --- time box --------------------------------------------------------------------------------------------
+def test_timebox_kills_the_whole_group_at_the_limit(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    code = (f"import subprocess, sys, time\np = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid))\nprint('started', flush=True)\ntime.sleep(60)")
+    t0 = time.monotonic()
+    out = gpu_timebox.run([sys.executable, "-c", code], 2.0, tmp_path / "log.txt")
+    assert out.timed_out and out.returncode is None and time.monotonic() - t0 < 20
+    assert "started" in out.tail() and "killed after 2 s" in out.tail()
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):  # reaped by init shortly after the kill
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"process {grandchild} survived the time box")
+
+
+def test_timebox_returns_the_exit_code_and_the_budget_cuts_long_limits(tmp_path):
+    out = gpu_timebox.run([sys.executable, "-c", "import sys; print('hi'); sys.exit(3)"], 60, tmp_path / "log")
+    assert (out.returncode, out.timed_out) == (3, False) and "hi" in out.tail()
+    now = [100.0]
+    budget = gpu_timebox.Budget(50, clock=lambda: now[0])
+    assert budget.limit(480) == (50, True) and budget.limit(30) == (30, False)
+    now[0] = 140.0
+    assert budget.left() == 10 and gpu_timebox.Budget(None).limit(480) == (480, False)

@@ -1,0 +1,119 @@
+"""docs/gpu-results.md is what scripts/gpu/results_md.py makes of the committed results, and the generator's
+tables hold the right ratios, gaps and outcomes for a made-up visit (numbers chosen so each is easy to check)."""
+
+from __future__ import annotations
+
+import json
+
+import gpu_units
+import results_md
+
+KEY = "nvidia-h100-80gb-hbm3-0123456789"
+VERSIONS = {"gpu": "NVIDIA H100 80GB HBM3", "driver": "580.159.04", "capability": "9.0", "torch": "2.11.0+cu130",
+            "transformer_engine": "2.20.2", "torchao": "0.18.0"}
+
+
+def cell(model, data, variant, tokens, loss=5.0, status="passed", **extra):
+    v = gpu_units.VARIANT[variant]
+    rec = {"key": KEY, "unit": f"train/{model}/{data}/{variant}", "kind": "train", "status": status, "model": model,
+           "data": data, **v.fields(), "date": "2026-12-01T10:00:00+00:00"}
+    if status == "passed":
+        rec.update(tokens_per_sec_per_gpu=tokens, samples_per_sec=tokens / 8192, tflops_per_gpu=tokens * 2e-2,
+                   mfu_vs_bf16_peak=tokens * 2e-2 / 989.4, mem_peak_gib=40.0, last_loss=loss, last_step=100,
+                   num_params=3.2e9, seq_len=4096, global_batch_size=2, timed_steps=90, warmup_steps=10)
+    return {**rec, **extra}
+
+
+def visit() -> list[dict]:
+    m, recs = "llama3.2-3b", [{"key": KEY, "unit": "versions", "kind": "versions", "status": "passed",
+                               "versions": VERSIONS, "src_sha": "abc", "git": "d2", "date": "2026-12-01T09:00:00+00:00"}]
+    recs += [{"key": KEY, "unit": f"test:{n}", "kind": "test", "nodeid": n, "status": s, "message": msg}
+             for n, s, msg in (("tests/a.py::test_ok", "passed", ""), ("tests/a.py::test_bad", "failed", "E  wrong\n"),
+                               ("tests/a.py::test_mx", "skipped", "Skipped: Blackwell only"))]
+    for data in ("synthetic", "text"):
+        recs += [cell(m, data, "hf-bf16", 10000, 5.0), cell(m, data, "hf-bf16-compile", 12000, 5.0),
+                 cell(m, data, "hf-fp8-tensorwise", 18000, 5.02), cell(m, data, "te-bf16", 22000, 5.0),
+                 cell(m, data, "te-fp8-delayed", 30000, 5.025), cell(m, data, "te-fp8-current", 28000, 5.1),
+                 cell(m, data, "te-fp8-mxfp8", None, status="refused",
+                      message="llama-fp8 train: error: mxfp8 needs compute capability >= 10.0"),
+                 cell(m, data, "hf-fp8-rowwise", None, status="failed", message="train: exit 1\nCUDA OOM")]
+    recs.append({"key": KEY, "unit": "resume/te-fp8-delayed", "kind": "resume", "status": "passed", "fp8": True,
+                 "variant": "te-fp8-delayed", "k": 10, "resumed_from_step": 10, "noise_abs": 0.002, "gap_abs": 0.001,
+                 "reason": "within the run-to-run noise"})
+    recs.append({"key": KEY, "unit": "hf_init/llama3.2-1b", "kind": "hf_init", "status": "failed", "model": "llama3.2-1b",
+                 "test": {"nodeid": "tests/t.py::test_logits", "status": "passed", "test_status": "passed"},
+                 "smoke": {"status": "failed", "gap_rel": 0.02, "tolerance": 0.01, "seq_len": "4096"}})
+    return recs
+
+
+def render(tmp_path, records) -> str:
+    path = tmp_path / "visit.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return results_md.render([path])
+
+
+def test_the_committed_page_is_current():
+    paths = sorted((results_md.REPO / "docs" / "gpu-results").glob("*.jsonl"))
+    committed = (results_md.REPO / "docs" / "gpu-results.md").read_text()
+    assert committed == results_md.render(paths), "run: python scripts/gpu/results_md.py"
+    assert results_md.main(["--check"]) == 0
+
+
+def test_no_results_says_no_visit_happened(tmp_path):
+    assert "No GPU visit has happened yet" in results_md.render([])
+    out = tmp_path / "page.md"
+    assert results_md.main(["--results-dir", str(tmp_path), "--out", str(out), "--check"]) == 1  # no page yet
+    assert results_md.main(["--results-dir", str(tmp_path), "--out", str(out)]) == 0
+    assert "No GPU visit has happened yet" in out.read_text()
+
+
+def test_a_visit_renders_ratios_gaps_and_failures(tmp_path):
+    page = render(tmp_path, visit())
+    assert "## NVIDIA H100 80GB HBM3 (results key `nvidia-h100-80gb-hbm3-0123456789`)" in page
+    assert "| Transformer Engine | 2.20.2 |" in page and "| code | src abc, git d2 |" in page
+    row = next(x for x in page.splitlines() if x.startswith("| te-fp8-delayed | 30,000 |"))
+    cols = [c.strip() for c in row.split("|")[1:-1]]
+    # FP8/BF16 same implementation 30000/22000; vs HF BF16 eager 30000/10000; loss gap (5.025-5.0)/5.0
+    assert cols[7:10] == ["1.36x", "3.00x", "+0.50 %"]
+    assert cols[4] == f"{100 * 30000 * 2e-2 / 989.4:.1f} %"
+    row = next(x for x in page.splitlines() if x.startswith("| hf-fp8-tensorwise |"))
+    assert [c.strip() for c in row.split("|")[1:-1]][7:10] == ["1.50x", "1.80x", "+0.40 %"]  # vs compiled BF16
+    assert "| te-fp8-mxfp8 | refused: llama-fp8 train: error: mxfp8 needs compute capability >= 10.0 |" in page
+    assert "| hf-fp8-rowwise | failed: train: exit 1 |" in page
+    assert "1 failed, 1 passed, 1 skipped (3 tests)" in page and "| `tests/a.py::test_bad` | failed | E  wrong |" in page
+    assert "| te-fp8-delayed | 10 | 10 | 0.002 | 0.001 | passed: within the run-to-run noise |" in page
+    assert "- `train/llama3.2-3b/synthetic/hf-fp8-rowwise`: failed: train: exit 1" in page
+    goals = page.split("### Against the issue's goals")[1].split("###")[0]
+    assert f"| TE BF16, llama3.2-3b, seq 4096: MFU >= 45 % | {100 * 22000 * 2e-2 / 989.4:.1f} % | not met |" in goals
+    assert "| llama3.2-3b tokens/s te-fp8-delayed / te-bf16 >= 1.3x | 1.36x | met |" in goals
+    assert "| llama3.2-3b tokens/s te-fp8-current / hf-bf16 >= 1.5x | 2.80x | met |" in goals
+    assert "| te-fp8-current loss within 1 % of te-bf16 after 100 steps (real text, worst model) | 2.0 % | not met |" in goals
+    assert "| resume under every FP8 recipe matches the uninterrupted run (within noise) | 1 of 1 recipes | met |" in goals
+    assert "FP8 GEMM benchmark" in page and "Not measured." in page  # no bench record in this visit
+    assert "- TE vs HF logits at 4096 tokens through the build path (`tests/t.py::test_logits`): passed." in page
+    assert "differs by at most 2.0 % (tolerance 1.0 %): failed." in page
+
+
+def test_take_back_appends_the_new_records_keeps_the_wheel_and_regenerates_the_page(tmp_path, capsys):
+    import take_back
+
+    local = tmp_path / "docs" / "results.jsonl"
+    local.parent.mkdir()
+    old = visit()[:2]
+    local.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in old))
+    files_at = tmp_path / "files"
+    (files_at / "built" / "te2.20.2-torch2.11.0_cu130-cp312").mkdir(parents=True)
+    (files_at / "built" / "te2.20.2-torch2.11.0_cu130-cp312" / "w.whl").write_bytes(b"wheel")
+    # the device's file: the local records, then its own (the last one cut off by a kill)
+    returned = [json.dumps(r, sort_keys=True) for r in visit()[:5]] + ['{"key": "x", "unit": "y", "sta']
+    (files_at / "results.jsonl").write_text("\n".join(returned) + "\n")
+    page = tmp_path / "page.md"
+    assert take_back.main([str(files_at), "--results", str(local), "--wheels", str(tmp_path / "kit"),
+                           "--page", str(page)]) == 0
+    assert [json.loads(x)["unit"] for x in local.read_text().splitlines()] == [r["unit"] for r in visit()[:5]]
+    assert (tmp_path / "kit" / "built" / "te2.20.2-torch2.11.0_cu130-cp312" / "w.whl").read_bytes() == b"wheel"
+    assert "| `tests/a.py::test_mx` | skipped |" in page.read_text()
+    out = capsys.readouterr().out
+    assert "3 new records" in out and "failed       test:tests/a.py::test_bad" in out
+    assert take_back.main([str(files_at), "--results", str(local), "--wheels", str(tmp_path / "kit"),
+                           "--page", str(page)]) == 0 and len(local.read_text().splitlines()) == 5  # idempotent

@@ -1,0 +1,226 @@
+"""scripts/gpu/verify.py without a GPU: the command line of every unit (checked by the trainer's own parser),
+selection, the budget and the resume-where-it-stopped logic, argument errors, --list / --dry-run, and one real
+CPU run through the trainer. The GPU probe is replaced by a fixed H100 versions record where noted."""
+
+from __future__ import annotations
+
+import shlex
+import tarfile
+from pathlib import Path
+
+import gpu_results
+import gpu_steps
+import gpu_timebox
+import gpu_units
+import pytest
+import verify
+
+from llama_fp8.config import parse_args
+
+H100 = {"gpu": "NVIDIA H100 80GB HBM3", "driver": "580.159.04", "capability": "9.0", "torch": "2.11.0+cu130",
+        "cuda": "13.0", "transformer_engine": "2.20.2", "torchao": "0.18.0", "transformers": "5.17.0",
+        "cudnn": "9.13.0", "nccl": "2.27.7", "key": "nvidia-h100-80gb-hbm3-0123456789"}
+KEY = H100["key"]
+DEMO = (Path("/demo/corpus"), Path("/demo/tokenizer"))
+
+
+def train_argv(cmd: list[str]) -> list[str]:
+    i = cmd.index("train")
+    assert cmd[i - 2:i] == ["-m", "llama_fp8"], cmd
+    return cmd[i + 1:]
+
+
+def test_every_matrix_cell_is_accepted_by_the_trainers_parser(tmp_path):
+    opts = gpu_units.Options()
+    cells = [u for u in gpu_units.plan(opts) if u.step == "train"]
+    assert len(cells) == 3 * 2 * 9
+    for unit in cells:
+        v = gpu_units.VARIANT[unit.info["variant"]]
+        flags = gpu_units.train_flags(opts, unit.info["model"], unit.info["data"], v, tmp_path / "run", DEMO)
+        cfg = parse_args(flags)
+        assert (cfg.seed, cfg.device, cfg.max_context_width) == (gpu_units.SEED, "cuda", 4096), unit.id
+        assert cfg.max_steps == (100 if unit.info["data"] == "text" else 50) and cfg.logging_freq == 5
+        assert cfg.model_impl == v.impl and cfg.fp8 == v.fp8 and cfg.compile == v.compile
+        assert cfg.dataset == ("synthetic" if unit.info["data"] == "synthetic" else "/demo/corpus")
+        if v.fp8:
+            assert (cfg.fp8_backend, cfg.fp8_recipe) == (v.backend, v.recipe)
+        assert cfg.activation_checkpointing == ("1" if unit.info["model"] == "llama3.2-3b" else "0")
+        if unit.info["model"] == "llama2-7b-8l":
+            assert (cfg.model, cfg.num_layers, cfg.hidden_width) == ("llama2-7b", 8, 4096)
+    hf_fp8 = [gpu_units.VARIANT[n] for n in ("hf-fp8-tensorwise", "hf-fp8-rowwise")]
+    assert all(v.compile and v.backend == "torchao" for v in hf_fp8)  # torchao FP8 is measured compiled
+    assert not any(v.compile for v in gpu_units.VARIANTS if v.impl == "te")  # TE delayed refuses compile
+
+
+def test_resume_and_hf_init_commands(tmp_path):
+    opts = gpu_units.Options(resume_k=7)
+    v = gpu_units.VARIANT["hf-fp8-tensorwise"]
+    phases = {p: parse_args(gpu_units.resume_flags(opts, v, tmp_path / p, p, tmp_path / "ckpt"))
+              for p in ("u1", "u2", "p1", "p2")}
+    assert {c.lr_decay_iters for c in phases.values()} == {14}  # one LR schedule for all four
+    assert (phases["u1"].max_steps, phases["p1"].max_steps, phases["p2"].max_steps) == (14, 7, 14)
+    assert phases["p1"].checkpoint_freq == 7 and phases["p1"].checkpoint_dir == phases["p2"].checkpoint_dir
+    assert phases["u1"].checkpoint_freq == 0 and not any(c.compile for c in phases.values())
+    assert all(c.fp8 and c.fp8_recipe == "tensorwise" and c.logging_freq == 1 for c in phases.values())
+    with pytest.raises(ValueError, match="phase"):
+        gpu_units.resume_flags(opts, v, tmp_path, "p3", tmp_path)
+    for impl in ("hf", "te"):
+        cfg = parse_args(gpu_units.hf_init_flags(opts, impl, tmp_path / "hf", tmp_path / impl))
+        assert (cfg.model_impl, cfg.init_from_hf, cfg.lr, cfg.min_lr, cfg.fp8) == (impl, str(tmp_path / "hf"), 0, 0,
+                                                                                    False)
+        assert cfg.max_context_width == 4096 and cfg.model == "llama3.2-1b"
+    flags = gpu_units.profile_flags(opts, tmp_path / "p", None)
+    assert flags[-4:] == ["--profile_steps", "21:23", "--memory_snapshot", "1"]
+    assert parse_args(flags[:-4]).max_steps == 25 and parse_args(flags[:-4]).fp8_recipe == "current"
+
+
+def test_units_run_in_the_issues_order_and_select_by_step_and_glob():
+    units = gpu_units.plan(gpu_units.Options())
+    steps = [u.step for u in units]
+    assert [s for i, s in enumerate(steps) if i == 0 or steps[i - 1] != s] == list(gpu_units.STEPS)
+    assert [u.id for u in units[:2]] == ["pytest/te", "pytest/other"]  # the TE path first
+    picked = gpu_units.select(units, ("train", "resume"), ("train/llama3.2-1b/synthetic/te-*", "resume/te-*"))
+    assert [u.id for u in picked] == [f"train/llama3.2-1b/synthetic/te-{x}" for x in
+                                      ("bf16", "fp8-delayed", "fp8-current", "fp8-block", "fp8-mxfp8")] + [
+        "resume/te-fp8-delayed", "resume/te-fp8-current", "resume/te-fp8-block", "resume/te-bf16"]
+    assert gpu_units.select(units, ("bench",), None) == [u for u in units if u.step == "bench"]
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The versions probe answers as on an H100 (the probe itself is tested in test_gpu_versions.py)."""
+    monkeypatch.setattr(verify, "probe_versions", lambda args, work, env: dict(H100))
+
+
+def test_dry_run_shows_the_flags_in_the_commands_and_runs_nothing(tmp_path, capsys, fake_gpu):
+    argv = ["--dry-run", "--only", "train,resume", "--models", "llama3.2-1b,tiny", "--data", "synthetic",
+            "--match", "train/*/synthetic/te-fp8-*", "--match", "resume/te-fp8-delayed", "--max-steps", "40",
+            "--warmup-steps", "5", "--logging-freq", "2", "--resume-k", "3", "--device", "cpu", "--python",
+            "/opt/py/bin/python3", "--work", str(tmp_path / "work"), "--results", str(tmp_path / "r.jsonl")]
+    assert verify.main(argv) == 0
+    out = capsys.readouterr().out
+    commands = [shlex.split(x) for x in out.splitlines() if x.startswith("/opt/py/bin/python3")]
+    assert len(commands) == 2 * 4 + 4  # two models x four TE FP8 recipes, one resume unit of four runs
+    assert all(c[:4] == ["/opt/py/bin/python3", "-m", "llama_fp8", "train"] for c in commands)
+    cells = [parse_args(train_argv(c)) for c in commands[:8]]
+    assert {(c.model, c.fp8_recipe) for c in cells} == {(m, r) for m in ("llama3.2-1b", "tiny")
+                                                         for r in ("delayed", "current", "block", "mxfp8")}
+    assert all((c.max_steps, c.logging_freq, c.device) == (40, 2, "cpu") for c in cells)
+    assert [parse_args(train_argv(c)).max_steps for c in commands[8:]] == [6, 6, 3, 6]
+    assert not (tmp_path / "r.jsonl").exists() and not (tmp_path / "work" / "runs").exists()
+
+
+def test_text_steps_and_profile_options_reach_their_commands(tmp_path, capsys, fake_gpu):
+    base = ["--dry-run", "--work", str(tmp_path / "w"), "--results", str(tmp_path / "r.jsonl")]
+    assert verify.main(base + ["--only", "train", "--match", "train/llama3.2-3b/text/te-bf16", "--text-steps", "77"]) == 0
+    [cmd] = [shlex.split(x) for x in capsys.readouterr().out.splitlines() if " -m llama_fp8 train " in x]
+    cfg = parse_args(train_argv(cmd))
+    assert cfg.max_steps == 77 and cfg.dataset == str(tmp_path / "w" / "demo" / "corpus")
+    assert verify.main(base + ["--only", "profile", "--profile-cell", "llama2-7b-8l/synthetic/hf-bf16",
+                               "--profile-steps", "5:6"]) == 0
+    out = capsys.readouterr().out
+    assert "# profile/llama2-7b-8l/synthetic/hf-bf16" in out and "--profile_steps 5:6 --memory_snapshot 1" in out
+    assert "--num_layers 8" in out and "--max_steps 8" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--only", "train,gpu"], "--only gpu: not a step"),
+    (["--models", "llama9"], "--models llama9: valid"),
+    (["--data", "c4"], "--data c4: valid: synthetic, text"),
+    (["--max-steps", "0"], "--max-steps 0: must be >= 1"),
+    (["--warmup-steps", "50"], "--warmup-steps 50: must be >= 0 and below"),
+    (["--profile-cell", "llama3.2-1b/te-bf16"], "expected MODEL/DATA/VARIANT"),
+    (["--profile-steps", "9:3"], "expected A:B with 0 < A <= B"),
+    (["--budget-seconds", "0"], "--budget-seconds 0.0: must be > 0"),
+])
+def test_bad_arguments_are_named(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        verify.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def fake_runner(clock: list[float], statuses: dict[str, list[str]], calls: list[str]):
+    """Stands in for the GPU runs: takes 100 s of (fake) time, answers the next status listed for the unit."""
+    def run(ctx, unit):
+        calls.append(unit.id)
+        clock[0] += 100
+        return {"status": statuses.get(unit.id, ["passed"]).pop(0) if statuses.get(unit.id) else "passed"}
+    return run
+
+
+def test_budget_stops_before_a_unit_that_does_not_fit_and_the_next_run_goes_on(tmp_path, monkeypatch, capsys,
+                                                                                fake_gpu):
+    clock, calls = [0.0], []
+    real_budget = gpu_timebox.Budget
+    monkeypatch.setattr(verify.gpu_timebox, "Budget", lambda s: real_budget(s, clock=lambda: clock[0]))
+    statuses = {"bench/te-delayed+torchao-rowwise": ["interrupted", "failed", "passed"]}
+    monkeypatch.setitem(verify.RUNNERS, "bench", fake_runner(clock, statuses, calls))
+    results, mirror = tmp_path / "r.jsonl", tmp_path / "out"
+    argv = ["--only", "bench", "--budget-seconds", "250", "--results", str(results), "--work", str(tmp_path / "w"),
+            "--mirror", str(mirror)]
+    # 1st: unit 1 (100 s), unit 2 interrupted (by the budget, says the runner): stop, more to do
+    assert verify.main(argv) == verify.EXIT_MORE
+    assert calls == ["bench/te-current+torchao-tensorwise", "bench/te-delayed+torchao-rowwise"]
+    # 2nd: unit 2 again (fails: final), then unit 3; 3rd: nothing left; 4th with --retry: the failed unit 2 again
+    assert verify.main(argv) == 0
+    assert calls[2:] == ["bench/te-delayed+torchao-rowwise", "bench/te-block+torchao-tensorwise"]
+    assert verify.main(argv) == 0 and len(calls) == 4
+    assert verify.main(argv + ["--retry"]) == 0 and calls[4:] == ["bench/te-delayed+torchao-rowwise"]
+    # with 150 s: unit 1 (100 s) leaves 50, unit 2 needs ~90: stopped before it, nothing recorded for it
+    other = tmp_path / "r2.jsonl"
+    assert verify.main([*argv[:3], "150", "--results", str(other), *argv[6:]]) == verify.EXIT_MORE
+    assert "stopping here" in capsys.readouterr().out
+    assert [r["unit"] for r in gpu_results.load(other)] == ["versions", "bench/te-current+torchao-tensorwise"]
+    records = gpu_results.load(results)
+    assert [r["unit"] for r in records if r["unit"] == "versions"] == ["versions"]  # once per key
+    assert all(r["key"] == KEY and r.get("src_sha") for r in records)
+    assert (mirror / "r.jsonl").read_text() == results.read_text()
+    assert (mirror / "r2.jsonl").read_text() == other.read_text()
+    with tarfile.open(mirror / "logs.tar.gz") as tar:
+        assert "logs/versions.log" not in tar.getnames()  # the probe was faked here: nothing logged
+    assert verify.main(argv + ["--list"]) == 0
+    listing = capsys.readouterr().out
+    assert "passed       ~  90s  bench/te-delayed+torchao-rowwise" in listing
+
+
+def test_train_outcomes_are_classified(tmp_path):
+    log = tmp_path / "log"
+
+    def outcome(rc, text, timed_out=False):
+        log.write_text(text)
+        return gpu_timebox.Outcome(rc, timed_out, 1.0, log)
+
+    v = gpu_units.VARIANT
+    refusal = "llama-fp8 train: error: --fp8_recipe mxfp8 needs compute capability >= 10.0 (this GPU: 9.0)\n"
+    assert gpu_steps.train_outcome(outcome(2, refusal), None, v["te-fp8-mxfp8"], tmp_path, 0)["status"] == "refused"
+    assert gpu_steps.train_outcome(outcome(2, refusal), None, v["te-fp8-block"], tmp_path, 0)["status"] == "refused"
+    assert gpu_steps.train_outcome(outcome(2, refusal), None, v["te-fp8-delayed"], tmp_path, 0)["status"] == "failed"
+    crash = "Traceback (most recent call last):\nRuntimeError: CUDA error\n"
+    assert gpu_steps.train_outcome(outcome(2, crash), None, v["te-fp8-mxfp8"], tmp_path, 0)["status"] == "failed"
+    ran = gpu_steps.train_outcome(outcome(0, ""), None, v["te-fp8-mxfp8"], tmp_path, 0)
+    assert ran["status"] == "failed" and "must be refused" in ran["message"]
+    assert gpu_steps.train_outcome(outcome(0, ""), None, v["te-bf16"], tmp_path, 0)["status"] == "error"  # no metrics
+    for killed in ("timeout", "interrupted"):
+        assert gpu_steps.train_outcome(outcome(None, "", True), killed, v["te-bf16"], tmp_path, 0)["status"] == killed
+
+
+@pytest.mark.slow
+def test_a_real_cpu_cell_is_recorded_once(tmp_path, capsys):
+    """The real probe and the real trainer (tiny, CPU): the record holds the command and the numbers; the same
+    command again runs nothing."""
+    results = tmp_path / "r.jsonl"
+    argv = ["--device", "cpu", "--models", "tiny", "--data", "synthetic", "--only", "train", "--match",
+            "train/tiny/synthetic/hf-bf16", "--max-steps", "6", "--warmup-steps", "2", "--logging-freq", "2",
+            "--results", str(results), "--work", str(tmp_path / "w"), "--mirror", str(tmp_path / "out")]
+    assert verify.main(argv) == 0
+    [versions, cell] = gpu_results.load(results)
+    assert versions["versions"]["gpu"] == "no GPU" and cell["key"] == versions["key"]
+    assert cell["status"] == "passed" and cell["timed_steps"] == 4 and cell["warmup_steps"] == 2
+    assert [s for s, _ in cell["losses"]] == [2, 4, 6] and cell["tokens_per_sec_per_gpu"] > 0
+    assert parse_args(train_argv(shlex.split(cell["command"]))).max_steps == 6
+    with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:
+        names = tar.getnames()
+    assert "runs/train_tiny_synthetic_hf-bf16/metrics.jsonl" in names and "logs/versions.log" in names
+    capsys.readouterr()
+    assert verify.main(argv) == 0
+    assert "0 of 1 selected units to run" in capsys.readouterr().out and len(gpu_results.load(results)) == 2

@@ -1,0 +1,196 @@
+"""The runners of verify's steps: pytest with per-test records (and a test killed half-way), bench_linear's JSON
+line, the profile step (gated on the trainer's flags; its trace parsed), save/resume and --init_from_hf through
+the real trainer on CPU. Where a GPU program would run, a small fake stands in for it (named in each test)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import gpu_checks
+import gpu_context
+import gpu_results
+import gpu_steps
+import gpu_timebox
+import gpu_units
+import pytest
+import verify
+from test_gpu_trace import EVENTS
+
+KEY = "test-gpu-0000"
+
+
+def context(tmp_path: Path, python: str = sys.executable, opts: gpu_units.Options | None = None,
+            mirror: Path | None = None) -> gpu_context.Context:
+    work = tmp_path / "work"
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    return gpu_context.Context(verify.REPO, work, python, gpu_results.Store(tmp_path / "results.jsonl", mirror), KEY,
+                             opts or gpu_units.Options(), verify.child_env(work), gpu_timebox.Budget(None), mirror)
+
+
+def fake_program(tmp_path: Path, body: str) -> str:
+    """An executable standing in for the node's Python (argv as it would get it)."""
+    path = tmp_path / "fake_python"
+    path.write_text(f"#!{sys.executable}\nimport json, sys, pathlib\nargv = sys.argv[1:]\n" + textwrap.dedent(body))
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_pytest_step_records_each_test_and_goes_on_after_one_that_hangs(tmp_path):
+    tests = tmp_path / "gpu_tests"
+    tests.mkdir()
+    (tests / "test_fake_gpu.py").write_text(textwrap.dedent("""\
+        import time, pytest
+        pytestmark = pytest.mark.gpu
+        def test_a(): pass
+        def test_b(): assert 1 == 2, "wrong"
+        def test_c(): pytest.skip("needs Blackwell")
+        def test_d(): time.sleep(120)
+        def test_e(): pass
+        """))
+    (tests / "test_plain.py").write_text("def test_plain():\n    pass\n")  # no gpu marker: deselected by -m gpu
+    ctx = context(tmp_path)
+    unit = gpu_units.Unit("pytest/fake", "pytest", 10, 12, {"args": [str(tests)]})
+    first = gpu_steps.run_pytest(ctx, unit)
+    assert first["status"] == "timeout" or first["status"] == "interrupted"
+    by_test = {r["nodeid"].split("::")[1]: r for r in ctx.store.records()}
+    assert {k: r["status"] for k, r in by_test.items()} == {"test_a": "passed", "test_b": "failed",
+                                                            "test_c": "skipped", "test_d": "timeout"}
+    assert "wrong" in by_test["test_b"]["message"] and by_test["test_c"]["message"] == "Skipped: needs Blackwell"
+    second = gpu_steps.run_pytest(ctx, gpu_units.Unit("pytest/fake", "pytest", 10, 120, {"args": [str(tests)]}))
+    records = ctx.store.records()
+    assert [r["nodeid"].split("::")[1] for r in records[4:]] == ["test_e"]  # only what was left
+    assert second["status"] == "failed" and second["counts"] == {"passed": 2, "failed": 1, "skipped": 1,
+                                                                  "timeout": 1}
+
+
+def test_a_test_file_that_does_not_import_is_an_error_record(tmp_path):
+    tests = tmp_path / "gpu_tests"
+    tests.mkdir()
+    (tests / "test_broken.py").write_text("import no_such_module_here\n")
+    ctx = context(tmp_path)
+    result = gpu_steps.run_pytest(ctx, gpu_units.Unit("pytest/broken", "pytest", 10, 120, {"args": [str(tests)]}))
+    [rec] = ctx.store.records()
+    assert rec["status"] == "error" and rec["phase"] == "collect" and "no_such_module_here" in rec["message"]
+    assert result["status"] in ("error", "failed")
+
+
+def test_bench_step_keeps_the_json_line(tmp_path):
+    """Fake bench_linear.py: prints its table and JSON line as on a GPU."""
+    line = {"type": "bench_linear", "device": "NVIDIA H100 80GB HBM3", "tokens": 8192,
+            "results": [{"model": "llama3.1-8b", "gemm": "o", "m": 8192, "k": 4096, "n": 4096, "bf16": 610.5,
+                         "te-current": 1010.2, "torchao-tensorwise": 905.0}]}
+    models = ",".join(gpu_steps.bench_models(verify.REPO))
+    assert {"llama3.1-8b", "llama3.1-70b", "llama3.2-1b", "llama2-7b"} <= set(models.split(","))
+    python = fake_program(tmp_path, f"""\
+        assert argv[0] == "benchmarks/bench_linear.py" and argv[argv.index("--tokens") + 1] == "8192", argv
+        assert argv[argv.index("--models") + 1] == {models!r}, argv  # every model of bench_linear's SHAPES
+        print("model gemm ...")
+        print({json.dumps(json.dumps(line))})
+        """)
+    ctx = context(tmp_path, python)
+    [unit] = [u for u in gpu_units.plan(ctx.opts) if u.id == "bench/te-current+torchao-tensorwise"]
+    rec = gpu_steps.run_bench(ctx, unit)
+    assert rec["status"] == "passed" and rec["bench"] == line and rec["te_recipe"] == "current"
+    python = fake_program(tmp_path, "print('bench_linear: no CUDA GPU visible')\n")
+    assert gpu_steps.run_bench(context(tmp_path, python), unit)["status"] == "failed"
+
+
+def test_profile_waits_for_the_trainer_flags_then_summarizes_the_trace(tmp_path):
+    """Fake trainer run: writes metrics, a Chrome trace (the synthetic one of test_gpu_trace) and a memory
+    snapshot into its run dir, as `--profile_steps`/`--memory_snapshot` will."""
+    ctx = context(tmp_path, mirror=tmp_path / "out")
+    [unit] = [u for u in gpu_units.plan(ctx.opts) if u.step == "profile"]
+    ctx.cache["help"] = "usage: llama-fp8 train [--model STR] [--profile_steps A:B]"
+    rec = gpu_checks.run_profile(ctx, unit)
+    assert rec["status"] == "unavailable" and rec["message"] == "the trainer lacks --memory_snapshot"
+    assert "unavailable" in gpu_results.NOT_FINAL
+    python = fake_program(tmp_path, f"""\
+        run = pathlib.Path(argv[argv.index("--run_dir") + 1])
+        assert argv[argv.index("--profile_steps") + 1] == "21:23" and argv[argv.index("--memory_snapshot") + 1] == "1"
+        meta = {{"type": "meta", "precision": "fp8-te-current", "model": "llama3.2-1b", "world_size": 1,
+                "seq_len": 4096, "global_batch_size": 2, "flops_per_token": 1e10, "peak_tflops_bf16": 989.4,
+                "peak_tflops_fp8": 1978.9, "start_step": 0}}
+        rows = [meta] + [{{"type": "train", "step": s, "loss": 5.0, "elapsed_s": s * 0.5}} for s in range(5, 26, 5)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in rows))
+        (run / "profile").mkdir()
+        (run / "profile" / "rank0.trace.json").write_text(json.dumps({{"traceEvents": {json.dumps(EVENTS)}}}))
+        (run / "memory_snapshot.pickle").write_bytes(b"x")
+        """)
+    ctx = context(tmp_path, python, mirror=tmp_path / "out")
+    ctx.cache["help"] = "--profile_steps A:B ... --memory_snapshot 0|1"
+    rec = gpu_checks.run_profile(ctx, unit)
+    assert rec["status"] == "passed", rec
+    assert rec["summary"]["share"]["gemm"] == pytest.approx(0.49) and rec["snapshots"] == ["memory_snapshot.pickle (0.0 MiB)"]
+    assert rec["trace"] == "profile/rank0.trace.json" and rec["timed_steps"] == 15
+    assert (tmp_path / "out" / rec["trace_kept"]).is_file() and rec["trace_kept"].endswith(".trace.json.gz")
+
+
+def fake_node(tmp_path: Path, test_outcome: str, te_loss: float) -> str:
+    """Stands in for the GPU node's Python in the hf_init unit: `-m pytest` records the logits test as the
+    plugin would, make_hf_checkpoint.py writes a folder, `-m llama_fp8 train` writes three losses (HF 10.0,
+    TE ``te_loss``)."""
+    return fake_program(tmp_path, f"""\
+        import os
+        if argv[:2] == ["-m", "pytest"]:
+            nodeid = next(a for a in argv if "::" in a)
+            rec = {{"key": os.environ["GPU_VERIFY_KEY"], "unit": "test:" + nodeid, "kind": "test", "nodeid": nodeid,
+                   "status": {test_outcome!r}, "message": "Skipped: no TE" if {test_outcome!r} == "skipped" else ""}}
+            open(os.environ["GPU_VERIFY_RESULTS"], "a").write(json.dumps(rec) + "\\n")
+        elif argv[0].endswith("make_hf_checkpoint.py"):
+            pathlib.Path(argv[1]).mkdir(parents=True)
+        else:
+            run = pathlib.Path(argv[argv.index("--run_dir") + 1])
+            run.mkdir(parents=True)
+            impl = argv[argv.index("--model_impl") + 1]
+            loss = 10.0 if impl == "hf" else {te_loss}
+            rows = [{{"type": "meta", "start_step": 0}}] + [{{"type": "train", "step": s, "loss": loss}} for s in (1, 2, 3)]
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in rows))
+        """)
+
+
+def test_hf_init_takes_the_logits_test_and_the_cli_smoke(tmp_path):
+    [unit] = [u for u in gpu_units.plan(gpu_units.Options()) if u.step == "hf_init"]
+    rec = gpu_checks.run_hf_init(context(tmp_path / "a", fake_node(tmp_path, "passed", 10.05)), unit)
+    assert rec["status"] == "passed" and rec["test"]["nodeid"] == gpu_units.HF_INIT_TEST
+    assert rec["smoke"]["gap_rel"] == pytest.approx(0.005) and rec["smoke"]["seq_len"] == "4096"
+    assert "--init_from_hf" in rec["smoke"]["commands"]["te"] and "--lr 0" in rec["smoke"]["commands"]["te"]
+    rec = gpu_checks.run_hf_init(context(tmp_path / "b", fake_node(tmp_path, "skipped", 10.0)), unit)
+    assert rec["status"] == "failed" and rec["test"]["test_status"] == "skipped" and "no TE" in rec["message"]
+    rec = gpu_checks.run_hf_init(context(tmp_path / "c", fake_node(tmp_path, "passed", 10.5)), unit)
+    assert rec["status"] == "failed" and rec["smoke"]["status"] == "failed"
+
+
+@pytest.mark.slow
+def test_resume_step_through_the_real_trainer_on_cpu(tmp_path):
+    """Four real CPU runs of a small model with torchao FP8 (emulated): the second half resumes from step k."""
+    opts = gpu_units.Options(device="cpu", resume_k=3, resume_model=("--model", "tiny", "--num_layers", "2",
+                                                                       "--max_context_width", "64"))
+    ctx = context(tmp_path, opts=opts)
+    unit = gpu_units.Unit("resume/hf-fp8-tensorwise", "resume", 10, 600, gpu_units.VARIANT["hf-fp8-tensorwise"].fields())
+    rec = gpu_checks.run_resume(ctx, unit)
+    assert rec["resumed_from_step"] == 3 and rec["k"] == 3, rec
+    assert rec["status"] == "passed", rec
+    assert [s for s, _ in rec["losses"]["resumed"]] == [4, 5, 6] and len(rec["losses"]["uninterrupted"]) == 6
+    assert set(rec["commands"]) == {"u1", "u2", "p1", "p2"} and "--checkpoint_freq 3" in rec["commands"]["p1"]
+    assert not (ctx.work / "runs" / "resume_hf-fp8-tensorwise" / "ckpt").exists()  # checkpoints not kept
+
+
+@pytest.mark.slow
+def test_hf_checkpoint_and_init_from_hf_flags_through_the_real_trainer(tmp_path):
+    """make_hf_checkpoint.py writes a save_pretrained folder that the trainer loads with the hf_init flags
+    (the TE half needs Transformer Engine and a GPU)."""
+    opts = gpu_units.Options(device="cpu", hf_init_model=("--model", "tiny", "--num_layers", "2"))
+    ctx = context(tmp_path, opts=opts)
+    root = ctx.work / "hf_init"
+    out, killed = ctx.run("ckpt", gpu_checks.checkpoint_cmd(ctx, root), 1e12)
+    assert out.returncode == 0 and killed is None, out.tail()
+    ckpt = root / "checkpoint"
+    assert (ckpt / "config.json").is_file() and list(ckpt.glob("*.safetensors"))
+    out, killed = ctx.run("hf", ctx.train_cmd(gpu_units.hf_init_flags(opts, "hf", ckpt, root / "run")), 1e12)
+    assert out.returncode == 0, out.tail()
+    losses = [json.loads(x) for x in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in losses if r["type"] == "train"] == [1, 2, 3] and losses[0]["model_impl"] == "hf"

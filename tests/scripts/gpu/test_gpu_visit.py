@@ -1,0 +1,36 @@
+"""scripts/gpu/visit.sh, the one command a device call runs, end to end on CPU: bootstrap from a (fake) kit,
+then a slice of verify.py through the real trainer, with everything that must come back written to $OUT."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import gpu_fakes as fakes
+import gpu_results
+import pytest
+
+VISIT = Path(__file__).resolve().parents[3] / "scripts" / "gpu" / "visit.sh"
+
+
+@pytest.mark.slow
+def test_visit_bootstraps_then_runs_a_slice_and_leaves_the_results_in_out(tmp_path):
+    # torchao comes from this venv (as a node may have it), TE from the fake kit
+    kit = fakes.kit(tmp_path / "kit", prebuilt_for=fakes.torch_version(), skip=("torchao",))
+    guard, net_log = fakes.net_guard(tmp_path)
+    out = tmp_path / "out"
+    env = {**fakes.merge_env(guard), "PYTHON": sys.executable, "WHEELS": str(kit), "SITE": str(tmp_path / "site"),
+           "OUT": str(out), "VISIT_SECONDS": "400"}
+    argv = ["--device", "cpu", "--models", "tiny", "--data", "synthetic", "--only", "train", "--match",
+            "train/tiny/synthetic/hf-bf16", "--max-steps", "4", "--warmup-steps", "2", "--logging-freq", "2",
+            "--results", str(tmp_path / "results.jsonl"), "--work", str(tmp_path / "work")]
+    proc = subprocess.run(["bash", str(VISIT), *argv], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "TE: transformer_engine.pytorch imports" in (out / "bootstrap.log").read_text()
+    records = gpu_results.load(out / "results.jsonl")
+    assert [r["unit"] for r in records] == ["versions", "train/tiny/synthetic/hf-bf16"]
+    assert records[0]["versions"]["transformer_engine"] == fakes.TE_VERSION  # verify saw the installed kit
+    assert records[1]["status"] == "passed" and (out / "logs.tar.gz").is_file()
+    assert "1 of 1 selected units to run" in proc.stdout
+    assert not net_log.exists()
