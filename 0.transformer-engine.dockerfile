@@ -1,52 +1,54 @@
 # Training image: NGC PyTorch (PyTorch, Transformer Engine, NCCL, cuDNN built together by NVIDIA)
 # + AWS EFA (libfabric and the aws-ofi-nccl NCCL plugin) + this package.
-# Build and import for Enroot/Pyxis: scripts/build_image.sh (docker build, then enroot import).
+# Build and import for Enroot/Pyxis with scripts/build_image.sh: it sends docker exactly the files listed by
+# `scripts/build_image.sh --print-context` (no symlinks, no .venv, no old .sqsh).
 #
-# Choosing versions:
-#   NGC_TAG  an nvcr.io/nvidia/pytorch tag (YY.MM-py3). Its release notes list the PyTorch, Transformer
-#            Engine, NCCL and CUDA versions, and the minimum host driver: pick one your nodes' driver supports.
-#            Tags >= 25.03 ship /etc/pip/constraint.txt, used below so pip never replaces NGC's torch.
-#   EFA_INSTALLER_VERSION  https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-changelog.html ;
-#            the installer brings libfabric and aws-ofi-nccl (/opt/amazon/ofi-nccl). Match the host's
-#            EFA driver generation (newer userspace on an older kernel module is generally fine).
+# Choosing versions (README: Image versions; the table lives in src/llama_fp8/cluster/ngc.py):
+#   NGC_TAG  an nvcr.io/nvidia/pytorch tag (YY.MM-py3); its release notes list PyTorch, Transformer Engine,
+#            NCCL, CUDA and the host driver it needs. The build prints the real versions and fails when the
+#            image cannot run our defaults (llama_fp8.cluster.ngc check-image).
+#   EFA_INSTALLER_VERSION  the AWS EFA installer whose aws-ofi-nccl release names that NCCL
+#            (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-changelog.html).
 ARG NGC_TAG=25.12-py3
 FROM nvcr.io/nvidia/pytorch:${NGC_TAG}
 
-ARG EFA_INSTALLER_VERSION=1.48.0
+ARG NGC_TAG
+ARG EFA_INSTALLER_VERSION=1.49.0
+ARG EFA_INSTALLER_SHA256=
+ARG EFA_INSTALLER_ARGS=
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# EFA userspace + aws-ofi-nccl, only if the base image does not have them already.
-#   --skip-kmod: the kernel module belongs to the host   --skip-limit-conf: ulimits come from the runtime
-#   --no-verify: no GPG check inside the build (the version is pinned instead)
-# hadolint ignore=DL3003,DL3008
-RUN if [ -e /opt/amazon/efa/lib/libfabric.so ] && compgen -G "/opt/amazon/ofi-nccl/lib/libnccl-net*.so" >/dev/null; then \
-        echo "EFA and aws-ofi-nccl: already in the base image"; \
-    else \
-        apt-get update && \
-        curl -fsSL "https://efa-installer.amazonaws.com/aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" | tar -xz -C /tmp && \
-        cd /tmp/aws-efa-installer && \
-        ./efa_installer.sh -y --skip-kmod --skip-limit-conf --no-verify && \
-        cd / && rm -rf /tmp/aws-efa-installer /var/lib/apt/lists/*; \
-    fi && \
-    if ! compgen -G "/opt/amazon/ofi-nccl/lib/libnccl-net*.so" >/dev/null; then \
-        echo "error: no aws-ofi-nccl plugin in /opt/amazon/ofi-nccl/lib (EFA installer ${EFA_INSTALLER_VERSION} too old?)" >&2; \
-        exit 1; \
-    fi
+# EFA + aws-ofi-nccl (skipped when the base has both), then links at fixed paths to wherever the plugin landed:
+# the installer's layout changed across versions and NGC bases (scripts/image/nccl_net_plugin.sh lists them).
+COPY scripts/image/ /opt/llama-fp8/scripts/
+RUN EFA_INSTALLER_VERSION="${EFA_INSTALLER_VERSION}" EFA_INSTALLER_SHA256="${EFA_INSTALLER_SHA256}" \
+        EFA_INSTALLER_ARGS="${EFA_INSTALLER_ARGS}" /opt/llama-fp8/scripts/install_efa.sh && \
+    /opt/llama-fp8/scripts/setup_nccl_plugin.sh /
 
-# NCCL finds the OFI plugin on the library path; on hosts without EFA it falls back to its own transports.
-# Per-cluster settings (FI_PROVIDER, NCCL_SOCKET_IFNAME, NCCL_DEBUG) are set by 1.train_llama.sbatch.
-ENV PATH=/opt/amazon/efa/bin:${PATH} \
-    LD_LIBRARY_PATH=/opt/amazon/ofi-nccl/lib:/opt/amazon/efa/lib:${LD_LIBRARY_PATH}
+# NCCL loads exactly this plugin file: NCCL_NET_PLUGIN as a full path (NCCL >= 2.21.5 takes a path; the NGC
+# base may set NCCL_NET_PLUGIN to another plugin, e.g. HPC-X's, and the NGC plugin packages ship no
+# libnccl-net.so for the default lookup). The tuner is named too although NCCL >= 2.21 finds it in the net
+# plugin: aws-ofi-nccl <= 1.15 ships it as a separate library, NCCL 2.19-2.20 only loads a named tuner, and a
+# base image's own NCCL_TUNER_PLUGIN must not win. Its folder and libfabric's come first on the library path.
+# NCCL_NET (fail instead of falling back to TCP) is set per node by 1.train_llama.sbatch, only where EFA
+# devices exist, like FI_PROVIDER and NCCL_SOCKET_IFNAME.
+ENV NCCL_NET_PLUGIN=/opt/llama-fp8/nccl/libnccl-net-ofi.so \
+    NCCL_TUNER_PLUGIN=/opt/llama-fp8/nccl/libnccl-tuner-ofi.so \
+    LD_LIBRARY_PATH=/opt/llama-fp8/nccl/lib:/opt/amazon/efa/lib:${LD_LIBRARY_PATH} \
+    PATH=/opt/amazon/efa/bin:${PATH}
 
 WORKDIR /workspace/llama-fp8
+# Real files only: the repository's `configs` is a symlink into src/ (the presets are package data), so it is
+# recreated here as the same relative link instead of being copied.
 COPY pyproject.toml README.md ./
 COPY src ./src
-COPY configs ./configs
 COPY 1.train_llama.sbatch 2.ab_fp8_vs_bf16.sh ./
+RUN ln -s src/llama_fp8/configs configs
 
 # 1) the package alone: --no-deps, so its `torch` requirement can never pull another torch build;
 # 2) the dependencies NGC does not ship, under NGC's constraint file (pins torch, TE and their deps);
-# 3) proof that torch and Transformer Engine are still the ones NGC built.
+# 3) proof that torch and Transformer Engine are still the ones NGC built, that the presets were installed,
+#    and the image's own record of its versions (read by every run's metrics.jsonl meta record).
 RUN versions() { python -c "import importlib.metadata as m; print(m.version('torch'), m.version('transformer_engine'))"; } && \
     before="$(versions)" && \
     pip install --no-cache-dir --no-deps . && \
@@ -55,4 +57,6 @@ RUN versions() { python -c "import importlib.metadata as m; print(m.version('tor
         "torchao>=0.12" "submitit>=1.5" "matplotlib>=3.7" "tensorboard>=2.14" && \
     after="$(versions)" && \
     if [ "$before" != "$after" ]; then echo "error: torch/TE changed: $before -> $after" >&2; exit 1; fi && \
-    echo "torch / transformer_engine: $after"
+    python -c "import llama_fp8.config as c; assert 'llama3.1-8b' in c.available_presets(), c.available_presets()" && \
+    python -m llama_fp8.cluster.ngc check-image --tag "${NGC_TAG}" --efa "${EFA_INSTALLER_VERSION}" \
+        --plugin-env /opt/llama-fp8/nccl/plugin.env --out /opt/llama-fp8/image.json

@@ -1,28 +1,54 @@
 #!/bin/bash
-# A/B: the same training job twice, --fp8=1 and --fp8=0, then a report job when both have ended.
+# A/B: the same training run with --fp8=1 and --fp8=0, then the report (bf16 = A, the baseline; fp8 = B).
 #   ./2.ab_fp8_vs_bf16.sh --model llama3.1-8b --max_steps 200
 #   SBATCH_ARGS="--nodes=4 --partition=p5" IMAGE=$PWD/llama-fp8.sqsh ./2.ab_fp8_vs_bf16.sh --model llama2-7b
-# Arguments go to both training runs (1.train_llama.sbatch forwards them to `llama_fp8 train`);
-# --fp8 and --run_dir are set here. Environment: SBATCH_ARGS (extra sbatch options for the training jobs),
-# AB_DIR (default runs/ab_<date-time>), plus everything 1.train_llama.sbatch reads (IMAGE, VENV, ...).
+# Arguments go to both training runs (`llama_fp8 train` flags); --fp8 and --run_dir are set here.
+# AB_MODE:
+#   same (default)  one job: both arms back to back in ONE allocation on the same nodes, one preflight, then the
+#                   report (scripts/slurm/ab_job.sbatch). Node quality, network placement and image cannot differ
+#                   between the arms, so the speed ratio measures FP8 and nothing else.
+#   two-jobs        two independent training jobs (1.train_llama.sbatch) and a report job after both: for runs
+#                   too long for one allocation. The report says "not the same hardware" when they differ.
+# Environment: SBATCH_ARGS (extra sbatch options for every job, the report job included, e.g. partition and
+# account), AB_DIR (default runs/ab_<date-time>), AB_ORDER (same mode: "bf16 fp8" or "fp8 bf16"), plus
+# everything 1.train_llama.sbatch reads (IMAGE, VENV, CONTAINER_MOUNTS, ...).
 set -euo pipefail
 
-export REPO_DIR=${REPO_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}  # read by 1.train_llama.sbatch
+export REPO_DIR=${REPO_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}  # read by the batch scripts
+export AB_DIR
 AB_DIR=$(realpath -m "${AB_DIR:-runs/ab_$(date +%Y%m%d-%H%M%S)}")
+AB_MODE=${AB_MODE:-same}
 read -r -a EXTRA <<<"${SBATCH_ARGS:-}"
 command -v sbatch >/dev/null || { echo "error: sbatch not found: run this on a Slurm login node" >&2; exit 1; }
+if [[ -n "${IMAGE:-}" && -e "$IMAGE" ]]; then
+    IMAGE=$(realpath "$IMAGE")  # a relative .sqsh would be taken for a registry name by Pyxis
+    export IMAGE
+fi
 mkdir -p logs "$AB_DIR"
+
+if [[ "$AB_MODE" == same ]]; then
+    JOB=$(sbatch --parsable ${EXTRA[@]+"${EXTRA[@]}"} "$REPO_DIR/scripts/slurm/ab_job.sbatch" "$@")
+    cat <<EOF
+ab job:     $JOB   log logs/llama-fp8-ab_$JOB.out   (both arms on the same nodes, ${AB_ORDER:-bf16 fp8})
+run dirs:   $AB_DIR/bf16 $AB_DIR/fp8
+report:     $AB_DIR/report/ (written by the same job)
+watch:      squeue -j $JOB
+EOF
+    exit 0
+fi
+[[ "$AB_MODE" == two-jobs ]] || { echo "error: AB_MODE=$AB_MODE: use same or two-jobs" >&2; exit 2; }
 
 submit_run() {  # submit_run NAME FP8 TRAIN_ARGS... -> prints the job id
     local name=$1 fp8=$2
     shift 2
-    sbatch --parsable --job-name="llama-fp8-$name" "${EXTRA[@]}" "$REPO_DIR/1.train_llama.sbatch" \
+    sbatch --parsable --job-name="llama-fp8-$name" ${EXTRA[@]+"${EXTRA[@]}"} "$REPO_DIR/1.train_llama.sbatch" \
         "$@" --fp8="$fp8" --run_dir="$AB_DIR/$name"
 }
 FP8_JOB=$(submit_run fp8 1 "$@")
 BF16_JOB=$(submit_run bf16 0 "$@")
 
-# The report: bf16 is the baseline (A), fp8 the candidate (B). afterany: also report a failed run.
+# The report job: afterany (also report a failed run); SBATCH_ARGS first (partition, account, ...), then one
+# task on one node, which win over any --nodes/--ntasks in SBATCH_ARGS.
 COMPARE=(-m llama_fp8 compare "$AB_DIR/bf16" "$AB_DIR/fp8" --out "$AB_DIR/report")
 if [[ -n "${IMAGE:-}" ]]; then
     RUN=(srun --container-image="$IMAGE" --container-mounts="${CONTAINER_MOUNTS:-$REPO_DIR:$REPO_DIR,$AB_DIR:$AB_DIR}"
@@ -30,8 +56,8 @@ if [[ -n "${IMAGE:-}" ]]; then
 else
     RUN=(env PYTHONPATH="$REPO_DIR/src" "${VENV:-$REPO_DIR/.venv}/bin/python" "${COMPARE[@]}")
 fi
-REPORT_JOB=$(sbatch --parsable --job-name=llama-fp8-report --nodes=1 --ntasks=1 --output=logs/%x_%j.out \
-    --dependency="afterany:$FP8_JOB:$BF16_JOB" --wrap="$(printf '%q ' "${RUN[@]}")")
+REPORT_JOB=$(sbatch --parsable ${EXTRA[@]+"${EXTRA[@]}"} --job-name=llama-fp8-report --nodes=1 --ntasks=1 \
+    --output=logs/%x_%j.out --dependency="afterany:$FP8_JOB:$BF16_JOB" --wrap="$(printf '%q ' "${RUN[@]}")")
 
 cat <<EOF
 fp8 job:    $FP8_JOB   log logs/llama-fp8-fp8_$FP8_JOB.out    run dir $AB_DIR/fp8

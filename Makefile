@@ -31,8 +31,8 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu and not te and not slow and not slurm"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/shellcheck -S warning scripts/*.sh $(wildcard *.sbatch *.sh scripts/*.sbatch)
+	$(VENV)/bin/ruff check src tests benchmarks scripts
+	$(VENV)/bin/shellcheck -S warning scripts/*.sh $(wildcard *.sbatch *.sh scripts/*.sbatch scripts/image/*.sh scripts/slurm/*.sh scripts/slurm/*.sbatch scripts/gpu/*.sh)
 	$(VENV)/bin/hadolint $(wildcard *.dockerfile)
 
 bench: $(STAMP)

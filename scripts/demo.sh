@@ -22,7 +22,7 @@ common=(--model tiny --device cpu --max_steps "$STEPS" --logging_freq 5 --seed 1
         --validation_freq 25 --validation_batches 4)
 if [ -n "${DEMO_EXTRA:-}" ]; then
   read -r -a extra <<<"$DEMO_EXTRA"
-  common+=("${extra[@]}")
+  common+=(${extra[@]+"${extra[@]}"})  # the safe form: bash 4.2 calls an empty array unbound under set -u
 fi
 
 for fp8 in 0 1; do

@@ -143,6 +143,8 @@ SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=3,bf_interval=2
 {chr(10).join(node_lines)}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+# a second partition on the same nodes: tests check that --partition reaches every job of a script
+PartitionName=alt Nodes=ALL Default=NO MaxTime=INFINITE State=UP
 """
     (root / "slurm.conf").write_text(conf)
     # slurmd 22.05 loads a cgroup plugin even with proctrack/linuxproc and fails without this file.

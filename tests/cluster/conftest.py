@@ -31,4 +31,6 @@ def job_env(cluster):
                PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO / "src"))
     for key in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
         env.pop(key)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
     return env

@@ -8,6 +8,7 @@ where they fail: the acceptance criterion is that CI runs them.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+SBATCH = str(REPO / "1.train_llama.sbatch")
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
             "PREEMPTED"}
 # A smaller-than-tiny model: a few seconds per run on two shared cores.
@@ -75,3 +77,30 @@ def wait_job(job_id: str, env: dict[str, str], timeout: float = 180, until=None)
 def batch_lines(log: Path) -> list[int]:
     """Step numbers of the `Batch N Loss:` lines in a log."""
     return [int(m) for m in re.findall(r"^Batch (\d+) Loss: [0-9.]+", log.read_text(), flags=re.M)]
+
+
+def release_requeued(job_id: str, env: dict[str, str], timeout: float = 120) -> dict[str, str]:
+    """Wait until the job was requeued (Restarts=1), then lift Slurm's ~2 min hold of a requeued job (BeginTime)
+    until it starts: the state passes through REQUEUED/COMPLETING before PENDING, so release it when it gets
+    there rather than on the first look (the first look missed it once)."""
+    info = wait_job(job_id, env, until=lambda i: i.get("Restarts") == "1")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = job_info(job_id, env)
+        state = info.get("JobState")
+        if state == "PENDING":
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=False)
+        elif state not in ("REQUEUED", "COMPLETING", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING"):
+            return info  # running again, or already ended
+        time.sleep(1)
+    return info
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def assert_completed(info: dict[str, str], log: Path) -> None:
+    """The job ended COMPLETED with exit 0:0; otherwise fail showing the end of its log."""
+    tail = log.read_text()[-4000:] if log.is_file() else "(no log)"
+    assert (info.get("JobState"), info.get("ExitCode")) == ("COMPLETED", "0:0"), f"{info}\n--- log:\n{tail}"

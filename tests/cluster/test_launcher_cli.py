@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import pytest
 
@@ -67,18 +68,43 @@ def test_fp8_recipes_by_capability():
     assert "te:mxfp8" in preflight.fp8_recipes((10, 0), "12.9")
 
 
-def test_efa_detection_and_plugin(tmp_path, monkeypatch):
+def test_efa_detection(tmp_path):
     sysfs = tmp_path / "infiniband"
     for dev, driver in (("rdmap0s1", "efa"), ("mlx5_0", "mlx5_core")):
         (tmp_path / "drivers" / driver).mkdir(parents=True, exist_ok=True)
         (sysfs / dev / "device").mkdir(parents=True)
         (sysfs / dev / "device" / "driver").symlink_to(tmp_path / "drivers" / driver)
     assert preflight.efa_devices(str(sysfs)) == ["rdmap0s1"]
-    lib = tmp_path / "ofi"
-    lib.mkdir()
-    (lib / "libnccl-net-ofi.so").write_text("")
-    monkeypatch.setenv("LD_LIBRARY_PATH", str(lib))
-    assert preflight.ofi_plugin() == str(lib / "libnccl-net-ofi.so")
+
+
+def a_real_shared_library() -> str:
+    import torch
+
+    return str(next(Path(torch.__file__).parent.glob("lib/libc10.so")))
+
+
+@pytest.mark.parametrize(("plugin", "nccl_net", "status", "words"), [
+    ("missing", "AWS Libfabric", "FAIL", "no aws-ofi-nccl plugin"),
+    ("not-elf", "AWS Libfabric", "FAIL", "does not load"),
+    ("real", None, "WARN", "NCCL_NET=unset"),
+    ("real", "Socket", "WARN", "NCCL_NET=Socket"),
+    ("real", "AWS Libfabric", "OK", "NCCL_NET=AWS Libfabric"),
+])
+def test_efa_check_needs_a_loadable_plugin_and_nccl_net(plugin, nccl_net, status, words, tmp_path, monkeypatch):
+    """On an EFA node: the plugin NCCL_NET_PLUGIN names must exist and dlopen, and NCCL_NET must name the OFI
+    network (else a plugin failure silently becomes TCP)."""
+    monkeypatch.setattr(preflight, "efa_devices", lambda: ["rdmap0s1", "rdmap1s1"])
+    path = {"missing": str(tmp_path / "nope.so"), "real": a_real_shared_library()}.get(plugin)
+    if plugin == "not-elf":
+        path = str(tmp_path / "libnccl-net-ofi.so")
+        Path(path).write_text("not a shared library")
+    monkeypatch.setenv("NCCL_NET_PLUGIN", path)
+    if nccl_net is None:
+        monkeypatch.delenv("NCCL_NET", raising=False)
+    else:
+        monkeypatch.setenv("NCCL_NET", nccl_net)
+    check = preflight.check_efa(preflight.Settings())
+    assert check.status == status and words in check.message, check
 
 
 # ---- submit -------------------------------------------------------------------------------------
@@ -144,3 +170,128 @@ def test_torchrun_wrapper_keeps_worker_exit_code(code, tmp_path, monkeypatch):
                       f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=t", str(script)])
     assert rc == code
 
+
+
+def test_submit_batch_script_requeues_on_the_host(tmp_path):
+    """The setup lines submitit puts before its srun: valid bash, the rendezvous address from scontrol, the EFA
+    settings, and the EXIT trap that requeues on the task's marker or exit code 85 (run here with a fake
+    scontrol: the trap must call `scontrol requeue <job>` and exit 0)."""
+    import subprocess
+
+    import submitit.slurm.slurm as sl
+
+    params = submit.executor_parameters(parse_submit(["--folder", str(tmp_path / "sub")]))
+    text = sl._make_sbatch_string(command="false", folder=tmp_path / "sub" / "%j",
+                                  **{k: v for k, v in params.items() if k != "stderr_to_stdout"})
+    assert subprocess.run(["bash", "-n"], input=text, text=True, check=False).returncode == 0
+    setup = "\n".join(params["setup"])
+    assert 'export MASTER_ADDR=$(scontrol -o show node' in setup and 'NCCL_NET="${NCCL_NET:-AWS Libfabric}"' in setup
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >>{tmp_path}/scontrol.calls\n")
+    (fake / "scontrol").chmod(0o755)
+    marker = tmp_path / "sub" / "42" / submit.REQUEUE_MARKER
+    marker.parent.mkdir(parents=True)
+    for task_exit, with_marker, requeued in ((85, False, True), (0, True, True), (3, False, False)):
+        if with_marker:
+            marker.touch()
+        script = setup + f"\nsh -c 'exit {task_exit}'\n"
+        proc = subprocess.run(["bash", "-c", script], env={"PATH": f"{fake}:/usr/bin:/bin", "SLURM_JOB_ID": "42",
+                                                           "SLURM_JOB_NODELIST": "n1"},
+                              capture_output=True, text=True, check=False)
+        calls = (tmp_path / "scontrol.calls").read_text() if (tmp_path / "scontrol.calls").exists() else ""
+        assert ("requeue 42" in calls) is requeued, (task_exit, proc.stdout, proc.stderr)
+        assert proc.returncode == (0 if requeued else task_exit)
+        assert not marker.exists()
+        (tmp_path / "scontrol.calls").unlink(missing_ok=True)
+
+
+def test_train_task_exits_85_with_a_marker_and_no_scontrol(tmp_path, monkeypatch):
+    """Inside the task: no `scontrol` call (it may not exist there); rank 0 leaves the marker and the task
+    raises SystemExit(85), which submitit's `except Exception` lets through (no result written)."""
+    import types
+
+    import submitit
+
+    from llama_fp8 import train
+
+    calls = []
+    monkeypatch.setattr(submit.subprocess, "run", lambda *a, **k: calls.append(a))
+    fake_env = types.SimpleNamespace(hostnames=["n1"], job_id="42", global_rank=0, num_tasks=1, local_rank=0,
+                                     num_nodes=1, paths=types.SimpleNamespace(folder=tmp_path))
+    monkeypatch.setattr(submitit, "JobEnvironment", lambda: fake_env)
+    monkeypatch.setattr(train, "main", lambda argv: 85)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(SystemExit) as e:
+        submit.TrainTask(["--model", "tiny"])()
+    assert e.value.code == 85 and (tmp_path / submit.REQUEUE_MARKER).exists() and calls == []
+
+
+def test_submitit_signal_handlers_are_released():
+    """submitit installs a `scontrol requeue` handler on its preemption signal and ignores SIGTERM/SIGCONT
+    (job_environment._handle_signals); the task puts the defaults back before training."""
+    import signal
+
+    from submitit.core.job_environment import JobEnvironment
+
+    preempt = getattr(signal, "SIG" + JobEnvironment.USR_SIG)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGCONT, preempt)}
+    try:
+        for s in saved:
+            signal.signal(s, lambda *_: None)
+        submit.release_submitit_signals()
+        assert all(signal.getsignal(s) is signal.SIG_DFL for s in saved)
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def test_submit_refuses_a_run_dir_outside_its_container_mounts(tmp_path, capsys):
+    image = tmp_path / "img.sqsh"
+    image.write_text("")
+    rc = submit.main(["--image", str(image), "--container_mounts", f"{tmp_path}:{tmp_path}", "--folder",
+                      str(tmp_path / "sub"), "--", "--model", "tiny", "--run_dir", "/scratch/lost"])
+    assert rc == 2 and "--run_dir /scratch/lost is outside the container mounts" in capsys.readouterr().err
+
+
+def settings_for(*train_flags: str) -> preflight.Settings:
+    import argparse as ap
+
+    own = ap.Namespace(device="cpu", model_impl=None, fp8=None, fp8_backend=None, dataset=None, tokenizer=None,
+                       checkpoint_dir=None)
+    return preflight.resolve(own, ["--model", "tiny", *train_flags])
+
+
+def test_fp8_features_name_the_library_version_they_need(monkeypatch):
+    """The recipe table's minimum versions, against the installed (here: pretended) library versions."""
+    from llama_fp8.models.te.precision import TE
+    from llama_fp8.precision.torchao import TORCHAO
+
+    assert preflight.check_fp8_features(settings_for()).status == "OK"  # no FP8 asked
+    monkeypatch.setattr(TORCHAO, "library_version", lambda: "0.11.0")
+    got = preflight.check_fp8_features(settings_for("--fp8", "1"))
+    assert (got.status, got.message) == ("FAIL", "--fp8_recipe tensorwise needs torchao >= 0.12 (installed: torchao "
+                                                  "0.11.0)")
+    monkeypatch.setattr(TE, "library_version", lambda: "2.9.0")
+    got = preflight.check_fp8_features(settings_for("--fp8", "1", "--model_impl", "te", "--fp8_all_gather", "1"))
+    assert got.status == "FAIL" and "--fp8_all_gather 1 needs transformer_engine >= 2.10" in got.message
+    monkeypatch.setattr(TE, "library_version", lambda: "2.2.0")
+    got = preflight.check_fp8_features(settings_for("--fp8", "1", "--model_impl", "te", "--fp8_recipe", "block"))
+    assert got.status == "FAIL" and "--fp8_recipe block needs transformer_engine >= 2.3" in got.message
+    monkeypatch.setattr(TE, "library_version", lambda: "2.20.2")
+    got = preflight.check_fp8_features(settings_for("--fp8", "1", "--model_impl", "te"))
+    assert (got.status, got.message) == ("OK", "te current with transformer_engine 2.20.2")
+
+
+def test_layout_is_checked_against_the_allocation(monkeypatch):
+    for key in ("SLURM_STEP_ID", "SLURM_PROCID", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    got = preflight.check_layout(settings_for("--tp_size", "2", "--tie_word_embeddings", "0"))
+    assert (got.status, got.message) == ("OK", "dp_shard 2 x tp 2 = 4 rank(s); 2 data-parallel")
+    got = preflight.check_layout(settings_for("--tp_size", "3"))
+    assert got.status == "FAIL" and "world size 4 is not divisible by 3" in got.message and "4 task(s)" in got.message
+    got = preflight.check_layout(settings_for("--tp_size", "2", "--num_key_value_heads", "1"))
+    assert got.status == "FAIL" and "--num_key_value_heads 1 is not divisible by --tp_size 2" in got.message

@@ -14,8 +14,12 @@ from pathlib import Path
 import pytest
 from slurm_helpers import REPO
 
-SHELL_FILES = sorted([*REPO.glob("*.sh"), *REPO.glob("*.sbatch"), *REPO.glob("scripts/**/*.sh")])
-CLUSTER_SCRIPTS = [REPO / "1.train_llama.sbatch", REPO / "2.ab_fp8_vs_bf16.sh", REPO / "scripts" / "build_image.sh"]
+SHELL_FILES = sorted([*REPO.glob("*.sh"), *REPO.glob("*.sbatch"), *REPO.glob("scripts/**/*.sh"),
+                      *REPO.glob("scripts/**/*.sbatch")])
+CLUSTER_SCRIPTS = [REPO / "1.train_llama.sbatch", REPO / "2.ab_fp8_vs_bf16.sh", REPO / "scripts" / "build_image.sh",
+                   REPO / "scripts" / "slurm" / "job_lib.sh", REPO / "scripts" / "slurm" / "ab_job.sbatch",
+                   *sorted(REPO.glob("scripts/image/*.sh"))]
+BATCH_SCRIPTS = [REPO / "1.train_llama.sbatch", REPO / "scripts" / "slurm" / "ab_job.sbatch"]
 DOCKERFILES = sorted(REPO.glob("*.dockerfile"))
 LAUNCHER_FILES = [*SHELL_FILES, *DOCKERFILES, REPO / "README.md"]
 # Where a training command line starts; the flags after it are train flags.
@@ -136,24 +140,25 @@ def test_own_flags_in_launchers_exist(command, capsys):
 
 
 def test_torchrun_flags_exist():
-    """The flags 1.train_llama.sbatch gives `launch` are torchrun's."""
+    """The flags the batch scripts (scripts/slurm/job_lib.sh lf_train) give `launch` are torchrun's."""
     from torch.distributed.run import get_args_parser
 
     options = {o for a in get_args_parser()._actions for o in a.option_strings}
-    line = next(ln for ln in logical_lines(REPO / "1.train_llama.sbatch") if "-m llama_fp8 launch" in ln)
+    line = next(ln for ln in logical_lines(REPO / "scripts" / "slurm" / "job_lib.sh") if "-m llama_fp8 launch" in ln)
     torchrun_part = line.split("llama_fp8 launch", 1)[1].split(" -m ")[0]
     used = flags(torchrun_part)
     assert {"nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id"} <= set(used)
     assert not [f for f in used if f"--{f}" not in options]
 
 
-def test_sbatch_directives():
+@pytest.mark.parametrize("path", BATCH_SCRIPTS, ids=lambda p: p.name)
+def test_sbatch_directives(path):
     """The #SBATCH defaults the recipe promises (the real-cluster tests check that Slurm accepts them)."""
-    text = (REPO / "1.train_llama.sbatch").read_text()
-    values = dict(re.findall(r"^#SBATCH (--[\w-]+)(?:=(\S+))?", text, flags=re.M))
+    values = dict(re.findall(r"^#SBATCH (--[\w-]+)(?:=(\S+))?", path.read_text(), flags=re.M))
     assert values.get("--nodes") == "2" and "--exclusive" in values and "--requeue" in values
     assert values.get("--output") == "logs/%x_%j.out" and values.get("--signal") == "USR1@120"
     assert values.get("--open-mode") == "append"  # a requeued job keeps the first attempt's log
+    assert "--auto-resume" not in values  # HyperPod: an srun flag, sbatch rejects it
 
 
 def test_env_vars_documented():

@@ -3,26 +3,24 @@ submitit, and the A/B script. Each asserts on the job's state, its log and the r
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
-from slurm_helpers import REPO, SMALL, batch_lines, sbatch, wait_job
+from slurm_helpers import (
+    REPO,
+    SBATCH,
+    SMALL,
+    assert_completed,
+    batch_lines,
+    read_jsonl,
+    release_requeued,
+    sbatch,
+    wait_job,
+)
 
 pytestmark = pytest.mark.slurm
-
-SBATCH = str(REPO / "1.train_llama.sbatch")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def assert_completed(info: dict[str, str], log: Path) -> None:
-    tail = log.read_text()[-3000:] if log.is_file() else "(no log)"
-    assert (info.get("JobState"), info.get("ExitCode")) == ("COMPLETED", "0:0"), f"{info}\n--- log:\n{tail}"
 
 
 def test_sbatch_two_tasks_cpu(job_env, tmp_path):
@@ -74,6 +72,7 @@ def fake_package(root: Path) -> Path:
         "    restarts = os.environ.get('SLURM_RESTART_COUNT', '0')\n"
         "    print(f'fake train: attempt {int(restarts) + 1}', flush=True)\n"
         "    return 85 if restarts == '0' else 0\n")
+    (root / "scripts").symlink_to(REPO / "scripts")  # the batch script's steps (scripts/slurm/job_lib.sh)
     return root
 
 
@@ -82,9 +81,7 @@ def test_sbatch_requeues_on_exit_85(job_env, tmp_path):
     (tmp_path / "logs").mkdir()
     env = dict(job_env, REPO_DIR=str(fake_package(tmp_path / "repo")), NPROC_PER_NODE="1", SKIP_PREFLIGHT="1")
     job = sbatch(["--nodes=1", SBATCH, "--model", "tiny"], env, tmp_path)
-    info = wait_job(job, env, until=lambda i: i.get("Restarts") == "1")
-    if info.get("JobState") == "PENDING":  # Slurm holds a requeued job ~2 min (BeginTime): release it now
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True)
+    release_requeued(job, env)  # Slurm holds a requeued job ~2 min (BeginTime): release it now
     info = wait_job(job, env)
     log = tmp_path / "logs" / f"llama-fp8_{job}.out"
     assert_completed(info, log)
@@ -114,23 +111,6 @@ def test_submitit_two_nodes(job_env, tmp_path, monkeypatch, capsys):
     assert read_jsonl(run / "metrics.jsonl")[0]["world_size"] == 2
 
 
-@pytest.mark.slow
-def test_ab_script_and_report(job_env, tmp_path):
-    """2.ab_fp8_vs_bf16.sh: two training jobs (--fp8=1/--fp8=0) and a compare job after both."""
-    env = dict(job_env, SBATCH_ARGS="--nodes=1", NPROC_PER_NODE="1", SKIP_PREFLIGHT="1",
-               AB_DIR=str(tmp_path / "ab"))
-    proc = subprocess.run([str(REPO / "2.ab_fp8_vs_bf16.sh"), *SMALL, "--max_steps", "2"], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60, check=False)
-    assert proc.returncode == 0, proc.stderr
-    jobs = {line.split(":")[0]: line.split()[2] for line in proc.stdout.splitlines() if " job:" in line}
-    assert set(jobs) == {"fp8 job", "bf16 job", "report job"}, proc.stdout
-    info = wait_job(jobs["report job"], env, timeout=240)
-    assert_completed(info, tmp_path / "logs" / f"llama-fp8-report_{jobs['report job']}.out")
-    for name, fp8 in (("fp8", True), ("bf16", False)):
-        assert yaml.safe_load((tmp_path / "ab" / name / "config.yaml").read_text())["asked"]["fp8"] is fp8
-    assert (tmp_path / "ab" / "report" / "report.md").is_file()
-
-
 def test_preemption_signal_checkpoint_requeue_resume(job_env, tmp_path):
     """What `--signal=USR1@120` does at a time limit: USR1 to the job steps -> training saves a checkpoint
     and exits 85 -> the script requeues the job -> the next attempt resumes and finishes."""
@@ -141,9 +121,7 @@ def test_preemption_signal_checkpoint_requeue_resume(job_env, tmp_path):
     log = tmp_path / "logs" / f"llama-fp8_{job}.out"
     wait_job(job, env, until=lambda i: log.is_file() and batch_lines(log)[-1:] >= [2])
     subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True)  # the steps, not the batch shell
-    info = wait_job(job, env, until=lambda i: i.get("Restarts") == "1")
-    if info.get("JobState") == "PENDING":  # skip Slurm's ~2 min hold of a requeued job
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True)
+    release_requeued(job, env)  # Slurm holds a requeued job ~2 min (BeginTime): release it now
     info = wait_job(job, env, timeout=240)
     assert_completed(info, log)
     text = log.read_text()

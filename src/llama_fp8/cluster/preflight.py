@@ -1,25 +1,34 @@
-"""`python -m llama_fp8 preflight`: is this node ready to train? One line per check, non-zero exit on failure.
+"""`python -m llama_fp8 preflight`: is this job ready to train? One line per check, non-zero exit on failure.
 
     python -m llama_fp8 preflight --device cuda -- --model llama3.1-8b --fp8=1 --run_dir /fsx/runs/a
 
 Train flags after `--` are parsed and validated exactly as `train` does (presets, --config YAML), and
 the checks use the resolved values (device, fp8, fp8_backend, dataset, tokenizer, run dir); own flags
-before `--` win. 1.train_llama.sbatch runs this on
-every node before training (SKIP_PREFLIGHT=1 skips it).
+before `--` win.
+
+1.train_llama.sbatch runs it as one task per GPU on every node (SKIP_PREFLIGHT=1 skips it). The first task of
+each node checks the node (GPUs and FP8 recipes, TE/torchao, NCCL, EFA and the OFI plugin, the container mounts,
+write access, data paths); then all tasks run a short all-reduce (netcheck.py) that reports the bus bandwidth
+and the network NCCL chose, and fails when EFA devices exist but NCCL is on TCP sockets. Every task exits
+with the same code. Started as a single process (no Slurm step, no torchrun) it checks this node only.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import glob
+import json
 import os
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from llama_fp8.cluster import mounts, nccl, netcheck
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
-OFI_PLUGIN_DIRS = ("/opt/amazon/ofi-nccl/lib", "/opt/amazon/ofi-nccl/lib64", "/opt/aws-ofi-nccl/lib", "/usr/local/lib")
 
 
 @dataclass
@@ -45,6 +54,10 @@ class Settings:
     dataset: str = "synthetic"
     tokenizer: str | None = None
     checkpoint_dir: str = "runs"
+    paths: dict[str, str] = field(default_factory=dict)
+    """Resolved path flags (run_dir, checkpoint_dir, dataset, ...) for the container mount check."""
+    train: Any = None
+    """The parsed train flags (a TrainConfig), when preflight was given any."""
 
 
 def fp8_recipes(capability: tuple[int, int], cuda: str | None) -> list[str]:
@@ -109,6 +122,63 @@ def check_model_impl(s: Settings) -> Check:
     return Check("model_impl", OK, f"{s.model_impl} -> {impl.name} ({impl.description}) on {device.type}")
 
 
+def check_fp8_features(s: Settings) -> Check:
+    """The FP8 recipe and options the train flags ask for exist in the installed library (the recipe table's
+    minimum versions), named with the version that has them; nothing to check without --fp8 1."""
+    import torch
+
+    from llama_fp8 import models
+    from llama_fp8.precision import recipes
+
+    cfg = s.train
+    if cfg is None or not s.fp8:
+        return Check("fp8_features", OK, "no FP8 asked for")
+    device = torch.device("cuda" if torch.cuda.is_available() and s.device != "cpu" else "cpu")
+    try:
+        impl = models.resolve(s.model_impl, device)
+    except ValueError as e:
+        return Check("fp8_features", FAIL, str(e))
+    backends = {b.name: b for b in impl.fp8_backends()}
+    backend = backends.get(s.fp8_backend) if s.fp8_backend != "auto" else next(iter(backends.values()), None)
+    if backend is None:
+        return Check("fp8_features", FAIL, f"--fp8_backend {s.fp8_backend} does not work with --model_impl {impl.name}")
+    recipe = recipes.default_for(backend.name) if cfg.fp8_recipe == "auto" else recipes.get(cfg.fp8_recipe)
+    try:
+        version = backend.library_version()
+    except Exception as e:  # noqa: BLE001 - reported by the library check already
+        return Check("fp8_features", FAIL, f"{backend.library} not importable ({type(e).__name__})")
+    needs = [(f"--fp8_recipe {recipe.name}", recipe.min_library)]
+    if cfg.fp8_all_gather:
+        needs.append(("--fp8_all_gather 1", recipe.fp8_all_gather_since or "never"))
+    missing = [f"{what} needs {backend.library} >= {v}" if v != "never" else f"{what} does not work with "
+               f"--fp8_recipe {recipe.name}" for what, v in needs
+               if v == "never" or (version != "unknown" and recipes.older(version, v))]
+    if missing:
+        return Check("fp8_features", FAIL, f"{'; '.join(missing)} (installed: {backend.library} {version})")
+    return Check("fp8_features", OK, f"{backend.name} {recipe.name}{' + FP8 all-gather' if cfg.fp8_all_gather else ''}"
+                 f" with {backend.library} {version}")
+
+
+def check_layout(s: Settings) -> Check:
+    """The mesh the train flags ask for (--dp_*, --tp_size, --cp_size) fits the allocation's tasks and the model."""
+    from llama_fp8 import parallel
+
+    cfg = s.train
+    rank, _, tasks = task_position()
+    if cfg is None:
+        return Check("layout", OK, f"{tasks} task(s), no train flags to check")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+                or tasks)
+    env = parallel.DistEnv(rank, 0, tasks, local, None)
+    try:
+        dims = parallel.ParallelDims.from_config(cfg, env)
+        parallel.check_shapes(cfg, dims)
+    except ValueError as e:
+        return Check("layout", FAIL, f"{e} (this allocation: {tasks} task(s), {local} per node)")
+    mesh = " x ".join(f"{n} {v}" for n, v in dims.shape)
+    return Check("layout", OK, f"{mesh} = {tasks} rank(s); {dims.dp_size} data-parallel")
+
+
 def check_nccl(s: Settings) -> Check:
     """NCCL version of this torch build; missing NCCL is a FAIL only when GPUs are wanted."""
     import torch
@@ -127,26 +197,40 @@ def efa_devices(sysfs: str = "/sys/class/infiniband") -> list[str]:
                   if os.path.realpath(f"{d}/device/driver").endswith("/efa"))
 
 
-def ofi_plugin() -> str | None:
-    """Path of NCCL's OFI net plugin (aws-ofi-nccl), searched on LD_LIBRARY_PATH and the usual prefixes."""
-    dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d] + list(OFI_PLUGIN_DIRS)
-    for d in dirs:
-        hits = sorted(glob.glob(f"{d}/libnccl-net*.so*"))
-        if hits:
-            return hits[0]
-    return None
-
-
 def check_efa(_: Settings) -> Check:
-    """EFA devices and, when present, the aws-ofi-nccl plugin (without it NCCL falls back to TCP sockets)."""
+    """EFA devices and, when present, the OFI plugin NCCL will load (it must exist and load: without it NCCL
+    falls back to TCP sockets) and NCCL_NET naming it (so that a plugin failure is an error, not TCP)."""
     devices = efa_devices()
     if not devices:
         return Check("efa", OK, "no EFA devices (NCCL uses its default transport)")
-    plugin = ofi_plugin()
+    plugin, how = nccl.configured_plugin()
     if plugin is None:
-        return Check("efa", FAIL, f"{len(devices)} EFA device(s) but no aws-ofi-nccl plugin (libnccl-net*.so) on "
-                     "LD_LIBRARY_PATH or /opt/amazon/ofi-nccl/lib: NCCL would use TCP")
-    return Check("efa", OK, f"{len(devices)} EFA device(s) ({', '.join(devices[:4])}), OFI plugin {plugin}")
+        return Check("efa", FAIL, f"{len(devices)} EFA device(s) but no aws-ofi-nccl plugin ({how}): NCCL would use "
+                     "TCP sockets; rebuild the image (scripts/build_image.sh) or set NCCL_NET_PLUGIN to the plugin")
+    try:
+        ctypes.CDLL(plugin)
+    except OSError as e:  # e.g. a libibverbs that does not match libefa (README: Troubleshooting)
+        return Check("efa", FAIL, f"{len(devices)} EFA device(s) but the OFI plugin {plugin} does not load: {e}")
+    net = os.environ.get("NCCL_NET")
+    if not net or net.lower() not in nccl.OFI_NETWORKS:
+        return Check("efa", WARN, f"{len(devices)} EFA device(s), plugin {plugin}, but NCCL_NET={net or 'unset'}: "
+                     f"a plugin that fails to initialize falls back to TCP silently; export "
+                     f"NCCL_NET='{nccl.OFI_NET_NAME}' (1.train_llama.sbatch does)")
+    return Check("efa", OK, f"{len(devices)} EFA device(s) ({', '.join(devices[:4])}), OFI plugin {plugin} "
+                 f"({how}), NCCL_NET={net}")
+
+
+def check_mounts(s: Settings) -> Check:
+    """Inside a Pyxis container started by our scripts (LLAMA_FP8_CONTAINER_MOUNTS set): every path of the
+    resolved config is on a mount, not on the container's throw-away root file system."""
+    spec = os.environ.get(mounts.MOUNTS_ENV)
+    if spec is None:
+        return Check("mounts", OK, "not in a container started by the launch scripts (nothing to check)")
+    paths = mounts.run_paths(s.paths, os.getcwd(), dict(os.environ))
+    bad = mounts.problems(paths, mounts.parse_mounts(spec))
+    if bad:
+        return Check("mounts", FAIL, "; ".join(bad) + f" (mounts: {spec})")
+    return Check("mounts", OK, f"{len(paths)} path(s) on mounts ({spec})")
 
 
 def check_writable(s: Settings) -> Check:
@@ -202,7 +286,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", help="synthetic, a hub name, or a local path (must exist)")
     p.add_argument("--tokenizer", help="hub name or local path (must exist)")
     p.add_argument("--checkpoint_dir", help="must be writable (default: train --run_dir, else runs)")
+    net = p.add_argument_group("network test (all tasks of the job step)")
+    net.add_argument("--network_test", choices=["auto", "0", "1"], default="auto",
+                     help="all-reduce over every task: auto = when started as several tasks (default auto)")
+    net.add_argument("--allreduce_mb", type=_positive(float), default=None,
+                     help="all-reduce size in MiB (default 256 on GPU, 4 on CPU)")
+    net.add_argument("--allreduce_iters", type=_positive(int), default=10, help="timed all-reduces (default 10)")
+    net.add_argument("--timeout", type=_positive(float), default=300.0,
+                     help="seconds to wait for every task to join (default 300)")
+    p.add_argument("--report", help="write the result as JSON here (first task only)")
     return p
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        return value
+    return parse
 
 
 def resolve(own: argparse.Namespace, train_args: list[str]) -> Settings:
@@ -218,7 +320,9 @@ def resolve(own: argparse.Namespace, train_args: list[str]) -> Settings:
         s = Settings(device=cfg.device, model_impl=cfg.model_impl, fp8=cfg.fp8, fp8_backend=cfg.fp8_backend,
                      dataset=cfg.dataset,
                      tokenizer=cfg.tokenizer,
-                     checkpoint_dir=getattr(cfg, "checkpoint_dir", None) or cfg.run_dir or config.default_run_dir())
+                     checkpoint_dir=getattr(cfg, "checkpoint_dir", None) or cfg.run_dir or config.default_run_dir(),
+                     paths={f: str(getattr(cfg, f)) for f, _ in mounts.PATH_FLAGS if getattr(cfg, f, None)},
+                     train=cfg)
     s.device = own.device or s.device
     s.model_impl = own.model_impl or s.model_impl
     s.fp8 = own.fp8 == "1" if own.fp8 is not None else s.fp8
@@ -226,13 +330,17 @@ def resolve(own: argparse.Namespace, train_args: list[str]) -> Settings:
     s.dataset = own.dataset or s.dataset
     s.tokenizer = own.tokenizer or s.tokenizer
     s.checkpoint_dir = own.checkpoint_dir or s.checkpoint_dir
+    for name in ("dataset", "tokenizer", "checkpoint_dir"):
+        if getattr(own, name):
+            s.paths[name] = getattr(own, name)
     return s
 
 
 def run_checks(s: Settings) -> list[Check]:
     """Every check, in report order; a check that crashes is reported as FAIL, not raised."""
     checks = []
-    for fn in (check_gpus, check_model_impl, check_fp8_backends, check_nccl, check_efa, check_writable):
+    for fn in (check_gpus, check_model_impl, check_fp8_backends, check_fp8_features, check_layout, check_nccl,
+               check_efa, check_mounts, check_writable):
         try:
             out = fn(s)
         except Exception as e:  # noqa: BLE001 - report and keep going
@@ -242,23 +350,70 @@ def run_checks(s: Settings) -> list[Check]:
     return checks
 
 
+def task_position(env: dict[str, str] | None = None) -> tuple[int, int, int]:
+    """(rank, local rank, tasks) of this process: torchrun's variables, else a Slurm step's, else (0, 0, 1)."""
+    env = dict(os.environ if env is None else env)
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"])
+    if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
+        return int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env.get("SLURM_NTASKS", 1))
+    return 0, 0, 1
+
+
+def node_summary(checks: list[Check]) -> str:
+    failed = [c.name for c in checks if c.status == FAIL]
+    warned = sum(c.status == WARN for c in checks)
+    return (f"preflight on {netcheck.node_name()}: {len(checks) - len(failed) - warned} ok, {warned} warning(s), "
+            f"{len(failed)} failed{': ' + ', '.join(failed) if failed else ''}")
+
+
+def _device_type(s: Settings) -> str:
+    import torch
+
+    return "cuda" if s.device == "cuda" or (s.device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def network(own: argparse.Namespace, s: Settings, node_failed: list[str]) -> tuple[list[Check], netcheck.NetResult]:
+    device = _device_type(s)
+    res = netcheck.run(device, own.allreduce_mb or netcheck.default_megabytes(device), own.allreduce_iters,
+                       own.timeout, len(efa_devices()), node_failed)
+    checks = [Check(name, status, message) for name, status, message in netcheck.result_lines(res)]
+    for host, names in res.failed_nodes.items():
+        checks.append(Check(f"node {host}", FAIL, f"failed: {', '.join(names)}"))
+    return checks, res
+
+
 def main(argv: list[str]) -> int:
-    """Entry point of `python -m llama_fp8 preflight`: 0 when nothing failed, 1 otherwise, 2 on bad flags."""
+    """Entry point of `python -m llama_fp8 preflight`: 0 when nothing failed, 1 otherwise, 2 on bad flags.
+    With several tasks, every task returns the same code."""
     own_args, train_args = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     try:
-        settings = resolve(build_parser().parse_args(own_args), train_args)
+        own = build_parser().parse_args(own_args)
+        settings = resolve(own, train_args)
     except SystemExit as e:
         return int(e.code or 0)
     except ValueError as e:  # ConfigError is a ValueError
         print(f"preflight: error in the train flags: {e}", file=sys.stderr)
         return 2
-    checks = run_checks(settings)
-    for c in checks:
-        print(c.line())
-    failed = [c.name for c in checks if c.status == FAIL]
-    warned = sum(c.status == WARN for c in checks)
-    print(f"preflight on {socket.gethostname()}: {len(checks) - len(failed) - warned} ok, {warned} warning(s), "
-          f"{len(failed)} failed{': ' + ', '.join(failed) if failed else ''}", flush=True)
+    rank, local_rank, tasks = task_position()
+    checks = run_checks(settings) if local_rank == 0 else []
+    if checks:  # one write per node, so that nodes' blocks do not interleave in the job log
+        print("\n".join([c.line() for c in checks] + [node_summary(checks)]), flush=True)
+    node_failed = [c.name for c in checks if c.status == FAIL]
+    report: dict = {"host": netcheck.node_name(), "checks": [c.__dict__ for c in checks]}
+    failed = bool(node_failed)
+    if own.network_test == "1" or (own.network_test == "auto" and tasks > 1):
+        net_checks, res = network(own, settings, node_failed)
+        failed = res.status == FAIL or bool(res.failed_nodes)
+        report["network"] = res.to_dict()
+        if rank == 0:
+            verdict = "failed" if failed else "passed"
+            print("\n".join([c.line() for c in net_checks] +
+                            [f"preflight of job step: {res.nodes or '?'} node(s), {res.ranks or tasks} task(s): "
+                             f"{verdict}"]), flush=True)
+    if own.report and rank == 0:
+        Path(own.report).parent.mkdir(parents=True, exist_ok=True)
+        Path(own.report).write_text(json.dumps(report, indent=1, default=str) + "\n")
     return 1 if failed else 0
 
 

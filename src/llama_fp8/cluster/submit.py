@@ -5,6 +5,14 @@
 Own flags come first; everything after `--` goes to `python -m llama_fp8 train` unchanged (the same flags
 as `sbatch 1.train_llama.sbatch ...`). One Slurm task per GPU (or --tasks_per_node on CPU); each task
 takes its rank/world from Slurm's environment. With --image, tasks run in that Enroot image via Pyxis.
+
+Requeue after a time-limit or preemption signal happens on the host, never in a task: a task may run in a
+container without Slurm's client tools (`scontrol`). Slurm sends SIGUSR1 120 s before the limit; training
+saves a checkpoint and the task exits with code 85 (leaving a marker file in the job's submitit folder); the
+batch script's EXIT trap, installed by the ``setup`` lines below on the batch host, sees it and runs
+``scontrol requeue``; the next attempt re-runs the same pickled task, which resumes from the checkpoint.
+submitit's own signal handling (a handler that calls ``scontrol requeue`` from the task on its preemption
+signal, and handlers that ignore SIGTERM) is switched off in the task before training starts.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -19,7 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llama_fp8.cluster import mounts
 from llama_fp8.config import EXIT_BAD_CONFIG, EXIT_REQUEUE, ConfigError, parse_args
+
+REQUEUE_MARKER = "llama-fp8-requeue"
+"""Written by task 0 into the job's submitit folder when training exited with EXIT_REQUEUE."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time", type=int, default=60, help="time limit in minutes (default 60)")
     p.add_argument("--image", default=None, help="Enroot .sqsh image; tasks run in it through Pyxis")
     p.add_argument("--container_mounts", default=None,
-                   help="Pyxis mounts SRC:DST[,...] (default: the current dir and --folder)")
+                   help="Pyxis mounts SRC:DST[,...]; a run path outside them is refused (default: the current dir, "
+                        "--folder and every path the train flags name, each at its own place)")
     p.add_argument("--account", default=None, help="Slurm account")
     p.add_argument("--qos", default=None, help="Slurm quality of service")
     p.add_argument("--constraint", default=None, help="Slurm node features, e.g. p5.48xlarge")
@@ -68,12 +82,46 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--gpus_per_node must be >= 0, got {args.gpus_per_node}")
     if args.tasks_per_node is not None and args.tasks_per_node < 1:
         raise ValueError(f"--tasks_per_node must be >= 1, got {args.tasks_per_node}")
-    if args.image is not None and not args.image.startswith(("docker://", "/", "./")) and not Path(args.image).exists():
-        raise ValueError(f"--image {args.image}: no such file (give a .sqsh path or a docker:// URI)")
+    if args.image is not None and not Path(args.image).exists() and (
+            args.image.endswith((".sqsh", ".squashfs")) or args.image.startswith(("/", "./", "../"))):
+        raise ValueError(f"--image {args.image}: no such file (give a .sqsh path or a registry image)")
 
 
-def executor_parameters(args: argparse.Namespace) -> dict[str, Any]:
-    """submitit SlurmExecutor parameters for the parsed own flags."""
+def image_argument(image: str) -> str:
+    """An existing image file as an absolute path: Pyxis treats an image that does not start with "/" or "."
+    as a registry name (pyxis_slurmstepd.c, strspn(image, "./")). Registry images are passed as they are."""
+    return str(Path(image).resolve()) if Path(image).exists() else image
+
+
+def host_setup(folder: Path) -> list[str]:
+    """Lines submitit puts in the batch script before its `srun` (bash, on the batch host where Slurm's client
+    tools are): the first node's address for the rendezvous, the EFA/NCCL settings, and the requeue trap."""
+    marker = f"{folder}/$SLURM_JOB_ID/{REQUEUE_MARKER}"
+    return [
+        "# llama-fp8: rendezvous address from Slurm (node names need not resolve; tasks may have no scontrol)",
+        'llama_fp8_first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'export MASTER_ADDR=$(scontrol -o show node "$llama_fp8_first" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)',
+        "# llama-fp8: EFA nodes: NCCL over the aws-ofi-nccl plugin, and an error instead of a TCP fallback",
+        'llama_fp8_efa=0; for d in /sys/class/infiniband/*; do case "$(readlink -f "$d/device/driver" 2>/dev/null)" '
+        'in */efa) llama_fp8_efa=$((llama_fp8_efa + 1));; esac; done',
+        'if [ "$llama_fp8_efa" -gt 0 ]; then export FI_PROVIDER="${FI_PROVIDER:-efa}" '
+        'FI_EFA_FORK_SAFE="${FI_EFA_FORK_SAFE:-1}" NCCL_NET="${NCCL_NET:-AWS Libfabric}"; fi',
+        "# llama-fp8: training saved a checkpoint and exited 85: requeue from here, where scontrol exists",
+        "llama_fp8_requeue() {",
+        "    llama_fp8_rc=$?",
+        f'    if [ -e "{marker}" ] || [ "$llama_fp8_rc" -eq {EXIT_REQUEUE} ]; then',
+        f'        rm -f "{marker}"',
+        '        echo "llama-fp8: checkpoint saved (exit $llama_fp8_rc): requeueing job $SLURM_JOB_ID"',
+        '        scontrol requeue "$SLURM_JOB_ID" && exit 0',
+        "    fi",
+        "}",
+        "trap llama_fp8_requeue EXIT",
+    ]
+
+
+def executor_parameters(args: argparse.Namespace, train_args: list[str] | None = None) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters for the parsed own flags (train flags: for the container mounts)."""
+    train_args = train_args or []
     tasks = args.tasks_per_node or (args.gpus_per_node or 1)
     params: dict[str, Any] = {
         "job_name": args.job_name,
@@ -89,12 +137,27 @@ def executor_parameters(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("cpus_per_task", "partition", "account", "qos", "constraint"):
         if getattr(args, name) is not None:
             params[name] = getattr(args, name)
+    params["setup"] = host_setup(Path(args.folder).resolve())
     if args.image:
-        folder = str(Path(args.folder).resolve())
-        mounts = args.container_mounts or f"{Path.cwd()}:{Path.cwd()},{folder}:{folder}"
-        params["srun_args"] = [f"--container-image={args.image}", f"--container-mounts={mounts}",
+        params["srun_args"] = [f"--container-image={image_argument(args.image)}",
+                               f"--container-mounts={container_mounts(args, train_args)}",
                                f"--container-workdir={Path.cwd()}"]
     return params
+
+
+def container_mounts(args: argparse.Namespace, train_args: list[str]) -> str:
+    """--container_mounts checked against every path the run touches (ValueError naming an uncovered one), or,
+    when not given, the current dir, --folder and those paths mounted at their own place."""
+    cwd = str(Path.cwd())
+    paths = mounts.run_paths(mounts.train_path_values(train_args), cwd, dict(os.environ),
+                             {"--folder": str(Path(args.folder).resolve())})
+    if args.container_mounts:
+        bad = mounts.problems(paths, mounts.parse_mounts(args.container_mounts))
+        if bad:
+            raise ValueError("; ".join(bad) + f" (--container_mounts {args.container_mounts})")
+        return args.container_mounts
+    base = [mounts.Mount(cwd, cwd)]
+    return ",".join(m.spec() for m in mounts.auto_mounts(paths, base))
 
 
 def first_node_address(first: str) -> str:
@@ -117,8 +180,10 @@ class TrainTask:
     def __call__(self) -> int:
         import submitit
 
+        release_submitit_signals()
         env = submitit.JobEnvironment()
-        os.environ.setdefault("MASTER_ADDR", first_node_address(env.hostnames[0]))
+        if "MASTER_ADDR" not in os.environ:  # normally exported by host_setup, where scontrol exists
+            os.environ["MASTER_ADDR"] = first_node_address(env.hostnames[0])
         os.environ.setdefault("MASTER_PORT", str(29500 + int(env.job_id.split("_")[0]) % 1000))
         os.environ.update(RANK=str(env.global_rank), WORLD_SIZE=str(env.num_tasks), LOCAL_RANK=str(env.local_rank),
                           LOCAL_WORLD_SIZE=str(env.num_tasks // env.num_nodes))
@@ -128,11 +193,29 @@ class TrainTask:
             rc = train.main(list(self.train_args))
         except SystemExit as e:  # argparse-style exits inside training
             rc = e.code if isinstance(e.code, int) else 1
-        if rc == EXIT_REQUEUE and env.global_rank == 0:
-            subprocess.run(["scontrol", "requeue", env.job_id.split("_")[0]], check=False)
-        if rc not in (0, EXIT_REQUEUE):
+        if rc == EXIT_REQUEUE:
+            # No `scontrol` here (maybe a container): the batch script's trap requeues (host_setup). SystemExit
+            # passes through submitit's `except Exception`, so this attempt writes no result: the client keeps
+            # waiting for the requeued attempt instead of reading 85 as the job's result.
+            if env.global_rank == 0:
+                (Path(env.paths.folder) / REQUEUE_MARKER).touch()
+            raise SystemExit(EXIT_REQUEUE)
+        if rc != 0:
             raise RuntimeError(f"training exited with code {rc} on rank {env.global_rank}")
         return rc
+
+
+def release_submitit_signals() -> None:
+    """Undo the handlers submitit's process_job installed before calling the task (submitit/core/
+    job_environment.py _handle_signals): on its preemption signal (USR2, or $SUBMITIT_PREEMPT_SIGNAL) one that
+    runs `scontrol requeue` from the task, which fails without Slurm's tools and is not our requeue path, and
+    on SIGTERM/SIGCONT ones that ignore the signal. Back to the defaults; training installs its own USR1/TERM
+    handlers (faults.SignalWatch)."""
+    from submitit.core.job_environment import JobEnvironment
+
+    preempt = getattr(signal, "SIG" + JobEnvironment.USR_SIG, signal.SIGUSR2)
+    for sig in (signal.SIGTERM, signal.SIGCONT, preempt):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def stream_until_done(job: Any, poll_s: float = 2.0) -> int:
@@ -159,7 +242,7 @@ def stream_until_done(job: Any, poll_s: float = 2.0) -> int:
     return next((int(c) for c in codes if c), 0)
 
 
-def submit(args: argparse.Namespace, train_args: list[str]) -> int:
+def submit(args: argparse.Namespace, train_args: list[str], params: dict[str, Any]) -> int:
     """Submit the job; print its id and log; with --wait, stream the log and return its status."""
     try:
         import submitit
@@ -167,7 +250,7 @@ def submit(args: argparse.Namespace, train_args: list[str]) -> int:
         raise ImportError("`submit` needs submitit: pip install submitit") from e
     python = args.python or ("python" if args.image else sys.executable)
     executor = submitit.SlurmExecutor(folder=Path(args.folder) / "%j", python=python)
-    executor.update_parameters(**executor_parameters(args))
+    executor.update_parameters(**params)
     job = executor.submit(TrainTask(train_args))
     print(f"submitted job {job.job_id}: train {shlex.join(train_args)}")
     print(f"log: {job.paths.stdout}")
@@ -186,6 +269,7 @@ def main(argv: list[str]) -> int:
         args = parser.parse_args(own)
         validate(args)
         parse_args(train_args)  # fail here, not after queueing: same parser as `train`
+        params = executor_parameters(args, train_args)  # also refuses a path outside --container_mounts
     except SystemExit as e:  # argparse already printed the error naming the flag
         return int(e.code or 0)
     except ConfigError as e:
@@ -194,7 +278,7 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"llama-fp8 submit: error: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    return submit(args, train_args)
+    return submit(args, train_args, params)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from llama_fp8.report import plots
+from llama_fp8.report import hardware, plots
 from llama_fp8.report.plots import METRICS, fmt, ratio, render_report, same_data_text
 from llama_fp8.report.runs import CompareError, Run, load_run, precision_label  # noqa: F401 - the CLI's API
 
@@ -199,6 +199,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                                "loss": loss_summary(a, b), "loss_tolerance_pct": args.loss_tolerance}
     summary["speedup"] = ratio(summary["run_a"]["samples_per_sec"], summary["run_b"]["samples_per_sec"])
     summary["data"] = data_check(a, b)
+    summary["environment"] = hardware.compare_environments(a.environments, b.environments)
     ok, line = verdict(summary["loss"], args.loss_tolerance, summary["data"])
     summary.update(verdict="PASS" if ok else "FAIL", verdict_line=line)
     images = plots.plot_all([a, b], warm, out, args.loss_tolerance)
@@ -226,6 +227,7 @@ def main(argv: list[str]) -> int:
         print(f"plot ({name}): {path}")
     print(f"speedup B/A: {fmt(summary['speedup']) + 'x' if summary['speedup'] else 'n/a'}")
     print(f"same training data: {same_data_text(summary['data'])}")
+    print(f"hardware: {hardware.one_line(summary['environment'])}")
     print(f"verdict: {summary['verdict_line']}")
     return 0
 

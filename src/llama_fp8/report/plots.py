@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from llama_fp8.report import hardware
+
 if TYPE_CHECKING:
     from llama_fp8.report.runs import Run
 
@@ -75,6 +77,7 @@ def render_report(summary: dict[str, Any], plots: dict[str, Path]) -> str:
     for tag, s in (("A", sa), ("B", sb)):
         lines.append(f"| {tag}: {s['label']} | `{s['source']}` | {s['kind']} | {s['last_step']} "
                      f"| {s['warmup_steps_excluded']} | {s['records_used']} |")
+    lines += [""] + hardware.markdown(summary.get("environment"), sa["label"], sb["label"])
     for tag, s in (("A", sa), ("B", sb)):
         if s["fp8_emulated"]:
             lines += ["", f"> Run {tag} emulated FP8 on a CPU: its speed numbers say nothing about FP8 "

@@ -29,6 +29,8 @@ class Run:
     meta: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     label: str = ""
+    environments: list[dict[str, Any]] = field(default_factory=list)
+    """The ``environment`` of every meta record: one per attempt (a requeued run starts again)."""
 
 
 # ----------------------------------------------------------------------------- loading
@@ -38,8 +40,8 @@ def _dedupe(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def _read_jsonl(path: Path) -> tuple[list[dict], list[dict], dict]:
-    train, val, meta, bad = [], [], {}, 0
+def _read_jsonl(path: Path) -> tuple[list[dict], list[dict], dict, list[dict]]:
+    train, val, meta, envs, bad = [], [], {}, [], 0
     for line in path.read_text(errors="replace").splitlines():
         if not line.strip():
             continue
@@ -49,15 +51,17 @@ def _read_jsonl(path: Path) -> tuple[list[dict], list[dict], dict]:
             bad += 1  # e.g. a last line cut short when the job was killed
             continue
         kind = rec.get("type") or ("val" if "val_loss" in rec else "train" if "loss" in rec else "")
-        if kind == "meta" and not meta:
-            meta = rec
+        if kind == "meta":
+            meta = meta or rec
+            if isinstance(rec.get("environment"), dict) and rec["environment"]:
+                envs.append(rec["environment"])
         elif kind == "train" and "step" in rec and "loss" in rec:
             train.append(rec)
         elif kind == "val" and "step" in rec and "val_loss" in rec:
             val.append(rec)
     if bad:
         print(f"compare: warning: skipped {bad} unparsable line(s) in {path}", file=sys.stderr)
-    return train, val, meta
+    return train, val, meta, envs
 
 
 def _is_jsonl(path: Path) -> bool:
@@ -87,15 +91,16 @@ def load_run(arg: str, which: str) -> Run:
         name = path.resolve().parent.name if path.name == "metrics.jsonl" else path.stem
         if path.name == "metrics.jsonl":
             config = _read_config(path.parent / "config.yaml")
+    envs: list[dict[str, Any]] = []
     if _is_jsonl(file):
-        train, val, meta = _read_jsonl(file)
+        train, val, meta, envs = _read_jsonl(file)
         kind = "jsonl"
     else:
         (train, val, meta), kind = read_log(file), "log"
     if not train:
         raise CompareError(f"{which}: no training records in {file} (expected metrics.jsonl "
                            "'type: train' records or 'Batch N Loss: x, Speed: y samples/sec, lr: z' lines)")
-    run = Run(name, file, kind, _dedupe(train), _dedupe(val), meta, config)
+    run = Run(name, file, kind, _dedupe(train), _dedupe(val), meta, config, environments=envs)
     run.label = precision_label(run)
     return run
 

@@ -1,0 +1,112 @@
+"""The A/B report's hardware and software block: where each run ran and with what, side by side.
+
+A speed ratio only means "FP8 vs BF16" when everything else is equal. Each run's metrics.jsonl ``meta``
+record carries an ``environment`` (cluster/environment.py: node list, GPU model and driver, image, library
+versions, the NCCL network preflight saw); this module compares the two and says "not the same hardware"
+when the nodes, GPUs or driver differ, and "not the same software" when the image or a version differs.
+A requeued run has one meta record per attempt: all of its attempts' node lists are shown.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llama_fp8.cluster.environment import HARDWARE_KEYS, SOFTWARE_KEYS, differences
+
+NOT_RECORDED = "not recorded"
+
+
+def _nodes(envs: list[dict[str, Any]]) -> str | None:
+    seen = list(dict.fromkeys(str(e.get("nodes")) for e in envs if e.get("nodes")))
+    return " then ".join(seen) if seen else None
+
+
+def merged(envs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One description per run: the first attempt's, with every attempt's node list."""
+    if not envs:
+        return {}
+    out = dict(envs[0])
+    out["nodes"] = _nodes(envs)
+    return out
+
+
+def compare_environments(envs_a: list[dict[str, Any]], envs_b: list[dict[str, Any]]) -> dict[str, Any]:
+    """summary.json's ``environment``: both descriptions and what differs (None: not recorded by a run)."""
+    a, b = merged(envs_a), merged(envs_b)
+    if not a or not b:
+        return {"a": a, "b": b, "same_hardware": None, "same_software": None,
+                "hardware_differences": [], "software_differences": []}
+    hw, sw = differences(a, b, HARDWARE_KEYS), differences(a, b, SOFTWARE_KEYS)
+    return {"a": a, "b": b, "same_hardware": not hw, "same_software": not sw,
+            "hardware_differences": hw, "software_differences": sw}
+
+
+def _gpu(e: dict[str, Any]) -> str:
+    if e.get("gpu"):
+        return f"{e.get('gpu_count') or '?'} x {e['gpu']} per node"
+    return f"none (CPU: {e.get('cpu') or 'unknown'})"
+
+
+def _image(e: dict[str, Any]) -> str:
+    if not e.get("image"):
+        return "none (virtualenv)"
+    parts = [f"`{e['image']}`"]
+    if e.get("image_digest"):
+        parts.append(f"sha256 {str(e['image_digest'])[:16]}...")
+    if e.get("image_size"):
+        parts.append(f"{e['image_size'] / 2**30:.2f} GiB")
+    if e.get("image_mtime"):
+        parts.append(f"modified {e['image_mtime']}")
+    build = e.get("image_build") or {}
+    if build.get("ngc_tag"):
+        parts.append(f"NGC {build['ngc_tag']}, EFA installer {build.get('efa_installer') or '?'}")
+    return ", ".join(parts)
+
+
+def _network(e: dict[str, Any]) -> str:
+    seen = e.get("nccl_network")
+    text = seen + (f" / {e['nccl_provider']}" if e.get("nccl_provider") else "") if seen else "not measured"
+    if e.get("preflight_busbw_gbps") is not None:
+        text += f", preflight busbw {e['preflight_busbw_gbps']:.1f} GB/s"
+    if e.get("nccl_net_requested"):
+        text += f" (NCCL_NET={e['nccl_net_requested']})"
+    return text
+
+
+ROWS = (("nodes", lambda e: str(e.get("nodes"))), ("GPU", _gpu), ("driver", lambda e: str(e.get("driver"))),
+        ("image", _image), ("torch", lambda e: str(e.get("torch"))), ("CUDA", lambda e: str(e.get("cuda"))),
+        ("NCCL", lambda e: str(e.get("nccl"))), ("Transformer Engine", lambda e: str(e.get("transformer_engine"))),
+        ("torchao", lambda e: str(e.get("torchao"))), ("NCCL network", _network))
+
+
+def verdict_lines(env: dict[str, Any]) -> list[str]:
+    """"same hardware" / "not the same hardware: ..." (and the software counterpart)."""
+    if env.get("same_hardware") is None:
+        return [f"Hardware: {NOT_RECORDED} for both runs (plain logs or an older version): the ratio assumes "
+                "the same nodes."]
+    hw = ("same hardware (nodes, GPU model and count, driver)" if env["same_hardware"] else
+          "**not the same hardware**: " + "; ".join(env["hardware_differences"]) +
+          " (node quality and placement can move the ratio: use the same-allocation A/B mode)")
+    sw = ("same software (image and library versions)" if env["same_software"] else
+          "**not the same software**: " + "; ".join(env["software_differences"]))
+    return [f"Hardware: {hw}.", "", f"Software: {sw}."]
+
+
+def markdown(env: dict[str, Any] | None, label_a: str, label_b: str) -> list[str]:
+    """The report section (a table and the verdict lines)."""
+    if not env:
+        return []
+    lines = ["## Hardware and software", "", f"| | A: {label_a} | B: {label_b} |", "|---|---|---|"]
+    a, b = env.get("a") or {}, env.get("b") or {}
+    for name, fmt in ROWS:
+        lines.append(f"| {name} | {fmt(a) if a else NOT_RECORDED} | {fmt(b) if b else NOT_RECORDED} |")
+    return lines + [""] + verdict_lines(env) + [""]
+
+
+def one_line(env: dict[str, Any]) -> str:
+    """For the CLI output."""
+    if env.get("same_hardware") is None:
+        return NOT_RECORDED
+    if env["same_hardware"]:
+        return f"same ({env['a'].get('nodes')}, {_gpu(env['a'])})"
+    return "NOT THE SAME: " + "; ".join(env["hardware_differences"])

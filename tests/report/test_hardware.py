@@ -1,0 +1,122 @@
+"""The A/B report's hardware and software block: each arm's node list, GPU and driver, image, library versions
+and NCCL network, side by side, and "not the same hardware" when the arms ran on different nodes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_compare import make_run, run_compare
+
+from llama_fp8.cluster import environment
+from llama_fp8.report import hardware
+
+H100 = {"nodes": "p5-[1-2]", "num_nodes": 2, "host": "p5-1", "cpu": "AMD EPYC 7R13", "gpu": "NVIDIA H100 80GB HBM3",
+        "gpu_count": 8, "driver": "570.86.15", "torch": "2.10.0a0+b4e4ee81d3", "cuda": "13.1", "nccl": "2.28.9",
+        "transformer_engine": "2.10.0", "torchao": "0.13.0", "python": "3.12.3",
+        "nccl_net_requested": "AWS Libfabric", "nccl_net_plugin": "/opt/llama-fp8/nccl/libnccl-net-ofi.so",
+        "image": "/fsx/llama-fp8.sqsh", "image_digest": "ab" * 32, "image_size": 21474836480,
+        "image_mtime": "2026-11-01T10:00:00Z", "image_build": {"ngc_tag": "25.12-py3", "efa_installer": "1.49.0"},
+        "nccl_network": "AWS Libfabric", "nccl_provider": "efa", "preflight_busbw_gbps": 362.4,
+        "preflight_status": "OK"}
+
+
+def with_environment(run_dir: Path, *envs: dict) -> None:
+    """Give the run's meta record an environment; more envs = more attempts (a requeued run)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    meta = json.loads(lines[0])
+    assert meta["type"] == "meta"
+    metas = [json.dumps({**meta, "environment": env}) for env in envs]
+    (run_dir / "metrics.jsonl").write_text("\n".join(metas[:1] + lines[1:21] + metas[1:] + lines[21:]) + "\n")
+
+
+def test_same_allocation_runs_are_the_same_hardware(tmp_path, capsys):
+    make_run(tmp_path / "bf16", "bf16", peak=989.4, seed=1)
+    make_run(tmp_path / "fp8", "fp8-te-current", peak=989.4, seed=2)
+    with_environment(tmp_path / "bf16", H100)
+    with_environment(tmp_path / "fp8", H100)
+    rc, summary, report = run_compare(str(tmp_path / "bf16"), str(tmp_path / "fp8"), "--out", str(tmp_path / "o"))
+    assert rc == 0
+    env = summary["environment"]
+    assert env["same_hardware"] is True and env["same_software"] is True and env["a"]["nodes"] == "p5-[1-2]"
+    assert "## Hardware and software" in report and "Hardware: same hardware" in report
+    assert "not the same hardware" not in report
+    row = next(ln for ln in report.splitlines() if ln.startswith("| NCCL network |"))
+    assert row.count("AWS Libfabric / efa, preflight busbw 362.4 GB/s (NCCL_NET=AWS Libfabric)") == 2
+    image = next(ln for ln in report.splitlines() if ln.startswith("| image |"))
+    assert "`/fsx/llama-fp8.sqsh`, sha256 abababababababab..., 20.00 GiB" in image and "NGC 25.12-py3" in image
+    assert "hardware: same (p5-[1-2], 8 x NVIDIA H100 80GB HBM3 per node)" in capsys.readouterr().out
+
+
+def test_different_nodes_and_driver_say_not_the_same_hardware(tmp_path, capsys):
+    make_run(tmp_path / "bf16", "bf16", peak=989.4, seed=1)
+    make_run(tmp_path / "fp8", "fp8-te-current", peak=989.4, seed=2)
+    with_environment(tmp_path / "bf16", H100)
+    with_environment(tmp_path / "fp8", {**H100, "nodes": "p5-[7-8]", "driver": "550.90.07", "nccl": "2.27.3"})
+    rc, summary, report = run_compare(str(tmp_path / "bf16"), str(tmp_path / "fp8"), "--out", str(tmp_path / "o"))
+    env = summary["environment"]
+    assert rc == 0 and env["same_hardware"] is False and env["same_software"] is False
+    assert env["hardware_differences"] == ["nodes: p5-[1-2] vs p5-[7-8]", "driver: 570.86.15 vs 550.90.07"]
+    assert env["software_differences"] == ["nccl: 2.28.9 vs 2.27.3"]
+    assert "**not the same hardware**: nodes: p5-[1-2] vs p5-[7-8]; driver: 570.86.15 vs 550.90.07" in report
+    assert "**not the same software**: nccl: 2.28.9 vs 2.27.3" in report
+    assert "hardware: NOT THE SAME: nodes: p5-[1-2] vs p5-[7-8]" in capsys.readouterr().out
+
+
+def test_a_requeued_run_shows_every_attempts_nodes(tmp_path):
+    make_run(tmp_path / "bf16", "bf16", seed=1)
+    make_run(tmp_path / "fp8", "fp8-te-current", seed=2)
+    with_environment(tmp_path / "bf16", H100)
+    with_environment(tmp_path / "fp8", H100, {**H100, "nodes": "p5-[3-4]"})
+    _, summary, report = run_compare(str(tmp_path / "bf16"), str(tmp_path / "fp8"), "--out", str(tmp_path / "o"))
+    assert summary["environment"]["b"]["nodes"] == "p5-[1-2] then p5-[3-4]"
+    assert summary["environment"]["same_hardware"] is False
+
+
+def test_runs_without_an_environment_say_not_recorded(tmp_path, capsys):
+    make_run(tmp_path / "a", "bf16")
+    make_run(tmp_path / "b", "fp8")
+    _, summary, report = run_compare(str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "o"))
+    assert summary["environment"]["same_hardware"] is None
+    assert "Hardware: not recorded for both runs" in report
+    assert "hardware: not recorded" in capsys.readouterr().out
+
+
+# ---- the description itself (cluster/environment.py) ---------------------------------------------------
+
+def test_describe_on_this_host(tmp_path):
+    import torch
+
+    pre = tmp_path / "pf.json"
+    pre.write_text(json.dumps({"network": {"network": "gloo (TCP)", "busbw_gbps": 1.5, "status": "OK"}}))
+    env = {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2", "LLAMA_FP8_IMAGE": "/fsx/x.sqsh",
+           "LLAMA_FP8_IMAGE_SIZE": "1024", "LLAMA_FP8_IMAGE_MTIME": "2026-11-01T10:00:00Z",
+           "LLAMA_FP8_IMAGE_SHA256": "cd" * 32, "LLAMA_FP8_PREFLIGHT": str(pre), "NCCL_NET": "AWS Libfabric"}
+    d = environment.describe("cpu", env)
+    assert d["nodes"] == "n[1-2]" and d["num_nodes"] == 2 and d["torch"] == torch.__version__
+    assert d["gpu"] is None and d["gpu_count"] == 0 and d["cuda"] == torch.version.cuda
+    assert (d["image"], d["image_size"], d["image_digest"]) == ("/fsx/x.sqsh", 1024, "cd" * 32)
+    assert (d["nccl_network"], d["preflight_busbw_gbps"], d["nccl_net_requested"]) == ("gloo (TCP)", 1.5,
+                                                                                         "AWS Libfabric")
+    assert d["torchao"] is not None and json.dumps(d)  # JSON-serialisable: it goes to metrics.jsonl
+
+
+def test_driver_version_from_proc_file(tmp_path):
+    f = tmp_path / "version"
+    f.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build  "
+                 "(dvs-builder@U16-I3-C03-1)  Thu Jan 23 21:06:41 UTC 2025\nGCC version:  gcc version 12.3.0\n")
+    assert environment.driver_version(str(f)) == "570.86.15"
+
+
+def test_describe_never_raises_on_a_broken_preflight_file(tmp_path):
+    (tmp_path / "pf.json").write_text("{not json")
+    d = environment.describe("cpu", {"LLAMA_FP8_PREFLIGHT": str(tmp_path / "pf.json")})
+    assert d["nccl_network"] is None
+
+
+@pytest.mark.parametrize("key", environment.HARDWARE_KEYS)
+def test_every_hardware_key_is_compared(key):
+    other = {**H100, key: "something else"}
+    env = hardware.compare_environments([H100], [other])
+    assert env["same_hardware"] is False and env["hardware_differences"][0].startswith(key + ":")
