@@ -80,17 +80,25 @@ def batch_lines(log: Path) -> list[int]:
 
 
 def release_requeued(job_id: str, env: dict[str, str], timeout: float = 120) -> dict[str, str]:
-    """Wait until the job was requeued (Restarts=1), then lift Slurm's ~2 min hold of a requeued job (BeginTime)
-    until it starts: the state passes through REQUEUED/COMPLETING before PENDING, so release it when it gets
-    there rather than on the first look (the first look missed it once)."""
+    """Wait until the job was requeued (Restarts=1), then shorten Slurm's hold of a requeued job (BeginTime =
+    requeue + AuthInfo cred_expire, 120 s) until it starts. The state passes through REQUEUED/COMPLETING before
+    PENDING, so release it when it gets there rather than on the first look (the first look missed it once).
+
+    Not to `now` but 2 s later: the kill revoked the job's credential on its node, and slurmd refuses a launch
+    credential created in the same second as that revocation ("Job N already killed, do not launch batch job":
+    slurm_cred_revoked compares whole seconds). The job then ends FAILED 1:0 without running; that is how this
+    test failed once in CI. PENDING means the node finished the kill, so now + 2 s is strictly after it."""
     info = wait_job(job_id, env, until=lambda i: i.get("Restarts") == "1")
     deadline = time.monotonic() + timeout
+    released = False  # once: a later `now+2` would push the start back again
     while time.monotonic() < deadline:
         info = job_info(job_id, env)
         state = info.get("JobState")
-        if state == "PENDING":
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=False)
-        elif state not in ("REQUEUED", "COMPLETING", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING"):
+        if state == "PENDING" and not released:
+            update = subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+2"], env=env,
+                                    capture_output=True, text=True, check=False)
+            released = update.returncode == 0
+        elif state not in ("PENDING", "REQUEUED", "COMPLETING", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING"):
             return info  # running again, or already ended
         time.sleep(1)
     return info

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from slurm_helpers import REPO, SMALL, batch_lines, sbatch, wait_job
+from slurm_helpers import REPO, SMALL, batch_lines, release_requeued, sbatch, wait_job
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
 import matrix  # noqa: E402 - the fault matrix's row recorder lives with the matrix
@@ -46,8 +46,7 @@ def test_rank_hangs_in_a_collective_on_slurm(job_env, tmp_path):
     assert batch_lines(log)[-1] == 4 and (run / "checkpoints" / "step_4" / "COMPLETE").is_file()
 
     subprocess.run(["scontrol", "requeue", job], env=env, check=True)
-    info = wait_job(job, env, until=lambda i: i.get("JobState") == "PENDING" or i.get("Restarts") == "1")
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=False)  # skip the hold
+    release_requeued(job, env)
     info = wait_job(job, env, timeout=300)
     text = log.read_text()
     assert (info.get("JobState"), info.get("ExitCode")) == ("COMPLETED", "0:0"), f"{info}\n{text[-3000:]}"

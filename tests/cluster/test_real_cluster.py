@@ -81,7 +81,7 @@ def test_sbatch_requeues_on_exit_85(job_env, tmp_path):
     (tmp_path / "logs").mkdir()
     env = dict(job_env, REPO_DIR=str(fake_package(tmp_path / "repo")), NPROC_PER_NODE="1", SKIP_PREFLIGHT="1")
     job = sbatch(["--nodes=1", SBATCH, "--model", "tiny"], env, tmp_path)
-    release_requeued(job, env)  # Slurm holds a requeued job ~2 min (BeginTime): release it now
+    release_requeued(job, env)  # Slurm holds a requeued job 2 min: release it
     info = wait_job(job, env)
     log = tmp_path / "logs" / f"llama-fp8_{job}.out"
     assert_completed(info, log)
@@ -121,7 +121,7 @@ def test_preemption_signal_checkpoint_requeue_resume(job_env, tmp_path):
     log = tmp_path / "logs" / f"llama-fp8_{job}.out"
     wait_job(job, env, until=lambda i: log.is_file() and batch_lines(log)[-1:] >= [2])
     subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True)  # the steps, not the batch shell
-    release_requeued(job, env)  # Slurm holds a requeued job ~2 min (BeginTime): release it now
+    release_requeued(job, env)  # Slurm holds a requeued job 2 min: release it
     info = wait_job(job, env, timeout=240)
     assert_completed(info, log)
     text = log.read_text()
