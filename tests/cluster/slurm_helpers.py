@@ -79,6 +79,30 @@ def batch_lines(log: Path) -> list[int]:
     return [int(m) for m in re.findall(r"^Batch (\d+) Loss: [0-9.]+", log.read_text(), flags=re.M)]
 
 
+def pause_env(faults: Path) -> dict[str, str]:
+    """Fault injection that holds every rank in the middle of step 3 of the first attempt (``once``: the
+    requeued attempt runs clean) until ``signal_while_paused`` lets it go."""
+    faults.mkdir(exist_ok=True)
+    return {"LLAMA_FP8_FAULT": "pause@step:step=3:once", "LLAMA_FP8_FAULT_DIR": str(faults)}
+
+
+def signal_while_paused(job_id: str, env: dict[str, str], faults: Path, ranks: int, log: Path,
+                        timeout: float = 180) -> None:
+    """Send USR1 to the job's steps while its ``ranks`` ranks are paused (``pause_env``), wait until the log
+    says a rank received it, then release them: training stops after step 3 whatever its speed. Sending on a
+    `Batch N` line instead raced the training: a small model on a fast machine finished all its steps between
+    two looks at the log, and the signal then killed tasks that had already returned (CI failed so once)."""
+    paused = [faults / f"paused.step.rank{r}" for r in range(ranks)]
+    wait_job(job_id, env, timeout=timeout, until=lambda i: all(p.exists() for p in paused))
+    assert all(p.exists() for p in paused), f"job {job_id} ended before its ranks paused at step 3"
+    subprocess.run(["scancel", "--signal=USR1", job_id], env=env, check=True)  # the steps' tasks, not the batch shell
+    deadline = time.monotonic() + 60
+    while "received SIGUSR1" not in (log.read_text() if log.is_file() else "") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    (faults / "release").touch()
+    assert "received SIGUSR1" in log.read_text(), f"no rank of job {job_id} logged the USR1 within 60 s"
+
+
 def release_requeued(job_id: str, env: dict[str, str], timeout: float = 120) -> dict[str, str]:
     """Wait until the job was requeued (Restarts=1), then shorten Slurm's hold of a requeued job (BeginTime =
     requeue + AuthInfo cred_expire, 120 s) until it starts. The state passes through REQUEUED/COMPLETING before

@@ -14,9 +14,11 @@ from slurm_helpers import (
     SMALL,
     assert_completed,
     batch_lines,
+    pause_env,
     read_jsonl,
     release_requeued,
     sbatch,
+    signal_while_paused,
     wait_job,
 )
 
@@ -116,11 +118,10 @@ def test_preemption_signal_checkpoint_requeue_resume(job_env, tmp_path):
     and exits 85 -> the script requeues the job -> the next attempt resumes and finishes."""
     (tmp_path / "logs").mkdir()
     run = tmp_path / "run"
-    env = dict(job_env, NPROC_PER_NODE="2", SKIP_PREFLIGHT="1")
+    env = dict(job_env, NPROC_PER_NODE="2", SKIP_PREFLIGHT="1", **pause_env(tmp_path / "faults"))
     job = sbatch(["--nodes=1", SBATCH, *SMALL, "--max_steps", "60", "--fp8=0", "--run_dir", str(run)], env, tmp_path)
     log = tmp_path / "logs" / f"llama-fp8_{job}.out"
-    wait_job(job, env, until=lambda i: log.is_file() and batch_lines(log)[-1:] >= [2])
-    subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True)  # the steps, not the batch shell
+    signal_while_paused(job, env, tmp_path / "faults", 2, log)
     release_requeued(job, env)  # Slurm holds a requeued job 2 min: release it
     info = wait_job(job, env, timeout=240)
     assert_completed(info, log)
@@ -128,4 +129,4 @@ def test_preemption_signal_checkpoint_requeue_resume(job_env, tmp_path):
     assert "requeueing job" in text and "Training finished: 60 steps" in text
     assert "resumed from" in text
     assert batch_lines(log) == list(range(1, 61)), "the second attempt must continue after the checkpoint"
-    assert list((run / "checkpoints").iterdir()), "no checkpoint written"
+    assert "step_3 (step 3, saved by 2 ranks" in text, "the signal's checkpoint: the end of the paused step 3"

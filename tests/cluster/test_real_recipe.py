@@ -20,11 +20,12 @@ from slurm_helpers import (
     SBATCH,
     SMALL,
     assert_completed,
-    batch_lines,
     job_info,
+    pause_env,
     read_jsonl,
     release_requeued,
     sbatch,
+    signal_while_paused,
     wait_job,
 )
 
@@ -119,11 +120,12 @@ def test_submitit_requeue_without_slurm_tools_in_the_task(job_env, tmp_path):
     """submit: SIGUSR1 -> training saves and the task exits 85 -> the batch script's trap (on the host) requeues
     -> the next attempt resumes from the checkpoint and finishes every step; `submit --wait` follows it all.
     The tasks run with a PATH without scontrol, like a Pyxis container."""
-    run, folder = tmp_path / "run", tmp_path / "sub"
+    run, folder, faults = tmp_path / "run", tmp_path / "sub", tmp_path / "faults"
+    env = dict(job_env, **pause_env(faults))
     cmd = [sys.executable, "-m", "llama_fp8", "submit", "--nodes", "2", "--tasks_per_node", "1", "--time", "10",
            "--folder", str(folder), "--python", str(no_slurm_python(tmp_path)), "--wait", "--",
            *SMALL, "--max_steps", "40", "--fp8=0", "--run_dir", str(run)]
-    proc = subprocess.Popen(cmd, env=job_env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
@@ -134,8 +136,7 @@ def test_submitit_requeue_without_slurm_tools_in_the_task(job_env, tmp_path):
             time.sleep(0.5)
         job = next(ln for ln in lines if ln.startswith("submitted job")).split()[2].rstrip(":")
         log = folder / job / f"{job}_0_log.out"
-        wait_job(job, job_env, until=lambda i: log.is_file() and batch_lines(log)[-1:] >= [3])
-        subprocess.run(["scancel", "--signal=USR1", job], env=job_env, check=True)  # the steps' tasks only
+        signal_while_paused(job, job_env, faults, 2, log)
         release_requeued(job, job_env)
         assert proc.wait(timeout=300) == 0, "".join(lines)[-3000:]
     finally:
@@ -152,7 +153,7 @@ def test_submitit_requeue_without_slurm_tools_in_the_task(job_env, tmp_path):
     records = read_jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in records if r["type"] == "train"][-1] == 40
     starts = [r["start_step"] for r in records if r["type"] == "meta"]
-    assert len(starts) == 2 and starts[0] == 0 and starts[1] >= 3, starts  # the second attempt resumed
+    assert len(starts) == 2 and starts[0] == 0 and starts[1] == 3, starts  # the second attempt resumed
     assert not (folder / job / "llama-fp8-requeue").exists()  # the trap consumed the marker
 
 
