@@ -451,9 +451,24 @@ def test_signal_after_a_stop_cannot_kill_the_exiting_process():
     finally:
         signal.signal(signal.SIGUSR1, before)
         signal.signal(signal.SIGTERM, before_term)
-    quiet = faults.SignalWatch(1)
-    quiet.close()  # no signal: the previous handlers come back
-    assert signal.getsignal(signal.SIGUSR1) == before
+    mine = lambda signum, frame: None  # noqa: E731
+    signal.signal(signal.SIGUSR1, mine)
+    try:
+        quiet = faults.SignalWatch(1)
+        quiet.close()  # no signal: the previous handlers come back
+        assert signal.getsignal(signal.SIGUSR1) is mine and signal.getsignal(signal.SIGTERM) == before_term
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
+def test_late_time_limit_warning_cannot_kill_a_finished_run():
+    """Slurm's USR1 (--signal=USR1@120) landing after the last step, while the run tears down: nothing is left to
+    save, and USR1's default action (terminate) would turn a completed run into a signal death (a FAILED job;
+    CI saw srun report "task 0: User defined signal 1" after training had returned). A real process checks it."""
+    code = ("import os, signal\nfrom llama_fp8 import faults\nw = faults.SignalWatch(1)\nw.close()\n"
+            "os.kill(os.getpid(), signal.SIGUSR1)\nprint('alive', signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert (r.returncode, r.stdout.strip()) == (0, "alive True"), (r.returncode, r.stderr[-2000:])
 
 
 def test_collective_timeout_gets_one_line_naming_the_flag():

@@ -196,9 +196,14 @@ class SignalWatch:
         code, and a repeated signal (Slurm sends SIGTERM at the time limit after the USR1 warning; an
         operator may signal twice) must not kill it before it exits - the default action of both signals
         is to terminate, which would turn exit code 85 into a signal death and lose the requeue. SIG_IGN
-        (not a Python handler) also holds through interpreter shutdown, which resets Python handlers."""
+        (not a Python handler) also holds through interpreter shutdown, which resets Python handlers.
+
+        Without a signal, the previous handlers come back, except a default SIGUSR1: Slurm's time-limit warning
+        can land after the last step, while the run tears down; nothing is left to save then, and its default
+        action would turn a finished run into a signal death (a FAILED job, srun's "User defined signal 1")."""
         for s, handler in self._previous.items():
-            signal.signal(s, signal.SIG_IGN if self._flag else handler)
+            late_warning = s == signal.SIGUSR1 and handler == signal.SIG_DFL
+            signal.signal(s, signal.SIG_IGN if self._flag or late_warning else handler)
 
 
 class NanGuard:
