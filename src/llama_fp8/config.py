@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from llama_fp8.errors import EXIT_BAD_CONFIG, EXIT_NONFINITE, EXIT_REQUEUE, ConfigError  # noqa: F401 - re-exported
+from llama_fp8.precision import recipes
 
 PRESET_DIR = Path(__file__).parent / "configs"
 Text = str | Callable[[], str]
@@ -51,28 +52,11 @@ def _impl_help() -> str:
     return models.help_text()
 
 
-def _backend_choices() -> tuple:
-    from llama_fp8.precision import recipes
-
-    return ("auto", *recipes.backends())
-
-
 def _backend_help() -> str:
-    from llama_fp8.precision import recipes
+    from llama_fp8 import models
 
-    return recipes.backend_help()
-
-
-def _recipe_choices() -> tuple:
-    from llama_fp8.precision import recipes
-
-    return ("auto", *(r.name for r in recipes.all_recipes()))
-
-
-def _recipe_help() -> str:
-    from llama_fp8.precision import recipes
-
-    return recipes.recipe_help()
+    return recipes.backend_help({i.name: i.fp8_backends()[0].name for i in models.implementations()
+                                 if i.fp8_backends()})
 
 
 @dataclass(frozen=True)
@@ -113,8 +97,9 @@ class TrainConfig:
     bf16: bool = _f(True, "1: BF16 compute with FP32 master weights and FP32 gradient reduction; 0: FP32",
                     group="precision")
     fp8: bool = _f(False, "1: FP8 linear layers (backend from --fp8_backend); 0: off", group="precision")
-    fp8_backend: str = _f("auto", _backend_help, choices=_backend_choices, group="precision")
-    fp8_recipe: str = _f("auto", _recipe_help, choices=_recipe_choices, group="precision")
+    fp8_backend: str = _f("auto", _backend_help, choices=("auto", *recipes.backends()), group="precision")
+    fp8_recipe: str = _f("auto", recipes.recipe_help, choices=("auto", *(r.name for r in recipes.all_recipes())),
+                         group="precision")
     fp8_all_gather: bool = _f(False, "1: all-gather FSDP parameters in FP8 (torchao tensorwise; TE: FP8 "
                               "parameters) - half the all-gather bytes of BF16", group="precision")
     fp8_amax_history_len: int = _f(1024, "TE delayed scaling: amax history length", min=1, group="precision")
@@ -418,14 +403,10 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         profiling.parse_ranks(cfg.profile_ranks)
     if cfg.fp8_all_gather and not cfg.fp8:
         raise ConfigError("--fp8_all_gather 1 needs --fp8 1 (it all-gathers the FP8 weights)")
-    if cfg.fp8 and cfg.fp8_recipe != "auto" and cfg.fp8_backend != "auto":
-        from llama_fp8.precision import recipes
+    if cfg.fp8 and cfg.fp8_backend != "auto":  # the rest of the choice needs the model implementation (plan)
+        from llama_fp8 import precision
 
-        recipe = recipes.get(cfg.fp8_recipe)
-        if recipe.backend != cfg.fp8_backend:
-            mine = ", ".join(r.name for r in recipes.all_recipes() if r.backend == cfg.fp8_backend)
-            raise ConfigError(f"--fp8_recipe {cfg.fp8_recipe} is a recipe of --fp8_backend {recipe.backend}; with "
-                              f"--fp8_backend {cfg.fp8_backend} use one of {mine}")
+        precision.choose_recipe(cfg.fp8_backend, cfg.fp8_recipe, cfg.compile)
     return cfg
 
 

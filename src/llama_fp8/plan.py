@@ -72,7 +72,7 @@ def _decide_setup(cfg: TrainConfig, env: DistEnv):
             raise ConfigError(f"--{flag} needs {module}: pip install 'llama-fp8[{extra}]'")
     impl = models.resolve(cfg.model_impl, env.device)
     impl.check(cfg, env.device)
-    choice = precision.resolve(cfg, impl, env.device, env.world_size)
+    choice = precision.resolve(cfg, impl, env.device, env.world_size, models.implementations())
     check_device_options(cfg, env)
     return impl, choice, dims
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -67,10 +69,10 @@ def test_backend_auto_picks_torchao_for_hf_and_te_for_te():
 
 def test_backend_and_model_impl_mismatch_errors():
     with pytest.raises(C.ConfigError, match="--fp8_backend te does not work with --model_impl hf.*needs --model_impl te"):
-        P.resolve(cfg_for("--fp8", "1", "--fp8_backend", "te"), HF, CPU)
+        P.resolve(cfg_for("--fp8", "1", "--fp8_backend", "te"), HF, CPU, others=models.implementations())
     with pytest.raises(C.ConfigError, match="--fp8_backend torchao does not work with --model_impl te.*needs "
                                             "--model_impl hf"):
-        P.resolve(cfg_for("--fp8", "1", "--fp8_backend", "torchao"), TE, CPU)
+        P.resolve(cfg_for("--fp8", "1", "--fp8_backend", "torchao"), TE, CPU, others=models.implementations())
 
 
 def test_emulated_forward_backward_close_to_bf16():
@@ -140,3 +142,50 @@ def test_te_fp8_parameters_refuse_what_te_cannot_do_before_building(monkeypatch)
     monkeypatch.setattr(te_recipes, "te_version", lambda: "2.9.0")
     with pytest.raises(C.ConfigError, match=r"need Transformer Engine >= 2\.10 .*found 2\.9\.0"):
         P.resolve(cfg_for(*ag), TE, cuda)
+
+
+def test_the_recipe_table_is_static_data():
+    """Parsing flags needs no backend and no model: the table module imports nothing of this package, and
+    every backend's rows (TE's included) are in it."""
+    import ast
+    import inspect
+
+    from llama_fp8.precision import recipes
+
+    tree = ast.parse(inspect.getsource(recipes))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
+               {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m and m.startswith("llama_fp8")}, imported
+    assert {(r.backend, r.name) for r in recipes.RECIPES} == {
+        ("torchao", "tensorwise"), ("torchao", "rowwise"), ("te", "delayed"), ("te", "current"), ("te", "mxfp8"),
+        ("te", "block")}
+    assert C.build_parser()._option_string_actions["--fp8_recipe"].metavar == \
+        "{auto,tensorwise,rowwise,delayed,current,mxfp8,block}"
+
+
+def test_auto_recipe_is_decided_by_the_table_for_every_caller(monkeypatch):
+    """`--fp8_recipe auto` means the table's default (recipes.default_for), and under --compile 1 a recipe
+    that compiles; precision.resolve (the plan) and preflight's FP8 check report the same choice."""
+    from llama_fp8.cluster import preflight
+    from llama_fp8.precision import recipes
+
+    assert recipes.default_for("torchao").name == "tensorwise" and recipes.default_for("te").name == "current"
+    delayed_default = dataclasses.replace(recipes.get("delayed"), default=True)
+    rows = tuple(delayed_default if r.name == "delayed" else dataclasses.replace(r, default=False)
+                 if r.backend == "te" else r for r in recipes.RECIPES)
+    monkeypatch.setattr(recipes, "RECIPES", rows)
+    assert recipes.default_for("te").name == "delayed"
+    assert recipes.default_for("te", compile=True).name == "current"  # delayed does not compile under TE
+    monkeypatch.setattr(recipes, "RECIPES", recipes.RECIPES[:2] + tuple(
+        dataclasses.replace(r, default=r.name == "mxfp8") for r in rows[2:]))
+    monkeypatch.setattr(AO.TORCHAO, "library_version", lambda: "0.15.0")
+    assert P.resolve(cfg_for("--fp8", "1"), HF, CPU).recipe == "tensorwise"
+    import argparse
+
+    own = argparse.Namespace(device="cpu", model_impl="te", fp8=None, fp8_backend=None, dataset=None,
+                             tokenizer=None, checkpoint_dir=None)
+    from llama_fp8.models.te.precision import TE as TE_BACKEND
+
+    monkeypatch.setattr(TE_BACKEND, "library_version", lambda: "2.20.0")
+    got = preflight.check_fp8_features(preflight.resolve(own, ["--model", "tiny", "--fp8", "1"]))
+    assert (got.status, got.message) == ("OK", "te mxfp8 with transformer_engine 2.20.0")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import glob
 import json
 import os
@@ -106,12 +107,9 @@ def check_fp8_backends(s: Settings) -> list[Check]:
 
 def check_model_impl(s: Settings) -> Check:
     """The implementation --model_impl asks for can run here (auto: which one it will pick)."""
-    import torch
-
     from llama_fp8 import models
 
-    device = torch.device("cuda" if s.device == "cuda" or (s.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
+    device = torch_device(s.device)
     try:
         impl = models.resolve(s.model_impl, device)
     except ValueError as e:
@@ -123,40 +121,23 @@ def check_model_impl(s: Settings) -> Check:
 
 
 def check_fp8_features(s: Settings) -> Check:
-    """The FP8 recipe and options the train flags ask for exist in the installed library (the recipe table's
-    minimum versions), named with the version that has them; nothing to check without --fp8 1."""
-    import torch
-
-    from llama_fp8 import models
-    from llama_fp8.precision import recipes
+    """The FP8 choice of the train flags, made by the one resolver (``precision.resolve``, without the hardware
+    check: check_gpus reports what this node's GPUs run): the backend and recipe exist in the installed
+    library (the recipe table's minimum versions); nothing to check without --fp8 1."""
+    from llama_fp8 import models, precision
 
     cfg = s.train
     if cfg is None or not s.fp8:
         return Check("fp8_features", OK, "no FP8 asked for")
-    device = torch.device("cuda" if torch.cuda.is_available() and s.device != "cpu" else "cpu")
+    cfg = dataclasses.replace(cfg, fp8=True, fp8_backend=s.fp8_backend, model_impl=s.model_impl)
     try:
-        impl = models.resolve(s.model_impl, device)
-    except ValueError as e:
+        impl = models.resolve(cfg.model_impl, torch_device(s.device))
+        choice = precision.resolve(cfg, impl, None, others=models.implementations())
+    except ValueError as e:  # ConfigError: the resolver's own words
         return Check("fp8_features", FAIL, str(e))
-    backends = {b.name: b for b in impl.fp8_backends()}
-    backend = backends.get(s.fp8_backend) if s.fp8_backend != "auto" else next(iter(backends.values()), None)
-    if backend is None:
-        return Check("fp8_features", FAIL, f"--fp8_backend {s.fp8_backend} does not work with --model_impl {impl.name}")
-    recipe = recipes.default_for(backend.name) if cfg.fp8_recipe == "auto" else recipes.get(cfg.fp8_recipe)
-    try:
-        version = backend.library_version()
-    except Exception as e:  # noqa: BLE001 - reported by the library check already
-        return Check("fp8_features", FAIL, f"{backend.library} not importable ({type(e).__name__})")
-    needs = [(f"--fp8_recipe {recipe.name}", recipe.min_library)]
-    if cfg.fp8_all_gather:
-        needs.append(("--fp8_all_gather 1", recipe.fp8_all_gather_since or "never"))
-    missing = [f"{what} needs {backend.library} >= {v}" if v != "never" else f"{what} does not work with "
-               f"--fp8_recipe {recipe.name}" for what, v in needs
-               if v == "never" or (version != "unknown" and recipes.older(version, v))]
-    if missing:
-        return Check("fp8_features", FAIL, f"{'; '.join(missing)} (installed: {backend.library} {version})")
-    return Check("fp8_features", OK, f"{backend.name} {recipe.name}{' + FP8 all-gather' if cfg.fp8_all_gather else ''}"
-                 f" with {backend.library} {version}")
+    backend = next(b for b in impl.fp8_backends() if b.name == choice.backend)
+    return Check("fp8_features", OK, f"{backend.name} {choice.recipe}{' + FP8 all-gather' if cfg.fp8_all_gather else ''}"
+                 f" with {backend.library} {backend.library_version()}")
 
 
 def check_layout(s: Settings) -> Check:
@@ -367,14 +348,17 @@ def node_summary(checks: list[Check]) -> str:
             f"{len(failed)} failed{': ' + ', '.join(failed) if failed else ''}")
 
 
-def _device_type(s: Settings) -> str:
+def torch_device(asked: str):
+    """``--device`` as training will run it (``parallel.dist.device_type`` decides)."""
     import torch
 
-    return "cuda" if s.device == "cuda" or (s.device == "auto" and torch.cuda.is_available()) else "cpu"
+    from llama_fp8.parallel.dist import device_type
+
+    return torch.device(device_type(asked))
 
 
 def network(own: argparse.Namespace, s: Settings, node_failed: list[str]) -> tuple[list[Check], netcheck.NetResult]:
-    device = _device_type(s)
+    device = torch_device(s.device).type
     res = netcheck.run(device, own.allreduce_mb or netcheck.default_megabytes(device), own.allreduce_iters,
                        own.timeout, len(efa_devices()), node_failed)
     checks = [Check(name, status, message) for name, status, message in netcheck.result_lines(res)]

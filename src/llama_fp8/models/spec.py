@@ -25,7 +25,6 @@ from llama_fp8.errors import ConfigError
 if TYPE_CHECKING:
     from llama_fp8.config import TrainConfig
     from llama_fp8.precision import Fp8Backend
-    from llama_fp8.precision.recipes import Recipe
 
 
 class ModelImpl:
@@ -57,9 +56,6 @@ class ModelImpl:
     def fp8_backends(self) -> tuple[Fp8Backend, ...]:
         """FP8 backends that work with this implementation, the default (``--fp8_backend auto``) first."""
         return ()
-
-    def fp8_recipes(self) -> tuple[Recipe, ...]:
-        return tuple(r for b in self.fp8_backends() for r in b.recipes)
 
     def check(self, cfg: TrainConfig, device: torch.device) -> None:
         """Refuse (ConfigError naming the flag) what this implementation cannot do, before anything is built."""

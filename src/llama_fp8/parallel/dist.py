@@ -62,13 +62,19 @@ def _from_environment() -> tuple[int, int, int, int]:
     return 0, 0, 1, 1
 
 
+def device_type(asked: str) -> str:
+    """``--device`` as it will run: ``cuda`` when asked for, or for ``auto`` when torch sees a GPU; else ``cpu``.
+    The one place that decides it (training and preflight ask here)."""
+    return "cuda" if asked == "cuda" or (asked == "auto" and torch.cuda.is_available()) else "cpu"
+
+
 def init_distributed(cfg) -> DistEnv:
     """Create the process group (nccl on CUDA, gloo on CPU) and pick this rank's device.
 
     --process_group_timeout bounds every collective: when a rank dies, the others fail after at most
     that long instead of hanging until the Slurm time limit (torchrun usually stops them sooner)."""
     rank, local_rank, world, local_world = _from_environment()
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    use_cuda = device_type(cfg.device) == "cuda"
     if use_cuda:
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda but torch sees no CUDA device; use --device cpu or auto")

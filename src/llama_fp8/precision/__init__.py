@@ -49,8 +49,6 @@ class Fp8Backend(Protocol):
     def library_version(self) -> str:
         """The installed library's version; ImportError (saying how to install it) when it is missing."""
 
-    def default_recipe(self, cfg) -> str: ...
-
     def check(self, cfg, recipe: Recipe, device: torch.device, world_size: int) -> bool:
         """Raise ConfigError for what cannot run here; return True when FP8 is emulated."""
 
@@ -77,42 +75,71 @@ class Plain:
         return None
 
 
-def resolve(cfg, impl, device: torch.device, world_size: int = 1) -> PrecisionChoice:
-    """Pick the backend and recipe for model implementation ``impl`` and check the hardware, before any
-    model is built. ``auto`` picks the implementation's first FP8 backend and that backend's default."""
+def resolve(cfg, impl, device: torch.device | None, world_size: int = 1, others: tuple = ()) -> PrecisionChoice:
+    """The one precision decision, made before any model is built: pick the backend and recipe for model
+    implementation ``impl`` and check them. ``auto`` picks the implementation's first FP8 backend and that
+    backend's default from the recipe table (``recipes.default_for``). The installed library must have
+    the recipe and the options asked for (the table's minimum versions); with a ``device``, the backend
+    also checks the hardware (``device=None``: preflight on a node that is not the training device).
+    ``others``: every model implementation, to name the one a backend needs. Raises ConfigError naming the
+    flag; the plan and preflight come here, config validation to ``choose_recipe``."""
     plain = "bf16" if cfg.bf16 else "fp32"
     if not cfg.fp8:
         return PrecisionChoice(name=plain, backend="none")
-    backend = _backend(cfg, impl)
-    name = backend.default_recipe(cfg) if cfg.fp8_recipe == "auto" else cfg.fp8_recipe
-    recipe = recipe_table.get(name)
-    if recipe.backend != backend.name:
-        mine = ", ".join(r.name for r in backend.recipes)
-        raise ConfigError(f"--fp8_recipe {name} is a recipe of {recipe.backend}, not of {backend.name}; valid with "
-                          f"{backend.name}: {mine}")
-    emulated = backend.check(cfg, recipe, device, world_size)
-    return PrecisionChoice(name=f"fp8-{backend.name}-{name}", backend=backend.name, recipe=name, emulated=emulated,
-                           all_gather=cfg.fp8_all_gather)
+    backend = _backend(cfg, impl, others)
+    recipe = choose_recipe(backend.name, cfg.fp8_recipe, cfg.compile)
+    emulated = False
+    if device is not None:
+        emulated = backend.check(cfg, recipe, device, world_size)
+    check_library(backend, recipe, cfg.fp8_all_gather)
+    return PrecisionChoice(name=f"fp8-{backend.name}-{recipe.name}", backend=backend.name, recipe=recipe.name,
+                           emulated=emulated, all_gather=cfg.fp8_all_gather)
 
 
-def _backend(cfg, impl) -> Fp8Backend:
+def choose_recipe(backend: str, asked: str, compile: bool) -> Recipe:
+    """``--fp8_recipe`` for ``--fp8_backend backend``: ``auto`` is the table's default; a named recipe must
+    belong to the backend. Needs no implementation and no library, so config validation uses it too."""
+    if asked == "auto":
+        return recipe_table.default_for(backend, compile)
+    recipe = recipe_table.get(asked)
+    if recipe.backend != backend:
+        mine = ", ".join(r.name for r in recipe_table.rows_of(backend))
+        raise ConfigError(f"--fp8_recipe {asked} is a recipe of --fp8_backend {recipe.backend}; with "
+                          f"--fp8_backend {backend} use one of {mine}")
+    return recipe
+
+
+def check_library(backend: Fp8Backend, recipe: Recipe, all_gather: bool) -> str:
+    """The installed library's version, if it has ``recipe`` (and FP8 all-gather when asked for); else a
+    ConfigError naming what needs which version. An unknown version passes."""
+    try:
+        version = backend.library_version()
+    except Exception as e:  # noqa: BLE001 - TE raises OSError/RuntimeError on a partial install too
+        raise ConfigError(f"--fp8_backend {backend.name}: {backend.library} not importable ({type(e).__name__}: "
+                          f"{str(e)[:160]})") from None
+    needs = [(f"--fp8_recipe {recipe.name}", recipe.min_library)]
+    if all_gather:
+        needs.append(("--fp8_all_gather 1", recipe.fp8_all_gather_since))
+    missing = [f"{what} does not work with --fp8_recipe {recipe.name}" if minimum is None else
+               f"{what} needs {backend.library} >= {minimum}" for what, minimum in needs
+               if minimum is None or (version != "unknown" and recipe_table.older(version, minimum))]
+    if missing:
+        raise ConfigError(f"{'; '.join(missing)} (installed: {backend.library} {version})")
+    return version
+
+
+def _backend(cfg, impl, others: tuple) -> Fp8Backend:
     mine = {b.name: b for b in impl.fp8_backends()}
     if not mine:
         raise ConfigError(f"--fp8 1: --model_impl {impl.name} has no FP8 backend; use --fp8 0")
     if cfg.fp8_backend == "auto":
         return next(iter(mine.values()))
     if cfg.fp8_backend not in mine:
-        others = [i.name for i in _implementations() if cfg.fp8_backend in {b.name for b in i.fp8_backends()}]
+        able = [i.name for i in others if cfg.fp8_backend in {b.name for b in i.fp8_backends()}]
         raise ConfigError(f"--fp8_backend {cfg.fp8_backend} does not work with --model_impl {impl.name} (its FP8 "
                           f"backends: {', '.join(mine)}); --fp8_backend {cfg.fp8_backend} needs --model_impl "
-                          f"{' or '.join(others) or '?'}")
+                          f"{' or '.join(able) or '?'}")
     return mine[cfg.fp8_backend]
-
-
-def _implementations():
-    from llama_fp8 import models
-
-    return models.implementations()
 
 
 def fp8_collectives(choice: PrecisionChoice) -> bool:

@@ -1,9 +1,11 @@
-"""The FP8 recipes: one table, read by the parser (choices and help), validation, preflight and the
-README's recipe table (``recipe_table_markdown``), so that none of them lists recipes by hand.
+"""The FP8 recipes: one static table, read by the parser (choices and help), the resolver
+(``precision.resolve``), preflight, the image's version pins and the README's recipe table
+(``recipe_table_markdown``), so that none of them lists recipes by hand.
 
-Each FP8 backend brings its own rows: torchao's are in ``precision/torchao.py``, Transformer Engine's
-in ``models/te/recipes.py`` (TE's FP8 only exists with the TE model). This module only gathers them
-and answers questions about hardware and versions; it imports no FP8 library.
+Every backend's rows are here as data (torchao's and Transformer Engine's, whose FP8 only exists with the
+TE model): what each recipe needs in hardware, CUDA, library version, ``--compile`` and FP8 all-gather.
+This module imports no FP8 library, no backend and no model, so that parsing flags needs none of them;
+the backends (``precision/torchao.py``, ``models/te/precision.py``) read their rows from here.
 """
 
 from __future__ import annotations
@@ -75,60 +77,92 @@ def older(version: str, minimum: str) -> bool:
     return version_tuple(version) < version_tuple(minimum)
 
 
-def all_recipes() -> tuple[Recipe, ...]:
-    """Every recipe of every backend, torchao's first, then the model implementations' own."""
-    from llama_fp8 import models
-    from llama_fp8.precision import torchao
+TORCHAO = "torchao"
+TE = "te"
+# The Python package each backend needs, in the order ``backends()`` lists them.
+LIBRARIES = {TORCHAO: "torchao", TE: "transformer_engine"}
 
-    rows = list(torchao.RECIPES)
-    for impl in models.implementations():
-        rows += [r for r in impl.fp8_recipes() if r.backend != torchao.BACKEND]
-    return tuple(rows)
+_TORCHAO_SRC = "torchao/float8/config.py (Float8LinearRecipeName), torchao/float8/README.md"
+_TE_SRC = ("TE transformer_engine/common/recipe/__init__.py (recipe classes per release), "
+           "transformer_engine/pytorch/quantization.py check_*_support (hardware), NVIDIA/TransformerEngine#2245 "
+           "(FP8 parameters under FSDP2)")
+# TE versions: the first TE release that ships each recipe class; 2.0 is also the oldest TE whose APIs we use
+# as written. FP8 parameters (quantized_model_init) under FSDP2 need TE's QuantizedTensor to implement
+# fsdp_pre_all_gather / fsdp_post_all_gather: TE 2.10 for Float8Tensor (delayed, current) and MXFP8Tensor,
+# 2.14 for Float8BlockwiseQTensor (block).
+RECIPES: tuple[Recipe, ...] = (
+    Recipe("tensorwise", TORCHAO, "one scale per tensor (dynamic)", min_library="0.12",
+           fp8_all_gather_since="0.12", tensor_parallel=True, emulated_on_cpu=True, default=True,
+           source=_TORCHAO_SRC),
+    Recipe("rowwise", TORCHAO, "one scale per row of activations and weights (dynamic)", min_library="0.12",
+           emulated_on_cpu=True, source=_TORCHAO_SRC),
+    Recipe("delayed", TE, "one scale per tensor from an amax history (delayed scaling)",
+           min_cuda=(((9, 0), "12.1"),), min_library="2.0", fp8_all_gather_since="2.10", compile=False,
+           stateful=True, source=_TE_SRC),
+    # TE's default here (TE's own default is delayed scaling): stateless, so a resume is exact with nothing
+    # to checkpoint; works under torch.compile; runs on Ada and Hopper; and each scale comes from this
+    # step's amax, so a sudden activation spike cannot overflow a scale computed from an older history.
+    Recipe("current", TE, "one scale per tensor from its current amax (current scaling)",
+           min_cuda=(((9, 0), "12.1"),), min_library="2.2", fp8_all_gather_since="2.10", default=True,
+           source=_TE_SRC),
+    Recipe("mxfp8", TE, "E8M0 scale per 32 values (MXFP8, Blackwell)", min_capability=(10, 0),
+           max_capability=(11, 0), min_library="2.0", fp8_all_gather_since="2.10", source=_TE_SRC),
+    Recipe("block", TE, "scale per 1x128 activation / 128x128 weight block", min_capability=(9, 0),
+           min_cuda=(((99, 0), "12.9"),), min_library="2.3", fp8_all_gather_since="2.14", source=_TE_SRC),
+)
+
+
+def all_recipes() -> tuple[Recipe, ...]:
+    """Every recipe of every backend, torchao's first."""
+    return RECIPES
+
+
+def rows_of(backend: str) -> tuple[Recipe, ...]:
+    return tuple(r for r in RECIPES if r.backend == backend)
 
 
 def backends() -> tuple[str, ...]:
-    return tuple(dict.fromkeys(r.backend for r in all_recipes()))
+    return tuple(LIBRARIES)
 
 
 def get(name: str) -> Recipe:
-    for r in all_recipes():
+    for r in RECIPES:
         if r.name == name:
             return r
-    raise KeyError(f"unknown FP8 recipe {name!r}; known: {', '.join(r.name for r in all_recipes())}")
+    raise KeyError(f"unknown FP8 recipe {name!r}; known: {', '.join(r.name for r in RECIPES)}")
 
 
-def default_for(backend: str) -> Recipe:
-    return next(r for r in all_recipes() if r.backend == backend and r.default)
+def default_for(backend: str, compile: bool = False) -> Recipe:
+    """What ``--fp8_recipe auto`` means for ``backend``: its default row; under ``--compile 1``, when the
+    default does not support torch.compile, the backend's first recipe that does. The only place that
+    decides the recipe default (``precision.resolve`` asks it)."""
+    rows = rows_of(backend)
+    default = next(r for r in rows if r.default)
+    if compile and not default.compile:
+        return next(r for r in rows if r.compile)
+    return default
 
 
 def supported_on(capability: Capability, cuda: str | None) -> list[Recipe]:
     """Recipes a GPU of this capability runs natively (whatever is installed)."""
-    return [r for r in all_recipes() if not r.hardware_problem(capability, cuda)]
+    return [r for r in RECIPES if not r.hardware_problem(capability, cuda)]
 
 
-def backend_help() -> str:
-    from llama_fp8 import models
-
-    own = ", ".join(f"{impl.name}: {impl.fp8_backends()[0].name}" for impl in models.implementations()
-                    if impl.fp8_backends())
+def backend_help(first_backend: dict[str, str]) -> str:
+    """``first_backend``: each model implementation's first FP8 backend (what ``auto`` picks with it)."""
+    own = ", ".join(f"{impl}: {backend}" for impl, backend in first_backend.items())
     return f"FP8 library: {', '.join(backends())}; auto: the model implementation's first ({own})"
 
 
 def recipe_help() -> str:
-    parts = [f"{b}: " + "/".join(r.name for r in all_recipes() if r.backend == b) for b in backends()]
+    parts = [f"{b}: " + "/".join(r.name for r in rows_of(b)) for b in backends()]
     defaults = " / ".join(f"{default_for(b).name} ({b})" for b in backends())
     return f"{'; '.join(parts)}; auto: {defaults}"
 
 
 def library_of(backend: str) -> str:
     """The Python package an FP8 backend needs (``transformer_engine``, ``torchao``)."""
-    from llama_fp8 import models
-
-    for impl in models.implementations():
-        for b in impl.fp8_backends():
-            if b.name == backend:
-                return b.library
-    return backend
+    return LIBRARIES.get(backend, backend)
 
 
 def recipe_table_markdown() -> str:

@@ -15,18 +15,13 @@ from torch import nn
 
 from llama_fp8.errors import ConfigError
 from llama_fp8.precision import Plain
+from llama_fp8.precision import recipes as recipe_table
 from llama_fp8.precision.recipes import Recipe
 
 log = logging.getLogger(__name__)
 
-BACKEND = "torchao"
-_SOURCE = "torchao/float8/config.py (Float8LinearRecipeName), torchao/float8/README.md"
-RECIPES = (
-    Recipe("tensorwise", BACKEND, "one scale per tensor (dynamic)", min_library="0.12",
-           fp8_all_gather_since="0.12", tensor_parallel=True, emulated_on_cpu=True, default=True, source=_SOURCE),
-    Recipe("rowwise", BACKEND, "one scale per row of activations and weights (dynamic)", min_library="0.12",
-           emulated_on_cpu=True, source=_SOURCE),
-)
+BACKEND = recipe_table.TORCHAO
+RECIPES = recipe_table.rows_of(BACKEND)  # torchao's rows of the FP8 recipe table
 
 
 def torchao_import():
@@ -44,16 +39,13 @@ class TorchaoBackend:
 
     name = BACKEND
     recipes = RECIPES
-    library = "torchao"
+    library = recipe_table.library_of(BACKEND)
 
     def library_version(self) -> str:
         torchao_import()
         import torchao
 
         return getattr(torchao, "__version__", "unknown")
-
-    def default_recipe(self, cfg) -> str:
-        return next(r.name for r in RECIPES if r.default)
 
     def check(self, cfg, recipe: Recipe, device: torch.device, world_size: int) -> bool:
         return check(cfg, recipe, device, world_size)

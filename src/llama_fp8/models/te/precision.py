@@ -13,24 +13,18 @@ from llama_fp8.errors import ConfigError
 from llama_fp8.models.te import fp8_state
 from llama_fp8.models.te import recipes as te_recipes
 from llama_fp8.precision import Plain
+from llama_fp8.precision import recipes as recipe_table
 from llama_fp8.precision.recipes import Recipe
 
 
 class TEBackend:
     name = te_recipes.BACKEND
     recipes = te_recipes.TE_RECIPES
-    library = "transformer_engine"
+    library = recipe_table.library_of(te_recipes.BACKEND)
 
     def library_version(self) -> str:
         te_recipes.te_import()
         return te_recipes.te_version() or "unknown"
-
-    def default_recipe(self, cfg) -> str:
-        # The table's default (current scaling); under torch.compile, a recipe that supports it.
-        default = next(r for r in self.recipes if r.default)
-        if cfg.compile and not default.compile:
-            return next(r.name for r in self.recipes if r.compile)
-        return default.name
 
     def check(self, cfg, recipe: Recipe, device: torch.device, world_size: int) -> bool:
         try:

@@ -3,7 +3,7 @@
 ``transformer_engine`` is imported lazily inside functions, so importing this module works on a
 machine without TE. The checks and the API selection are pure functions, tested on CPU with fake
 capabilities and fake TE modules (tests/models/te/). The recipes' requirements are TE's rows of the
-FP8 recipe table (``precision/recipes.py``).
+FP8 recipe table (``precision/recipes.py``, which holds them as data).
 
 Every TE name used here was checked in TE's sources (NVIDIA/TransformerEngine tags v2.0 ... v2.18
 and main 2.20.0.dev0): ``transformer_engine/pytorch/quantization.py`` (fp8.py before 2.9),
@@ -16,32 +16,11 @@ import contextlib
 import importlib.metadata
 from typing import Any
 
+from llama_fp8.precision import recipes as recipe_table
 from llama_fp8.precision.recipes import Recipe, older, version_tuple
 
-BACKEND = "te"
-_SRC = ("TE transformer_engine/common/recipe/__init__.py (recipe classes per release), "
-        "transformer_engine/pytorch/quantization.py check_*_support (hardware), NVIDIA/TransformerEngine#2245 "
-        "(FP8 parameters under FSDP2)")
-# The TE rows of the FP8 recipe table (precision/recipes.py gathers them). Versions: the first TE release
-# that ships each recipe class; 2.0 is also the oldest TE whose APIs we use as written. FP8 parameters
-# (quantized_model_init) under FSDP2 need TE's QuantizedTensor to implement fsdp_pre_all_gather /
-# fsdp_post_all_gather: TE 2.10 for Float8Tensor (delayed, current) and MXFP8Tensor, 2.14 for
-# Float8BlockwiseQTensor (block).
-TE_RECIPES = (
-    Recipe("delayed", BACKEND, "one scale per tensor from an amax history (delayed scaling)",
-           min_cuda=(((9, 0), "12.1"),), min_library="2.0", fp8_all_gather_since="2.10", compile=False,
-           stateful=True, source=_SRC),
-    # The default (TE's own default is delayed scaling): stateless, so a resume is exact with nothing to
-    # checkpoint; works under torch.compile; runs on Ada and Hopper; and each scale comes from this step's
-    # amax, so a sudden activation spike cannot overflow a scale computed from an older history.
-    Recipe("current", BACKEND, "one scale per tensor from its current amax (current scaling)",
-           min_cuda=(((9, 0), "12.1"),), min_library="2.2", fp8_all_gather_since="2.10", default=True,
-           source=_SRC),
-    Recipe("mxfp8", BACKEND, "E8M0 scale per 32 values (MXFP8, Blackwell)", min_capability=(10, 0),
-           max_capability=(11, 0), min_library="2.0", fp8_all_gather_since="2.10", source=_SRC),
-    Recipe("block", BACKEND, "scale per 1x128 activation / 128x128 weight block", min_capability=(9, 0),
-           min_cuda=(((99, 0), "12.9"),), min_library="2.3", fp8_all_gather_since="2.14", source=_SRC),
-)
+BACKEND = recipe_table.TE
+TE_RECIPES: tuple[Recipe, ...] = recipe_table.rows_of(BACKEND)  # TE's rows of the FP8 recipe table
 RECIPES = tuple(r.name for r in TE_RECIPES)
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 MIN_TE_FP8_PARAMS_FSDP2 = min((r.fp8_all_gather_since for r in TE_RECIPES), key=version_tuple)
