@@ -1,4 +1,4 @@
-"""The package's boundaries (docs/architecture.md), checked on its source: no module-level import cycles, and
+"""The package's boundaries (docs/architecture.md), checked on its source: no import cycles of any kind, and
 nothing outside ``models/`` names a model implementation."""
 
 from __future__ import annotations
@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+
+import pytest
 
 from helpers import REPO
 
@@ -18,32 +20,38 @@ def module_name(path: Path, src: Path = SRC) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def module_level_imports(path: Path, known: set[str], src: Path = SRC) -> set[str]:
-    """Package modules imported when ``path`` is imported (not inside functions or TYPE_CHECKING)."""
+def _with_parents(name: str) -> list[str]:
+    """``a.b.c`` -> a, a.b, a.b.c: importing a module imports (runs the ``__init__`` of) every package above it."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def imports(path: Path, known: set[str], src: Path = SRC) -> set[str]:
+    """Package modules ``path`` imports anywhere: at module level, inside functions and under TYPE_CHECKING
+    (a function-level import is a cycle postponed, a typing-only one is a cycle the type checker walks).
+    Importing ``a.b`` counts as importing ``a`` too, except for the packages ``path`` itself sits in: those
+    are imported before it is, so an edge to them adds nothing."""
     out: set[str] = set()
-    tree = ast.parse(path.read_text())
-    is_pkg = path.name == "__init__.py"
     here = module_name(path, src)
-    for node in tree.body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
-        for sub in ast.walk(node) if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) else []:
-            if isinstance(sub, ast.Import):
-                out.update(a.name for a in sub.names)
-            elif isinstance(sub, ast.ImportFrom):
-                base = sub.module or ""
-                if sub.level:
-                    pkg = here.split(".") if is_pkg else here.split(".")[:-1]
-                    base = ".".join(pkg[:len(pkg) - sub.level + 1] + ([base] if base else []))
-                for a in sub.names:  # `from pkg import submodule` imports the submodule (pkg is loading already)
-                    out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
-    return {m for m in out if m in known and m != here}
+    is_pkg = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                out.update(_with_parents(a.name))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = here.split(".") if is_pkg else here.split(".")[:-1]
+                base = ".".join(pkg[:len(pkg) - node.level + 1] + ([base] if base else []))
+            out.update(_with_parents(base))
+            out.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import submodule` imports it
+    return {m for m in out if m in known} - set(_with_parents(here))
 
 
 def import_cycles(src: Path) -> list[list[str]]:
     files = list(src.rglob("*.py"))
     known = {module_name(p, src) for p in files}
-    graph = {module_name(p, src): module_level_imports(p, known, src) for p in files}
+    graph = {module_name(p, src): imports(p, known, src) for p in files}
     cycles: list[list[str]] = []
     state: dict[str, str] = {}
 
@@ -64,29 +72,53 @@ def import_cycles(src: Path) -> list[list[str]]:
 
 def test_no_import_cycles():
     cycles = import_cycles(SRC)
-    assert not cycles, "module-level import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+    assert not cycles, "import cycles (module-level, function-level or TYPE_CHECKING):\n" + "\n".join(
+        " -> ".join(c) for c in cycles)
 
 
-def test_the_cycle_check_finds_a_cycle(tmp_path):
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
     pkg = tmp_path / "pkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from pkg import b\n")
-    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import c\n"
-                              "def f():\n    from pkg import a\nfrom pkg.a import x\n")
-    (pkg / "c.py").write_text("from pkg import b\n")
-    assert import_cycles(pkg) == [["pkg.a", "pkg.b", "pkg.a"]]  # not b -> c (typing only), nor f's import
+    for name, text in {"__init__.py": "", **files}.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    return pkg
+
+
+@pytest.mark.parametrize(("kind", "files", "cycle"), [
+    ("module level", {"a.py": "from pkg import b\n", "b.py": "import pkg.a\n"}, ["pkg.a", "pkg.b", "pkg.a"]),
+    ("inside a function", {"a.py": "from pkg import b\n", "b.py": "def f():\n    from pkg.a import x\n"},
+     ["pkg.a", "pkg.b", "pkg.a"]),
+    ("TYPE_CHECKING", {"a.py": "from pkg import b\n",
+                       "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import A\n"},
+     ["pkg.a", "pkg.b", "pkg.a"]),
+    # c imports sub.d, which runs sub/__init__.py, which imports c: a cycle although c never names sub itself
+    ("a.b counts as a", {"c.py": "from pkg.sub.d import x\n", "sub/__init__.py": "from pkg import c\n",
+                         "sub/d.py": "x = 1\n"}, ["pkg.c", "pkg.sub", "pkg.c"]),
+])
+def test_the_cycle_check_finds_a_planted_cycle(tmp_path, kind, files, cycle):
+    assert import_cycles(_package(tmp_path, files)) == [cycle], kind
+
+
+def test_the_cycle_check_passes_a_package_that_imports_its_own_modules(tmp_path):
+    """A package's __init__ re-exporting its modules, which import each other by full name, is no cycle: the
+    package is being imported already when they run."""
+    pkg = _package(tmp_path, {"sub/__init__.py": "from pkg.sub.d import x\nfrom pkg.sub.e import y\n",
+                              "sub/d.py": "x = 1\n", "sub/e.py": "from pkg.sub.d import x\ny = x\n",
+                              "f.py": "from pkg.sub import x\n"})
+    assert import_cycles(pkg) == []
 
 
 def test_implementation_names_only_inside_models():
     """The acceptance check of the architecture issue: `grep -rn '"te"\\|== "hf"' src/llama_fp8` finds the
     implementation names only inside models/ (the CLI's choices and help come from the registry)."""
+    # The FP8 recipe table names Transformer Engine's FP8 backend (whose name is `te` too) once, as data.
+    allowed = {("src/llama_fp8/precision/recipes.py", 'TE = "te"')}
     hits = []
     for path in SRC.rglob("*.py"):
         if "models" in path.relative_to(SRC).parts:
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
-            if re.search(r'"te"|== "hf"', line):
+            if re.search(r'"te"|== "hf"', line) and (str(path.relative_to(REPO)), line.strip()) not in allowed:
                 hits.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
     assert not hits, "\n".join(hits)
 

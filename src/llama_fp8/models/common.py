@@ -3,6 +3,10 @@ sharding-independent weight init and its check.
 
 Imports nothing from torch.distributed: sharding lives in ``parallel/``. The one exception is the init,
 which reads a DTensor's placement (if it is one) to know which rows of the full tensor it holds.
+
+``cfg`` is always a resolved ``llama_fp8.config.TrainConfig``, read by attribute and never imported: the
+config's parser asks this package's registry for ``--model_impl``'s choices, so an import back would be a
+cycle (tests/test_architecture.py).
 """
 
 from __future__ import annotations
@@ -11,13 +15,9 @@ import logging
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from llama_fp8.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ INIT_BLOCK_ROWS = 256
 seed gives the same weights on 1, 2 or 64 ranks while each rank only generates its own rows."""
 
 
-def hf_config(cfg: TrainConfig):
+def hf_config(cfg):
     """The transformers.LlamaConfig for a resolved TrainConfig."""
     from transformers import LlamaConfig
 
@@ -63,7 +63,7 @@ class ModelSize:
     """Training FLOPs per token: 6 * N_matmul + 12 * layers * heads * head_dim * seq (fwd + bwd)."""
 
 
-def model_size(model: nn.Module, cfg: TrainConfig) -> ModelSize:
+def model_size(model: nn.Module, cfg) -> ModelSize:
     """Parameter count and training FLOPs per token, from the (meta) model's shapes.
 
     N_matmul is every parameter taking part in a matmul per token: all but the input embedding, which
@@ -139,7 +139,7 @@ Blocks = list[tuple[str, int, int]]
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, cfg: TrainConfig, skip: set[int] = frozenset(),
+def init_weights(model: nn.Module, cfg, skip: set[int] = frozenset(),
                  blocks_of: Callable[[str, int], Blocks | None] | None = None) -> None:
     """Initialize every parameter (but those whose id is in ``skip``) after ``to_empty``; each rank fills
     only its own rows. ``blocks_of(name, rows)`` may split a fused parameter into the tensors it stacks, each
@@ -156,7 +156,7 @@ def init_weights(model: nn.Module, cfg: TrainConfig, skip: set[int] = frozenset(
 
 @torch.no_grad()
 def init_part_(local: torch.Tensor, offset: tuple[int, ...], full_shape: tuple[int, ...], name: str,
-               cfg: TrainConfig, blocks: Blocks | None = None) -> None:
+               cfg, blocks: Blocks | None = None) -> None:
     """HF Llama's init of the part of parameter ``name`` at ``offset``: N(0, initializer_range) for matrices
     (by ``blocks`` of rows, default: the whole parameter under its own name), zeros for biases, ones for norm
     weights."""
@@ -172,7 +172,7 @@ def init_part_(local: torch.Tensor, offset: tuple[int, ...], full_shape: tuple[i
 
 
 @torch.no_grad()
-def check_weights(model: nn.Module, cfg: TrainConfig, skip: set[int] = frozenset()) -> None:
+def check_weights(model: nn.Module, cfg, skip: set[int] = frozenset()) -> None:
     """Sanity check after init or load: finite values, and matrix stds near the configured init (parameters
     whose id is in ``skip`` are not checked)."""
     for name, p in model.named_parameters():

@@ -9,6 +9,9 @@ implementation names; adding an implementation is one more subclass registered i
 Contract of a built model: ``model(input_ids=LongTensor (B, T))`` returns an object whose ``logits`` is
 (B, T, V); ``decoder_layers(model)`` is an ``nn.ModuleList`` whose entries may be replaced (by
 activation-checkpoint wrappers); ``model.get_input_embeddings()`` returns the token embedding.
+
+Every ``cfg`` is a resolved ``llama_fp8.config.TrainConfig``, read by attribute and never imported (the
+config's parser asks this package's registry for ``--model_impl``'s choices; see ``models/common.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from torch import nn
 from llama_fp8.errors import ConfigError
 
 if TYPE_CHECKING:
-    from llama_fp8.config import TrainConfig
     from llama_fp8.precision import Fp8Backend
 
 
@@ -57,7 +59,7 @@ class ModelImpl:
         """FP8 backends that work with this implementation, the default (``--fp8_backend auto``) first."""
         return ()
 
-    def check(self, cfg: TrainConfig, device: torch.device) -> None:
+    def check(self, cfg, device: torch.device) -> None:
         """Refuse (ConfigError naming the flag) what this implementation cannot do, before anything is built."""
         if cfg.activation_checkpointing != "0" and cfg.activation_checkpointing not in self.activation_checkpointing_modes:
             modes = ", ".join(["0", *self.activation_checkpointing_modes])
@@ -69,17 +71,17 @@ class ModelImpl:
             raise ConfigError(f"--cp_size {cfg.cp_size}: --model_impl {self.name} has no context parallelism")
 
     # --- tensor and context parallelism (the plans parallelize() applies) ---------------------------------
-    def apply_tensor_parallel(self, model: nn.Module, tp_mesh, cfg: TrainConfig, fp8_collectives: bool) -> None:
+    def apply_tensor_parallel(self, model: nn.Module, tp_mesh, cfg, fp8_collectives: bool) -> None:
         """Split the blocks' linears over ``tp_mesh`` (before FSDP2). Only called when ``check`` allowed TP."""
         raise NotImplementedError
 
-    def apply_context_parallel(self, model: nn.Module, cp_mesh, cfg: TrainConfig, dims) -> str:
+    def apply_context_parallel(self, model: nn.Module, cp_mesh, cfg, dims) -> str:
         """Prepare the model for context parallelism over ``cp_mesh``; returns how a step's batch is cut:
         "torch" (torch's context_parallel cuts it and runs ring attention) or "split" (cut here, the model's
         attention exchanges keys and values itself). Only called when ``check`` allowed CP."""
         raise NotImplementedError
 
-    def cp_rotate(self, cfg: TrainConfig) -> str:
+    def cp_rotate(self, cfg) -> str:
         """torch context parallelism: how key/value shards travel (set_rotate_method's name)."""
         return "allgather"
 
@@ -88,25 +90,25 @@ class ModelImpl:
         return {"input_ids": input_ids}
 
     # --- build and initialize ----------------------------------------------------------------------
-    def build(self, cfg: TrainConfig) -> nn.Module:
+    def build(self, cfg) -> nn.Module:
         """The model on the current default device (the caller makes that ``meta``)."""
         raise NotImplementedError
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         return model.model.layers
 
-    def materialize(self, model: nn.Module, device: torch.device, cfg: TrainConfig) -> None:
+    def materialize(self, model: nn.Module, device: torch.device, cfg) -> None:
         """Allocate the (sharded) meta model's tensors on ``device`` (values are set by ``init_weights``)."""
         model.to_empty(device=device)
 
-    def init_weights(self, model: nn.Module, cfg: TrainConfig, device: torch.device) -> None:
+    def init_weights(self, model: nn.Module, cfg, device: torch.device) -> None:
         """After ``to_empty``: every parameter (sharded or not), the same values on any world size."""
         from llama_fp8.models import common
 
         common.init_weights(model, cfg, blocks_of=lambda name, rows: self.init_blocks(name, rows, cfg))
         self.reset_buffers(model, device)
 
-    def init_blocks(self, name: str, rows: int, cfg: TrainConfig) -> list[tuple[str, int, int]] | None:
+    def init_blocks(self, name: str, rows: int, cfg) -> list[tuple[str, int, int]] | None:
         """How to draw a parameter's rows: by default under its own name. A fused parameter is drawn as the
         HF tensors it stacks, each under its HF name, so every implementation starts from the same values."""
         names = self.key_to_hf(name)
@@ -121,7 +123,7 @@ class ModelImpl:
     def reset_buffers(self, model: nn.Module, device: torch.device) -> None:
         """Recompute non-persistent buffers, which ``to_empty`` leaves as garbage (also after a load)."""
 
-    def check_weights(self, model: nn.Module, cfg: TrainConfig) -> None:
+    def check_weights(self, model: nn.Module, cfg) -> None:
         from llama_fp8.models import common
 
         common.check_weights(model, cfg)
@@ -146,7 +148,7 @@ class ModelImpl:
         """This model's parameter name -> the HF names stacked in it (along dim 0)."""
         return [key]
 
-    def block_sizes(self, key: str, rows: int, cfg: TrainConfig | None = None) -> list[int]:
+    def block_sizes(self, key: str, rows: int, cfg=None) -> list[int]:
         """Rows of each HF tensor stacked in ``key`` (equal blocks unless an implementation says otherwise)."""
         n = len(self.key_to_hf(key))
         return [rows // n] * n
@@ -157,7 +159,7 @@ class ModelImpl:
 
         hf_io.load_into_model(model, hf_dir, self)
 
-    def to_hf_state(self, state: dict[str, Any], cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    def to_hf_state(self, state: dict[str, Any], cfg) -> dict[str, torch.Tensor]:
         """This model's full state dict -> HF ``LlamaForCausalLM`` names (for ``llama-fp8 convert``; a tied
         head keeps its ``lm_head.weight`` entry, as the HF model's own state dict does)."""
         from llama_fp8.models import hf_io
