@@ -35,7 +35,7 @@ import torch
 from llama_fp8 import data
 from llama_fp8.data import demo as demo_data
 from llama_fp8.data import packing
-from llama_fp8.data import sources as data_sources
+from llama_fp8.data import tokenizer as data_tokenizer
 
 
 @dataclass
@@ -64,7 +64,7 @@ def baseline_batches(cfg: Cfg) -> Iterator[torch.Tensor]:
     of T+1 tokens sliced off the list at a time and B samples stacked into a batch."""
     import datasets
 
-    tok = data_sources.load_tokenizer(cfg.tokenizer)
+    tok = data_tokenizer.load_tokenizer(cfg.tokenizer)
     ds = datasets.load_dataset("json", data_files=str(Path(cfg.dataset) / "train.jsonl"), split="train")
     width, samples = cfg.max_context_width + 1, []
     buffer: list[int] = []
@@ -85,7 +85,7 @@ def same_tokens(cfg: Cfg, n_docs: int = 64) -> bool:
     exactly the stream the baseline builds one document at a time."""
     import datasets
 
-    tok = data_sources.load_tokenizer(cfg.tokenizer)
+    tok = data_tokenizer.load_tokenizer(cfg.tokenizer)
     ds = datasets.load_dataset("json", data_files=str(Path(cfg.dataset) / "train.jsonl"), split="train")
     texts = [t for t in ds.select(range(min(n_docs, len(ds))))["text"] if t]
     one_by_one: list[int] = []

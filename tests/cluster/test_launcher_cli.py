@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llama_fp8.cluster import launch, preflight, submit
+from llama_fp8.cluster import launch, node_checks, preflight, submit
 
 
 def run_preflight(args: list[str], capsys) -> tuple[int, str]:
@@ -93,7 +93,7 @@ def a_real_shared_library() -> str:
 def test_efa_check_needs_a_loadable_plugin_and_nccl_net(plugin, nccl_net, status, words, tmp_path, monkeypatch):
     """On an EFA node: the plugin NCCL_NET_PLUGIN names must exist and dlopen, and NCCL_NET must name the OFI
     network (else a plugin failure silently becomes TCP)."""
-    monkeypatch.setattr(preflight, "efa_devices", lambda: ["rdmap0s1", "rdmap1s1"])
+    monkeypatch.setattr(node_checks, "efa_devices", lambda: ["rdmap0s1", "rdmap1s1"])
     path = {"missing": str(tmp_path / "nope.so"), "real": a_real_shared_library()}.get(plugin)
     if plugin == "not-elf":
         path = str(tmp_path / "libnccl-net-ofi.so")
@@ -295,3 +295,18 @@ def test_layout_is_checked_against_the_allocation(monkeypatch):
     assert got.status == "FAIL" and "world size 4 is not divisible by 3" in got.message and "4 task(s)" in got.message
     got = preflight.check_layout(settings_for("--tp_size", "2", "--num_key_value_heads", "1"))
     assert got.status == "FAIL" and "--num_key_value_heads 1 is not divisible by --tp_size 2" in got.message
+
+
+def test_preflight_and_training_agree_on_what_is_a_local_path(tmp_path, monkeypatch):
+    """One test of "local path or hub name" (data.files.is_local): a data file name that does not exist is a
+    missing local file for preflight as it is for the loader, not a hub name preflight waves through."""
+    from llama_fp8.data import files
+
+    monkeypatch.chdir(tmp_path)
+    for value in ("corpus.jsonl", "./corpus", str(tmp_path / "nope")):
+        assert files.is_local(value)
+        got = preflight.check_path("dataset", value)
+        assert got.status == "FAIL" and "no such file or directory" in got.message, got
+    assert not files.is_local("allenai/c4") and preflight.check_path("dataset", "allenai/c4").status == "OK"
+    (tmp_path / "corpus.jsonl").write_text('{"text": "a"}\n')
+    assert preflight.check_path("dataset", "corpus.jsonl").status == "OK"

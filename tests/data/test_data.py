@@ -20,8 +20,9 @@ datasets = pytest.importorskip("datasets")
 
 from llama_fp8 import data  # noqa: E402
 from llama_fp8.data import demo as demo_data  # noqa: E402
-from llama_fp8.data import packing  # noqa: E402
+from llama_fp8.data import packing, readers  # noqa: E402
 from llama_fp8.data import sources as data_sources  # noqa: E402
+from llama_fp8.data import tokenizer as data_tokenizer  # noqa: E402
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
          "sigma tau upsilon phi chi psi omega the of and to in is that for it as with").split()
@@ -113,7 +114,7 @@ def test_unshuffled_blocks_are_the_document_stream_cut_into_t_plus_1(corpus, tok
     stream = [t for d in docs[:-20] for t in [tok.bos_token_id, *tok(d, add_special_tokens=False)["input_ids"],
                                             tok.eos_token_id]]
     src = data_sources.open_sources(data_sources.SourceKey(str(corpus), None, "text", None, None, 0.0, True))
-    reader = data_sources.MapDocReader(src.train, None, "text", 0, 1, 0, shuffle=False, chunk_docs=16)
+    reader = readers.MapDocReader(src.train, None, "text", 0, 1, 0, shuffle=False, chunk_docs=16)
     spec = packing.PackSpec(seq_len=32, batch_size=4, seed=0, shuffle=False, cycle=False)
     blocks = np.concatenate([b for b, _ in packing.packed_batches(reader, packing.Encoder(tok), spec, 0, None)])
     assert blocks.shape[1] == 33 and len(blocks) == len(stream) // 33 // 4 * 4
@@ -167,7 +168,7 @@ def test_data_files_globs_inside_a_folder(tmp_path, tok_dir, docs):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_ranks_never_share_a_block_or_a_document(corpus, tok_dir, num_workers):
     cfg = Cfg(str(corpus), tokenizer=tok_dir, num_workers=num_workers, max_context_width=64)
-    tok = data_sources.load_tokenizer(tok_dir)
+    tok = data_tokenizer.load_tokenizer(tok_dir)
     per_rank = [take(data.build_train_loader(cfg, r, 2), 40) for r in (0, 1)]
     assert not rows(per_rank[0]) & rows(per_rank[1])
     numbers = [{int(n) for b in batches for r in b["input_ids"] for n in re.findall(r"doc (\d+):", tok.decode(r))}
@@ -207,11 +208,11 @@ def test_streaming_reader_is_disjoint_and_resumes_exactly(tmp_path, tok_dir, doc
         files.append(str(tmp_path / f"s{k}.jsonl"))
         Path(files[-1]).write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[k * 40:(k + 1) * 40]))
     stream = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
-    encode = packing.Encoder(data_sources.load_tokenizer(tok_dir))
+    encode = packing.Encoder(data_tokenizer.load_tokenizer(tok_dir))
     spec = packing.PackSpec(seq_len=32, batch_size=4, seed=3, shuffle=True)
 
     def run(slot: int, state=None, n: int = 40):
-        reader = data_sources.StreamDocReader(stream, "text", slot, 2, chunk_docs=8)
+        reader = readers.StreamDocReader(stream, "text", slot, 2, chunk_docs=8)
         gen = packing.packed_batches(reader, encode, spec, slot, state)
         return [next(gen) for _ in range(n)]
 
@@ -293,7 +294,7 @@ def test_hub_dataset_with_val_data_files_only(tmp_path, tok_dir, docs, monkeypat
     monkeypatch.setattr(datasets, "load_dataset", fake_hub)
     train = take(data.build_train_loader(cfg, 0, 1), 10)
     assert not rows(train) & rows(val)
-    tok = data_sources.load_tokenizer(tok_dir)
+    tok = data_tokenizer.load_tokenizer(tok_dir)
 
     def doc_numbers(batches) -> set[int]:
         return {int(n) for b in batches for r in b["input_ids"] for n in re.findall(r"doc (\d+):", tok.decode(r))}

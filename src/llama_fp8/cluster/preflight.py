@@ -16,242 +16,35 @@ with the same code. Started as a single process (no Slurm step, no torchrun) it 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
-import glob
 import json
-import os
-import socket
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from llama_fp8.cluster import mounts, nccl, netcheck
-
-OK, WARN, FAIL = "OK", "WARN", "FAIL"
-
-
-@dataclass
-class Check:
-    """Result of one check: status OK/WARN/FAIL and a one-line explanation."""
-
-    name: str
-    status: str
-    message: str
-
-    def line(self) -> str:
-        return f"[{self.status:>4}] {self.name}: {self.message}"
-
-
-@dataclass
-class Settings:
-    """What the checks look at; from own flags, else train flags, else these defaults."""
-
-    device: str = "auto"
-    model_impl: str = "auto"
-    fp8: bool = False
-    fp8_backend: str = "auto"
-    dataset: str = "synthetic"
-    tokenizer: str | None = None
-    checkpoint_dir: str = "runs"
-    paths: dict[str, str] = field(default_factory=dict)
-    """Resolved path flags (run_dir, checkpoint_dir, dataset, ...) for the container mount check."""
-    train: Any = None
-    """The parsed train flags (a TrainConfig), when preflight was given any."""
-
-
-def fp8_recipes(capability: tuple[int, int], cuda: str | None) -> list[str]:
-    """``backend:recipe`` names a GPU of this compute capability runs natively (the FP8 recipe table)."""
-    from llama_fp8.precision import recipes
-
-    return [f"{r.backend}:{r.name}" for r in recipes.supported_on(capability, cuda)]
-
-
-def check_gpus(s: Settings) -> Check:
-    """GPU count, names, compute capability and FP8 recipes; no GPU is a FAIL only with --device cuda."""
-    import torch
-
-    if not torch.cuda.is_available():
-        status = FAIL if s.device == "cuda" else WARN
-        return Check("gpu", status, f"no GPU (torch {torch.__version__}); --device {s.device} -> training on CPU"
-                     if status == WARN else "no GPU but --device cuda: check the node / CUDA driver")
-    caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
-    names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
-    cap = min(caps)
-    recipes = fp8_recipes(cap, torch.version.cuda)
-    desc = f"{torch.cuda.device_count()} x {', '.join(sorted(names))} (sm_{cap[0]}{cap[1]})"
-    if not recipes:
-        status = FAIL if s.fp8 else OK
-        return Check("gpu", status, f"{desc}: no FP8 recipe runs on it{'; use --fp8=0' if s.fp8 else ''}")
-    return Check("gpu", OK, f"{desc}: FP8 recipes {', '.join(recipes)}")
-
-
-def check_fp8_backends(s: Settings) -> list[Check]:
-    """Each FP8 library: importable, and its version; a missing one fails only when --fp8_backend asks for it."""
-    from llama_fp8 import models
-
-    checks, seen = [], set()
-    for impl in models.implementations():
-        for backend in impl.fp8_backends():
-            if backend.name in seen:
-                continue
-            seen.add(backend.name)
-            try:
-                checks.append(Check(backend.library, OK, f"version {backend.library_version()}"))
-            except Exception as e:  # noqa: BLE001 - TE raises OSError/RuntimeError without CUDA too
-                status = FAIL if s.fp8_backend == backend.name else WARN if s.fp8 or _gpu_wanted(s) else OK
-                checks.append(Check(backend.library, status, f"not importable ({type(e).__name__}: {str(e)[:160]})"))
-    return checks
-
-
-def check_model_impl(s: Settings) -> Check:
-    """The implementation --model_impl asks for can run here (auto: which one it will pick)."""
-    from llama_fp8 import models
-
-    device = torch_device(s.device)
-    try:
-        impl = models.resolve(s.model_impl, device)
-    except ValueError as e:
-        return Check("model_impl", FAIL, str(e))
-    reason = impl.unavailable(device)
-    if reason:
-        return Check("model_impl", FAIL, f"--model_impl {impl.name}: {reason[:200]}")
-    return Check("model_impl", OK, f"{s.model_impl} -> {impl.name} ({impl.description}) on {device.type}")
-
-
-def check_fp8_features(s: Settings) -> Check:
-    """The FP8 choice of the train flags, made by the one resolver (``precision.resolve``, without the hardware
-    check: check_gpus reports what this node's GPUs run): the backend and recipe exist in the installed
-    library (the recipe table's minimum versions); nothing to check without --fp8 1."""
-    from llama_fp8 import models, precision
-
-    cfg = s.train
-    if cfg is None or not s.fp8:
-        return Check("fp8_features", OK, "no FP8 asked for")
-    cfg = dataclasses.replace(cfg, fp8=True, fp8_backend=s.fp8_backend, model_impl=s.model_impl)
-    try:
-        impl = models.resolve(cfg.model_impl, torch_device(s.device))
-        choice = precision.resolve(cfg, impl, None, others=models.implementations())
-    except ValueError as e:  # ConfigError: the resolver's own words
-        return Check("fp8_features", FAIL, str(e))
-    backend = next(b for b in impl.fp8_backends() if b.name == choice.backend)
-    return Check("fp8_features", OK, f"{backend.name} {choice.recipe}{' + FP8 all-gather' if cfg.fp8_all_gather else ''}"
-                 f" with {backend.library} {backend.library_version()}")
-
-
-def check_layout(s: Settings) -> Check:
-    """The mesh the train flags ask for (--dp_*, --tp_size, --cp_size) fits the allocation's tasks and the model."""
-    from llama_fp8 import parallel
-
-    cfg = s.train
-    rank, _, tasks = task_position()
-    if cfg is None:
-        return Check("layout", OK, f"{tasks} task(s), no train flags to check")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-                or tasks)
-    env = parallel.DistEnv(rank, 0, tasks, local, None)
-    try:
-        dims = parallel.ParallelDims.from_config(cfg, env)
-        parallel.check_shapes(cfg, dims)
-    except ValueError as e:
-        return Check("layout", FAIL, f"{e} (this allocation: {tasks} task(s), {local} per node)")
-    mesh = " x ".join(f"{n} {v}" for n, v in dims.shape)
-    return Check("layout", OK, f"{mesh} = {tasks} rank(s); {dims.dp_size} data-parallel")
-
-
-def check_nccl(s: Settings) -> Check:
-    """NCCL version of this torch build; missing NCCL is a FAIL only when GPUs are wanted."""
-    import torch
-
-    try:
-        version = torch.cuda.nccl.version()
-    except Exception as e:  # noqa: BLE001 - CPU builds raise at call time
-        status = FAIL if s.device == "cuda" else OK
-        return Check("nccl", status, f"not available in torch {torch.__version__} ({type(e).__name__}); gloo on CPU")
-    return Check("nccl", OK, "version " + ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version))
-
-
-def efa_devices(sysfs: str = "/sys/class/infiniband") -> list[str]:
-    """InfiniBand devices bound to the efa driver."""
-    return sorted(Path(d).name for d in glob.glob(f"{sysfs}/*")
-                  if os.path.realpath(f"{d}/device/driver").endswith("/efa"))
-
-
-def check_efa(_: Settings) -> Check:
-    """EFA devices and, when present, the OFI plugin NCCL will load (it must exist and load: without it NCCL
-    falls back to TCP sockets) and NCCL_NET naming it (so that a plugin failure is an error, not TCP)."""
-    devices = efa_devices()
-    if not devices:
-        return Check("efa", OK, "no EFA devices (NCCL uses its default transport)")
-    plugin, how = nccl.configured_plugin()
-    if plugin is None:
-        return Check("efa", FAIL, f"{len(devices)} EFA device(s) but no aws-ofi-nccl plugin ({how}): NCCL would use "
-                     "TCP sockets; rebuild the image (scripts/build_image.sh) or set NCCL_NET_PLUGIN to the plugin")
-    try:
-        ctypes.CDLL(plugin)
-    except OSError as e:  # e.g. a libibverbs that does not match libefa (README: Troubleshooting)
-        return Check("efa", FAIL, f"{len(devices)} EFA device(s) but the OFI plugin {plugin} does not load: {e}")
-    net = os.environ.get("NCCL_NET")
-    if not net or net.lower() not in nccl.OFI_NETWORKS:
-        return Check("efa", WARN, f"{len(devices)} EFA device(s), plugin {plugin}, but NCCL_NET={net or 'unset'}: "
-                     f"a plugin that fails to initialize falls back to TCP silently; export "
-                     f"NCCL_NET='{nccl.OFI_NET_NAME}' (1.train_llama.sbatch does)")
-    return Check("efa", OK, f"{len(devices)} EFA device(s) ({', '.join(devices[:4])}), OFI plugin {plugin} "
-                 f"({how}), NCCL_NET={net}")
-
-
-def check_mounts(s: Settings) -> Check:
-    """Inside a Pyxis container started by our scripts (LLAMA_FP8_CONTAINER_MOUNTS set): every path of the
-    resolved config is on a mount, not on the container's throw-away root file system."""
-    spec = os.environ.get(mounts.MOUNTS_ENV)
-    if spec is None:
-        return Check("mounts", OK, "not in a container started by the launch scripts (nothing to check)")
-    paths = mounts.run_paths(s.paths, os.getcwd(), dict(os.environ))
-    bad = mounts.problems(paths, mounts.parse_mounts(spec))
-    if bad:
-        return Check("mounts", FAIL, "; ".join(bad) + f" (mounts: {spec})")
-    return Check("mounts", OK, f"{len(paths)} path(s) on mounts ({spec})")
-
-
-def check_writable(s: Settings) -> Check:
-    """The checkpoint dir (or its nearest existing parent) accepts a file; nothing is left behind."""
-    path = Path(s.checkpoint_dir).expanduser().resolve()
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        return Check("checkpoint_dir", FAIL, f"{path}: {existing} is not a directory")
-    probe = existing / f".preflight-{socket.gethostname()}-{os.getpid()}"
-    try:
-        probe.write_bytes(b"ok")
-        probe.unlink()
-    except OSError as e:
-        return Check("checkpoint_dir", FAIL, f"{path}: cannot write in {existing} ({e.strerror})")
-    where = "exists" if existing == path else f"will be created under {existing}"
-    return Check("checkpoint_dir", OK, f"{path} writable ({where})")
-
-
-def _looks_local(value: str) -> bool:
-    return value.startswith(("/", "./", "../", "~")) or Path(value).expanduser().exists()
-
-
-def check_path(name: str, value: str | None) -> Check:
-    """A local dataset/tokenizer path must exist and be readable; hub names and `synthetic` are not fetched."""
-    if value is None or value == "synthetic":
-        return Check(name, OK, f"{value or 'default'} (nothing to check)")
-    if not _looks_local(value):
-        return Check(name, OK, f"{value}: hub name, not fetched by preflight")
-    path = Path(value).expanduser()
-    if not path.exists():
-        return Check(name, FAIL, f"{path}: no such file or directory (--{name})")
-    if not os.access(path, os.R_OK):
-        return Check(name, FAIL, f"{path}: not readable (--{name})")
-    return Check(name, OK, f"{path} readable")
-
-
-def _gpu_wanted(s: Settings) -> bool:
-    return s.device == "cuda"
+from llama_fp8.cluster import mounts, netcheck
+from llama_fp8.cluster.config_checks import (  # noqa: F401 - the checks, importable from here
+    check_fp8_features,
+    check_layout,
+    check_model_impl,
+    task_position,
+    torch_device,
+)
+from llama_fp8.cluster.node_checks import (  # noqa: F401 - the checks, importable from here
+    FAIL,
+    OK,
+    WARN,
+    Check,
+    Settings,
+    check_efa,
+    check_fp8_backends,
+    check_gpus,
+    check_mounts,
+    check_nccl,
+    check_path,
+    check_writable,
+    efa_devices,
+    fp8_recipes,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -289,32 +82,26 @@ def _positive(kind):
 
 
 def resolve(own: argparse.Namespace, train_args: list[str]) -> Settings:
-    """Settings from own flags > train flags (parsed and validated like `train` does) > defaults.
+    """Settings from the train flags (parsed and validated as `train` does; none: the defaults), with
+    preflight's own flags applied on top as the same config fields, checked by the same rules.
 
     Raises llama_fp8.config.ConfigError for bad train flags (argparse-level errors exit 2).
     """
     from llama_fp8 import config
 
-    cfg = config.parse_args(train_args) if train_args else None
-    s = Settings()
-    if cfg is not None:
-        s = Settings(device=cfg.device, model_impl=cfg.model_impl, fp8=cfg.fp8, fp8_backend=cfg.fp8_backend,
-                     dataset=cfg.dataset,
-                     tokenizer=cfg.tokenizer,
-                     checkpoint_dir=getattr(cfg, "checkpoint_dir", None) or cfg.run_dir or config.default_run_dir(),
-                     paths={f: str(getattr(cfg, f)) for f, _ in mounts.PATH_FLAGS if getattr(cfg, f, None)},
-                     train=cfg)
-    s.device = own.device or s.device
-    s.model_impl = own.model_impl or s.model_impl
-    s.fp8 = own.fp8 == "1" if own.fp8 is not None else s.fp8
-    s.fp8_backend = own.fp8_backend or s.fp8_backend
-    s.dataset = own.dataset or s.dataset
-    s.tokenizer = own.tokenizer or s.tokenizer
-    s.checkpoint_dir = own.checkpoint_dir or s.checkpoint_dir
+    cfg = config.parse_args(train_args)
+    mine = {name: getattr(own, name) for name in ("device", "model_impl", "fp8_backend", "dataset", "tokenizer")
+            if getattr(own, name)}
+    if own.fp8 is not None:
+        mine["fp8"] = own.fp8 == "1"
+    if mine:
+        cfg = config.resolve(dataclasses.replace(cfg, **mine))
+    paths = {f: str(getattr(cfg, f)) for f, _ in mounts.PATH_FLAGS if getattr(cfg, f, None)}
     for name in ("dataset", "tokenizer", "checkpoint_dir"):
         if getattr(own, name):
-            s.paths[name] = getattr(own, name)
-    return s
+            paths[name] = getattr(own, name)
+    checkpoint_dir = own.checkpoint_dir or cfg.checkpoint_dir or cfg.run_dir or config.default_run_dir()
+    return Settings(cfg=cfg, train_given=bool(train_args), checkpoint_dir=checkpoint_dir, paths=paths)
 
 
 def run_checks(s: Settings) -> list[Check]:
@@ -327,18 +114,8 @@ def run_checks(s: Settings) -> list[Check]:
         except Exception as e:  # noqa: BLE001 - report and keep going
             out = Check(fn.__name__.removeprefix("check_"), FAIL, f"check crashed: {type(e).__name__}: {e}")
         checks += out if isinstance(out, list) else [out]
-    checks += [check_path("dataset", s.dataset), check_path("tokenizer", s.tokenizer)]
+    checks += [check_path("dataset", s.cfg.dataset), check_path("tokenizer", s.cfg.tokenizer)]
     return checks
-
-
-def task_position(env: dict[str, str] | None = None) -> tuple[int, int, int]:
-    """(rank, local rank, tasks) of this process: torchrun's variables, else a Slurm step's, else (0, 0, 1)."""
-    env = dict(os.environ if env is None else env)
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"])
-    if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
-        return int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env.get("SLURM_NTASKS", 1))
-    return 0, 0, 1
 
 
 def node_summary(checks: list[Check]) -> str:
@@ -348,17 +125,8 @@ def node_summary(checks: list[Check]) -> str:
             f"{len(failed)} failed{': ' + ', '.join(failed) if failed else ''}")
 
 
-def torch_device(asked: str):
-    """``--device`` as training will run it (``parallel.dist.device_type`` decides)."""
-    import torch
-
-    from llama_fp8.parallel.dist import device_type
-
-    return torch.device(device_type(asked))
-
-
 def network(own: argparse.Namespace, s: Settings, node_failed: list[str]) -> tuple[list[Check], netcheck.NetResult]:
-    device = torch_device(s.device).type
+    device = torch_device(s.cfg.device).type
     res = netcheck.run(device, own.allreduce_mb or netcheck.default_megabytes(device), own.allreduce_iters,
                        own.timeout, len(efa_devices()), node_failed)
     checks = [Check(name, status, message) for name, status, message in netcheck.result_lines(res)]

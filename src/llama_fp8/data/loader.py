@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from llama_fp8.data.packing import PackSpec, SlotFactory
-from llama_fp8.data.sources import SourceKey, check_tokenizer, load_tokenizer, open_sources
+from llama_fp8.data.sources import SourceKey, open_sources
+from llama_fp8.data.tokenizer import check_tokenizer, load_tokenizer
 
 STATE_VERSION = 1
 SYNTHETIC_MODULUS = 256  # synthetic token ids lie in [0, min(vocab_size, 256))

@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from llama_fp8.data.sources import MapDocReader, SourceKey, StreamDocReader, load_tokenizer, open_sources
+from llama_fp8.data.readers import MapDocReader, StreamDocReader
+from llama_fp8.data.sources import SourceKey, open_sources
+from llama_fp8.data.tokenizer import load_tokenizer
 
 CHUNK_DOCS = 128  # documents per batched tokenizer call
 

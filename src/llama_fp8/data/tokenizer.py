@@ -1,0 +1,37 @@
+"""The tokenizer: AutoTokenizer from a local folder or a hub id, checked for what packing needs."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Any
+
+from llama_fp8.data.files import is_local
+
+
+@lru_cache(maxsize=4)
+def load_tokenizer(name: str) -> Any:
+    """AutoTokenizer from a local folder or hub id, with truncation/padding of the backend off."""
+    from transformers import AutoTokenizer
+
+    if is_local(name) and not os.path.isdir(os.path.expanduser(name)):
+        raise ValueError(f"--tokenizer={name!r}: no such directory")
+    try:
+        tok = AutoTokenizer.from_pretrained(os.path.expanduser(name) if is_local(name) else name)
+    except Exception as e:
+        raise ValueError(f"--tokenizer={name!r} cannot be loaded: {type(e).__name__}: {e}") from e
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:  # packing needs whole documents, never truncated or padded ones
+        backend.no_truncation()
+        backend.no_padding()
+    return tok
+
+
+def check_tokenizer(tok: Any, name: str, vocab_size: int | None) -> None:
+    """The packer needs an EOS token and ids that fit the model's embedding (None: not checked)."""
+    if tok.eos_token_id is None:
+        raise ValueError(f"--tokenizer={name!r} defines no EOS token; packing separates documents "
+                         "with EOS (set eos_token in its tokenizer_config.json)")
+    if vocab_size is not None and len(tok) > vocab_size:
+        raise ValueError(f"--tokenizer={name!r} has {len(tok)} tokens, more than the model's "
+                         f"vocab_size={vocab_size}; use a model preset with vocab_size >= {len(tok)}")
