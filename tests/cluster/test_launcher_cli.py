@@ -173,9 +173,10 @@ def test_torchrun_wrapper_keeps_worker_exit_code(code, tmp_path, monkeypatch):
 
 
 def test_submit_batch_script_requeues_on_the_host(tmp_path):
-    """The setup lines submitit puts before its srun: valid bash, the rendezvous address from scontrol, the EFA
-    settings, and the EXIT trap that requeues on the task's marker or exit code 85 (run here with a fake
-    scontrol: the trap must call `scontrol requeue <job>` and exit 0)."""
+    """The setup lines submitit puts before its srun: valid bash, the batch scripts' own node setup (job_lib.sh's
+    functions: one owner, nothing to keep in step) exporting the rendezvous address Slurm knows and the job's
+    port, and the EXIT trap that requeues on the task's marker or exit code 85 (run here with a fake scontrol:
+    the trap must call `scontrol requeue <job>` and exit 0)."""
     import subprocess
 
     import submitit.slurm.slurm as sl
@@ -185,21 +186,28 @@ def test_submit_batch_script_requeues_on_the_host(tmp_path):
                                   **{k: v for k, v in params.items() if k != "stderr_to_stdout"})
     assert subprocess.run(["bash", "-n"], input=text, text=True, check=False).returncode == 0
     setup = "\n".join(params["setup"])
-    assert 'export MASTER_ADDR=$(scontrol -o show node' in setup and 'NCCL_NET="${NCCL_NET:-AWS Libfabric}"' in setup
+    lib = submit.JOB_LIB.read_text()
+    for name in ("lf_efa_devices", "lf_setup_efa", "lf_setup_rendezvous"):  # the batch scripts' functions, verbatim
+        body = "\n".join(submit.shell_functions(lib, name))
+        assert body in setup and body.startswith(f"{name}() {{") and body.endswith("}")
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >>{tmp_path}/scontrol.calls\n")
+    (fake / "scontrol").write_text(
+        "#!/bin/sh\ncase \"$*\" in\n  'show hostnames n1') echo n1;;\n"
+        "  '-o show node n1') echo 'NodeName=n1 NodeAddr=10.1.2.3 State=IDLE';;\n"
+        f"  *) echo \"$@\" >>{tmp_path}/scontrol.calls;;\nesac\n")
     (fake / "scontrol").chmod(0o755)
     marker = tmp_path / "sub" / "42" / submit.REQUEUE_MARKER
     marker.parent.mkdir(parents=True)
     for task_exit, with_marker, requeued in ((85, False, True), (0, True, True), (3, False, False)):
         if with_marker:
             marker.touch()
-        script = setup + f"\nsh -c 'exit {task_exit}'\n"
+        script = setup + f"\necho \"rendezvous $MASTER_ADDR:$MASTER_PORT\"\nsh -c 'exit {task_exit}'\n"
         proc = subprocess.run(["bash", "-c", script], env={"PATH": f"{fake}:/usr/bin:/bin", "SLURM_JOB_ID": "42",
                                                            "SLURM_JOB_NODELIST": "n1"},
                               capture_output=True, text=True, check=False)
         calls = (tmp_path / "scontrol.calls").read_text() if (tmp_path / "scontrol.calls").exists() else ""
+        assert "rendezvous 10.1.2.3:29542" in proc.stdout, proc.stdout + proc.stderr  # 29500 + job id % 1000
         assert ("requeue 42" in calls) is requeued, (task_exit, proc.stdout, proc.stderr)
         assert proc.returncode == (0 if requeued else task_exit)
         assert not marker.exists()
@@ -209,6 +217,7 @@ def test_submit_batch_script_requeues_on_the_host(tmp_path):
 def test_train_task_exits_85_with_a_marker_and_no_scontrol(tmp_path, monkeypatch):
     """Inside the task: no `scontrol` call (it may not exist there); rank 0 leaves the marker and the task
     raises SystemExit(85), which submitit's `except Exception` lets through (no result written)."""
+    import subprocess
     import types
 
     import submitit
@@ -216,12 +225,13 @@ def test_train_task_exits_85_with_a_marker_and_no_scontrol(tmp_path, monkeypatch
     from llama_fp8 import train
 
     calls = []
-    monkeypatch.setattr(submit.subprocess, "run", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(a))
     fake_env = types.SimpleNamespace(hostnames=["n1"], job_id="42", global_rank=0, num_tasks=1, local_rank=0,
                                      num_nodes=1, paths=types.SimpleNamespace(folder=tmp_path))
     monkeypatch.setattr(submitit, "JobEnvironment", lambda: fake_env)
     monkeypatch.setattr(train, "main", lambda argv: 85)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29542")
     with pytest.raises(SystemExit) as e:
         submit.TrainTask(["--model", "tiny"])()
     assert e.value.code == 85 and (tmp_path / submit.REQUEUE_MARKER).exists() and calls == []
@@ -310,3 +320,19 @@ def test_preflight_and_training_agree_on_what_is_a_local_path(tmp_path, monkeypa
     assert not files.is_local("allenai/c4") and preflight.check_path("dataset", "allenai/c4").status == "OK"
     (tmp_path / "corpus.jsonl").write_text('{"text": "a"}\n')
     assert preflight.check_path("dataset", "corpus.jsonl").status == "OK"
+
+
+def test_train_task_needs_the_rendezvous_from_the_batch_script(monkeypatch):
+    """The task takes MASTER_ADDR/MASTER_PORT from the batch script's setup lines (job_lib.sh's
+    lf_setup_rendezvous) and works out no address of its own: without them it stops, saying so."""
+    import types
+
+    import submitit
+
+    fake_env = types.SimpleNamespace(hostnames=["n1"], job_id="42", global_rank=0, num_tasks=1, local_rank=0,
+                                     num_nodes=1, paths=types.SimpleNamespace(folder="."))
+    monkeypatch.setattr(submitit, "JobEnvironment", lambda: fake_env)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("MASTER_PORT", "29542")
+    with pytest.raises(RuntimeError, match="MASTER_ADDR not set: the batch script's setup lines"):
+        submit.TrainTask(["--model", "tiny"])()

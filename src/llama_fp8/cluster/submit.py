@@ -21,7 +21,6 @@ import argparse
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -93,19 +92,35 @@ def image_argument(image: str) -> str:
     return str(Path(image).resolve()) if Path(image).exists() else image
 
 
+JOB_LIB = Path(__file__).with_name("job_lib.sh")
+"""The batch scripts' steps (bash): the one owner of how a node is set up for a job."""
+
+
+def shell_functions(text: str, *names: str) -> list[str]:
+    """The definitions of bash functions ``names`` in ``text`` (a function runs from ``name() {`` to the first
+    line that is ``}``), in the order asked."""
+    lines = text.splitlines()
+    out = []
+    for name in names:
+        start = next((i for i, ln in enumerate(lines) if ln.startswith(f"{name}() {{")), None)
+        if start is None:
+            raise ValueError(f"{JOB_LIB.name} defines no function {name}")
+        end = lines.index("}", start)
+        out += lines[start:end + 1]
+    return out
+
+
 def host_setup(folder: Path) -> list[str]:
     """Lines submitit puts in the batch script before its `srun` (bash, on the batch host where Slurm's client
-    tools are): the first node's address for the rendezvous, the EFA/NCCL settings, and the requeue trap."""
+    tools are): the batch scripts' own EFA/NCCL settings and rendezvous address (job_lib.sh's functions,
+    copied in: the tasks may run in a container without them), and the requeue trap."""
     marker = f"{folder}/$SLURM_JOB_ID/{REQUEUE_MARKER}"
     return [
-        "# llama-fp8: rendezvous address from Slurm (node names need not resolve; tasks may have no scontrol)",
-        'llama_fp8_first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        'export MASTER_ADDR=$(scontrol -o show node "$llama_fp8_first" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)',
-        "# llama-fp8: EFA nodes: NCCL over the aws-ofi-nccl plugin, and an error instead of a TCP fallback",
-        'llama_fp8_efa=0; for d in /sys/class/infiniband/*; do case "$(readlink -f "$d/device/driver" 2>/dev/null)" '
-        'in */efa) llama_fp8_efa=$((llama_fp8_efa + 1));; esac; done',
-        'if [ "$llama_fp8_efa" -gt 0 ]; then export FI_PROVIDER="${FI_PROVIDER:-efa}" '
-        'FI_EFA_FORK_SAFE="${FI_EFA_FORK_SAFE:-1}" NCCL_NET="${NCCL_NET:-AWS Libfabric}"; fi',
+        "# llama-fp8: node setup from cluster/job_lib.sh (the batch scripts' own functions)",
+        *shell_functions(JOB_LIB.read_text(), "lf_efa_devices", "lf_setup_efa", "lf_setup_rendezvous"),
+        "lf_setup_efa",
+        "lf_setup_rendezvous",
+        'export MASTER_ADDR="$RDZV_ADDR" MASTER_PORT="$RDZV_PORT"',
         "# llama-fp8: training saved a checkpoint and exited 85: requeue from here, where scontrol exists",
         "llama_fp8_requeue() {",
         "    llama_fp8_rc=$?",
@@ -160,17 +175,6 @@ def container_mounts(args: argparse.Namespace, train_args: list[str]) -> str:
     return ",".join(m.spec() for m in mounts.auto_mounts(paths, base))
 
 
-def first_node_address(first: str) -> str:
-    """Address of node `first` as Slurm knows it (node names need not resolve); the name itself when
-    scontrol is absent (inside a container)."""
-    try:
-        info = subprocess.run(["scontrol", "-o", "show", "node", first], capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return first
-    fields = dict(tok.partition("=")[::2] for tok in info.stdout.split() if "=" in tok)
-    return fields.get("NodeAddr") or first
-
-
 @dataclass
 class TrainTask:
     """What submitit pickles and runs in every Slurm task: `llama_fp8.train.main(train_args)`."""
@@ -182,9 +186,10 @@ class TrainTask:
 
         release_submitit_signals()
         env = submitit.JobEnvironment()
-        if "MASTER_ADDR" not in os.environ:  # normally exported by host_setup, where scontrol exists
-            os.environ["MASTER_ADDR"] = first_node_address(env.hostnames[0])
-        os.environ.setdefault("MASTER_PORT", str(29500 + int(env.job_id.split("_")[0]) % 1000))
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:  # exported by host_setup's lines on the batch host (tasks may have no scontrol)
+            raise RuntimeError(f"{' and '.join(missing)} not set: the batch script's setup lines (host_setup) did "
+                               "not run before srun")
         os.environ.update(RANK=str(env.global_rank), WORLD_SIZE=str(env.num_tasks), LOCAL_RANK=str(env.local_rank),
                           LOCAL_WORLD_SIZE=str(env.num_tasks // env.num_nodes))
         from llama_fp8 import train

@@ -1,0 +1,201 @@
+# shellcheck shell=bash
+# Functions shared by the batch scripts (1.train_llama.sbatch, scripts/slurm/ab_job.sbatch); sourced inside
+# the job, on its first node. Safe on bash 4.2 (Amazon Linux 2) under `set -u`: an array that can be empty
+# is expanded as ${a[@]+"${a[@]}"} (bash < 4.4 calls "${a[@]}" of an empty array an unbound variable).
+#
+# Reads (all optional; README: Environment variables): IMAGE, CONTAINER_MOUNTS, LLAMA_FP8_CONTAINER, KEEP_CONTAINER,
+# HOST_PYTHON, VENV, REPO_DIR, DEVICE, NPROC_PER_NODE, RDZV_PORT, SKIP_PREFLIGHT, PREFLIGHT_REPORT, NCCL_NET.
+# Sets: DEVICE DEVICE_ARGS NPROC_PER_NODE CPUS PY WHERE CONTAINER_ARGS RDZV_ADDR RDZV_PORT.
+
+# shellcheck disable=SC2034  # read by the scripts that source this file
+EXIT_REQUEUE=85  # llama_fp8.errors.EXIT_REQUEUE: a checkpoint was saved after SIGUSR1/SIGTERM, requeue me
+LF_EXTRA_PATHS=()  # NAME=PATH the calling script writes outside the run dir (AB_DIR): mounted or refused
+LF_CONTAINER=""    # the Pyxis container name, once lf_setup_runtime chose one
+
+lf_die() { echo "error: $*" >&2; exit 1; }
+
+# sbatch exports the submitting shell's environment: a torchrun rank's variables left there (a job submitted from
+# a notebook or a script launched by torchrun) would make every task of every step think it is rank 0 of 1.
+# The steps below get theirs from srun (preflight) and torchrun (training).
+unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK ROLE_RANK TORCHELASTIC_RUN_ID
+
+# ---- devices: GPUs per node are detected (never assumed); no GPU means CPU mode (gloo).
+lf_gpus_per_node() {
+    if [[ -n "${SLURM_GPUS_ON_NODE:-}" ]]; then
+        echo "$SLURM_GPUS_ON_NODE"
+    elif command -v nvidia-smi >/dev/null; then
+        nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
+    else
+        echo 0
+    fi
+}
+
+lf_setup_devices() {
+    local gpus
+    gpus=$(lf_gpus_per_node)
+    DEVICE=${DEVICE:-auto}
+    DEVICE_ARGS=()  # an explicit DEVICE=cpu|cuda is passed on to training; `auto` lets training decide the same way
+    if [[ "$DEVICE" != auto ]]; then DEVICE_ARGS=(--device "$DEVICE"); fi
+    if [[ "$DEVICE" == auto ]]; then
+        if ((gpus > 0)); then DEVICE=cuda; else DEVICE=cpu; fi
+    fi
+    if [[ "$DEVICE" == cuda ]]; then
+        NPROC_PER_NODE=${NPROC_PER_NODE:-$gpus}
+        export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+        export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+    else
+        NPROC_PER_NODE=${NPROC_PER_NODE:-2}
+    fi
+    CPUS=${SLURM_CPUS_ON_NODE:-1}
+}
+
+# ---- EFA (AWS): NCCL over libfabric through the aws-ofi-nccl plugin, only where EFA devices exist.
+lf_efa_devices() {  # the number of InfiniBand devices bound to the efa driver
+    local dev n=0
+    for dev in /sys/class/infiniband/*; do
+        if [[ "$(readlink -f "$dev/device/driver" 2>/dev/null)" == */efa ]]; then n=$((n + 1)); fi
+    done
+    echo "$n"
+}
+
+lf_setup_efa() {
+    if (($(lf_efa_devices) == 0)); then return 0; fi
+    export FI_PROVIDER=${FI_PROVIDER:-efa}
+    export FI_EFA_FORK_SAFE=${FI_EFA_FORK_SAFE:-1}  # dataloader workers fork; needed on older kernels
+    export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-^docker,lo,veth}
+    # Name the network so NCCL fails at init when the OFI plugin does not load, instead of silently using TCP
+    # sockets. "AWS Libfabric" is accepted by every aws-ofi-nccl version (llama_fp8/cluster/nccl.py).
+    export NCCL_NET=${NCCL_NET:-AWS Libfabric}
+}
+
+# ---- the image: a .sqsh file must be an absolute path (Pyxis treats an image that does not start with "/" or
+# "." as a registry name: pyxis_slurmstepd.c, strspn(image, "./")); recorded for the run's meta record.
+lf_resolve_image() {
+    if [[ -e "$IMAGE" ]]; then
+        IMAGE=$(realpath "$IMAGE")
+        export LLAMA_FP8_IMAGE="$IMAGE"
+        LLAMA_FP8_IMAGE_SIZE=$(stat -c %s "$IMAGE")
+        LLAMA_FP8_IMAGE_MTIME=$(date -u -d "@$(stat -c %Y "$IMAGE")" +%Y-%m-%dT%H:%M:%SZ)
+        export LLAMA_FP8_IMAGE_SIZE LLAMA_FP8_IMAGE_MTIME
+        if [[ -f "$IMAGE.sha256" && ! "$IMAGE" -nt "$IMAGE.sha256" ]]; then  # written by scripts/build_image.sh
+            LLAMA_FP8_IMAGE_SHA256=$(cut -d' ' -f1 "$IMAGE.sha256")
+            export LLAMA_FP8_IMAGE_SHA256
+        fi
+    elif [[ "$IMAGE" == *.sqsh || "$IMAGE" == *.squashfs ]]; then
+        lf_die "IMAGE=$IMAGE: no such file (relative to $PWD)"
+    else
+        export LLAMA_FP8_IMAGE="$IMAGE"  # a registry image (nvcr.io#nvidia/pytorch:..., docker://...)
+    fi
+    export IMAGE
+}
+
+# ---- mounts: every path the run touches outside the repository is mounted (CONTAINER_MOUNTS unset) or refused
+# (CONTAINER_MOUNTS set), here on the host before any srun. The check needs python3 >= 3.7 on this node; without
+# it the repository and the working directory are mounted and preflight checks the rest inside the container.
+lf_container_mounts() {  # lf_container_mounts TRAIN_ARGS... -> the --container-mounts value on stdout
+    local py=${HOST_PYTHON:-python3} margs=() extra
+    if [[ -n "${CONTAINER_MOUNTS:-}" ]]; then margs=(--mounts "$CONTAINER_MOUNTS"); fi
+    for extra in ${LF_EXTRA_PATHS[@]+"${LF_EXTRA_PATHS[@]}"}; do margs+=(--path "$extra"); done
+    if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 7))' 2>/dev/null; then
+        echo "warning: no python3 >= 3.7 on $(hostname) (HOST_PYTHON): mount check left to preflight" >&2
+        echo "${CONTAINER_MOUNTS:-$REPO_DIR:$REPO_DIR,$PWD:$PWD}"
+        return 0
+    fi
+    PYTHONPATH="$REPO_DIR/src" "$py" -m llama_fp8.cluster.mounts --repo "$REPO_DIR" --workdir "$PWD" \
+        ${margs[@]+"${margs[@]}"} -- "$@"
+}
+
+# ---- where to run: the Enroot image through Pyxis (one named container per node for the whole job), or the
+# repository's virtualenv.
+lf_setup_runtime() {  # lf_setup_runtime TRAIN_ARGS...
+    CONTAINER_ARGS=()
+    if [[ -n "${IMAGE:-}" ]]; then
+        if ! srun --help 2>&1 | grep -q -- --container-image; then
+            echo "error: IMAGE=$IMAGE is set but srun has no --container-image (Pyxis is not installed)." >&2
+            lf_die "      Unset IMAGE to use the virtualenv $REPO_DIR/.venv, or install Pyxis + Enroot."
+        fi
+        lf_resolve_image
+        local mounts
+        mounts=$(lf_container_mounts "$@") || lf_die "the run would lose or miss the paths above (see README: Troubleshooting)"
+        export LLAMA_FP8_CONTAINER_MOUNTS="$mounts"  # preflight re-checks the resolved config against it
+        # Named: the preflight step unpacks the image once per node and every later step reuses it. (Not taken
+        # from $CONTAINER_NAME: container tools set that variable in many environments.)
+        LF_CONTAINER=${LLAMA_FP8_CONTAINER:-llama-fp8-$SLURM_JOB_ID}
+        CONTAINER_ARGS=(--container-image="$IMAGE" --container-name="$LF_CONTAINER"
+            --container-mounts="$mounts" --container-workdir="$PWD")
+        PY=(python)
+        WHERE="image $IMAGE (container $LF_CONTAINER, mounts $mounts)"
+        trap lf_remove_containers EXIT
+    else
+        VENV=${VENV:-$REPO_DIR/.venv}
+        [[ -x "$VENV/bin/python" ]] || lf_die "no $VENV/bin/python: set VENV=/path/to/venv or IMAGE=/path/to/image.sqsh"
+        PY=("$VENV/bin/python")
+        WHERE="venv $VENV"
+        export PYTHONPATH="$REPO_DIR/src${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+}
+
+lf_remove_containers() {  # the job's named containers, on every node (Pyxis keeps named containers otherwise)
+    local rc=$?
+    if [[ "${KEEP_CONTAINER:-0}" != 1 && -n "$LF_CONTAINER" ]]; then
+        # pyxis names them pyxis_<name> (container_scope=global) or pyxis_<jobid>_<name> (scope=job).
+        srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 bash -c "command -v enroot >/dev/null || exit 0;
+            enroot list | grep -E '^pyxis_(${SLURM_JOB_ID}_)?${LF_CONTAINER}\$' | xargs -r -n 1 enroot remove -f" \
+            >/dev/null 2>&1 || echo "warning: could not remove container $LF_CONTAINER on every node" >&2
+    fi
+    return "$rc"
+}
+
+# ---- rendezvous: c10d store on the first node, a port derived from the job id.
+lf_setup_rendezvous() {
+    local first
+    first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    # Node names need not resolve (and differ from addresses on many clusters): ask Slurm for the address.
+    RDZV_ADDR=$(scontrol -o show node "$first" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+    RDZV_PORT=${RDZV_PORT:-$((29500 + SLURM_JOB_ID % 1000))}
+}
+
+# ---- preflight on every node, one task per GPU (per process slot on CPU): node checks, then an all-reduce over
+# all of them that reports its bus bandwidth and the network NCCL chose. Its JSON report goes to every run's
+# metrics.jsonl meta record (LLAMA_FP8_PREFLIGHT). SKIP_PREFLIGHT=1 skips it.
+lf_preflight() {  # lf_preflight TRAIN_ARGS...
+    if [[ "${SKIP_PREFLIGHT:-0}" == 1 ]]; then
+        echo "preflight: skipped (SKIP_PREFLIGHT=1)"
+        return 0
+    fi
+    export LLAMA_FP8_PREFLIGHT=${PREFLIGHT_REPORT:-$PWD/logs/llama-fp8-preflight_$SLURM_JOB_ID.json}
+    mkdir -p "$(dirname "$LLAMA_FP8_PREFLIGHT")"
+    local per_task=$((CPUS / NPROC_PER_NODE))
+    MASTER_ADDR="$RDZV_ADDR" MASTER_PORT=$((RDZV_PORT + 1)) \
+        srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node="$NPROC_PER_NODE" --cpus-per-task=$((per_task > 0 ? per_task : 1)) \
+        --kill-on-bad-exit=1 ${CONTAINER_ARGS[@]+"${CONTAINER_ARGS[@]}"} \
+        "${PY[@]}" -m llama_fp8 preflight --device "$DEVICE" --report "$LLAMA_FP8_PREFLIGHT" -- "$@"
+}
+
+# ---- training: one `llama_fp8 launch` (torchrun that keeps the workers' exit code) per node.
+lf_is_hyperpod() { [[ -d /opt/sagemaker_cluster ]]; }
+
+lf_train() {  # lf_train TRAIN_ARGS... ; returns training's exit code (85 = checkpoint saved, requeue me)
+    local resume=()
+    if lf_is_hyperpod; then
+        # SageMaker HyperPod: replace faulty nodes and resume. An srun flag (sbatch rejects it), and it only
+        # applies to the step that carries it: the training step.
+        resume=(--auto-resume=1)
+    fi
+    srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task="$CPUS" --kill-on-bad-exit=1 \
+        ${CONTAINER_ARGS[@]+"${CONTAINER_ARGS[@]}"} ${resume[@]+"${resume[@]}"} \
+        "${PY[@]}" -m llama_fp8 launch \
+        --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE" \
+        --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ADDR:$RDZV_PORT" --rdzv_id="$SLURM_JOB_ID" \
+        -m llama_fp8 train ${DEVICE_ARGS[@]+"${DEVICE_ARGS[@]}"} "$@"
+}
+
+lf_setup() {  # lf_setup TRAIN_ARGS...: everything before the first srun
+    lf_setup_devices
+    lf_setup_efa
+    lf_setup_runtime "$@"
+    lf_setup_rendezvous
+    echo "job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES node(s) x $NPROC_PER_NODE process(es), device $DEVICE," \
+        "rendezvous $RDZV_ADDR:$RDZV_PORT, $WHERE"
+    if [[ -n "${NCCL_NET:-}" ]]; then echo "EFA: $(lf_efa_devices) device(s), NCCL_NET=$NCCL_NET"; fi
+}
