@@ -96,11 +96,12 @@ def resolve(own: argparse.Namespace, train_args: list[str]) -> Settings:
         mine["fp8"] = own.fp8 == "1"
     if mine:
         cfg = config.resolve(dataclasses.replace(cfg, **mine))
-    paths = {f: str(getattr(cfg, f)) for f, _ in mounts.PATH_FLAGS if getattr(cfg, f, None)}
+    paths = {f: str(getattr(cfg, f)) for f, _ in mounts.PATH_FLAGS if train_args and getattr(cfg, f, None)}
     for name in ("dataset", "tokenizer", "checkpoint_dir"):
         if getattr(own, name):
             paths[name] = getattr(own, name)
-    checkpoint_dir = own.checkpoint_dir or cfg.checkpoint_dir or cfg.run_dir or config.default_run_dir()
+    checkpoint_dir = own.checkpoint_dir or ((cfg.checkpoint_dir or cfg.run_dir or config.default_run_dir())
+                                            if train_args else "runs")
     return Settings(cfg=cfg, train_given=bool(train_args), checkpoint_dir=checkpoint_dir, paths=paths)
 
 
