@@ -9,14 +9,15 @@ import time
 from pathlib import Path
 
 import gpu_records
-import gpu_trace
 import gpu_units
 from gpu_context import Context, failure, fresh_dir, slug
 from gpu_steps import demo_data, pytest_cmd, pytest_env
 
+from llama_fp8.report import trace as gpu_trace
+
 HERE = Path(__file__).resolve().parent
 HF_INIT_REL_TOL = 0.01  # BF16 forward of the same weights through two implementations: losses within 1 %
-MIRROR_TRACE_MAX = 15 * 2**20  # a device run brings back files of at most 16 MiB
+MIRROR_TRACE_MAX = 15 * 2**20  # keep each file the output folder carries back small (16 MiB)
 
 
 # --- d: save at k, resume to 2k --------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Verify the package on a GPU node, in slices that each fit one device command, resumable across visits.
 
-    python scripts/gpu/verify.py [--only STEP,...] [--match GLOB]... [--budget-seconds S] [--list] [--dry-run]
+    python scripts/gpu/verify.py [--plan first|all] [--only STEP,...] [--match GLOB]... [--budget-seconds S]
+                                 [--list] [--dry-run]
 
 Runs the units of gpu_units.py in order (pytest -m gpu, bench_linear, the training A/B matrix, save/resume,
 --init_from_hf TE vs HF, profile) and appends one record per unit (per test for pytest) to the results file
@@ -42,6 +43,8 @@ EXIT_MORE, EXIT_VERSIONS = 10, 3
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="verify.py", description=__doc__.splitlines()[0])
+    p.add_argument("--plan", default="all", choices=gpu_units.PLANS,
+                   help="first: a first visit's essentials (~25 min of node time in 3 commands); all: everything")
     p.add_argument("--only", help=f"comma-separated steps to run, in this order: {','.join(gpu_units.STEPS)}")
     p.add_argument("--match", action="append", metavar="GLOB",
                    help="only units whose id matches (repeatable), e.g. 'train/llama3.2-1b/synthetic/*'")
@@ -147,7 +150,7 @@ def probe_versions(args: argparse.Namespace, work: Path, env: dict[str, str]) ->
 
 
 def bundle_logs(work: Path, mirror: Path | None) -> None:
-    """logs/ and every run's metrics.jsonl and config.yaml, as one archive (a device run brings back 8 files)."""
+    """logs/ and every run's metrics.jsonl and config.yaml, as one archive (few files for the output folder)."""
     if mirror is None:
         return
     mirror.mkdir(parents=True, exist_ok=True)
@@ -211,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = {**provenance(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     opts = options(args)
     only = tuple(s for s in (args.only or "").split(",") if s) or None
-    units = gpu_units.select(gpu_units.plan(opts), only, tuple(args.match) if args.match else None)
+    units = gpu_units.select(gpu_units.plan(opts, args.plan), only, tuple(args.match) if args.match else None)
     records = store.records()
     if args.list:
         list_units(units, records, key)

@@ -187,3 +187,26 @@ def test_low_bit_optimizers_are_refused_with_fp8_weights(monkeypatch):
     for low in ("adamw8bit", "adamw_fp8"):
         with pytest.raises(C.ConfigError, match=f"--optimizer {low} with --fp8_all_gather 1 .*use --optimizer adamw"):
             P.resolve(C.parse_args([*args, "--optimizer", low]), te, cuda)
+
+
+def test_on_fsdp2_shards_it_steps_like_torch_adamw(one_rank):
+    """Sharded (DTensor) parameters: the same update as torch.optim.AdamW, states sharded like the parameters."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    for m in models:
+        fully_shard(m)
+    ours = MasterAdamW(models[0].parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ref = torch.optim.AdamW(models[1].parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        for m, opt in zip(models, (ours, ref)):
+            m(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert isinstance(a, DTensor) and torch.equal(a.full_tensor(), b.full_tensor())
+    assert all(isinstance(s["exp_avg"], DTensor) for s in ours.state.values())

@@ -18,7 +18,7 @@ def cell(model, data, variant, tokens, loss=5.0, status="passed", **extra):
     rec = {"key": KEY, "unit": f"train/{model}/{data}/{variant}", "kind": "train", "status": status, "model": model,
            "data": data, **v.fields(), "date": "2026-12-01T10:00:00+00:00"}
     if status == "passed":
-        rec.update(tokens_per_sec_per_gpu=tokens, samples_per_sec=tokens / 8192, tflops_per_gpu=tokens * 2e-2,
+        rec.update(tokens_per_sec_per_device=tokens, samples_per_sec=tokens / 8192, tflops_per_device=tokens * 2e-2,
                    mfu_vs_bf16_peak=tokens * 2e-2 / 989.4, mem_peak_gib=40.0, last_loss=loss, last_step=100,
                    num_params=3.2e9, seq_len=4096, global_batch_size=2, timed_steps=90, warmup_steps=10)
     return {**rec, **extra}

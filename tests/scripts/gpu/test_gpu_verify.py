@@ -39,7 +39,7 @@ def test_every_matrix_cell_is_accepted_by_the_trainers_parser(tmp_path):
         flags = gpu_units.train_flags(opts, unit.info["model"], unit.info["data"], v, tmp_path / "run", DEMO)
         cfg = parse_args(flags)
         assert (cfg.seed, cfg.device, cfg.max_context_width) == (gpu_units.SEED, "cuda", 4096), unit.id
-        assert cfg.max_steps == (100 if unit.info["data"] == "text" else 50) and cfg.logging_freq == 5
+        assert cfg.max_steps == (100 if unit.info["data"] == "text" else 40) and cfg.logging_freq == 5
         assert cfg.model_impl == v.impl and cfg.fp8 == v.fp8 and cfg.compile == v.compile
         assert cfg.dataset == ("synthetic" if unit.info["data"] == "synthetic" else "/demo/corpus")
         if v.fp8:
@@ -216,7 +216,7 @@ def test_a_real_cpu_cell_is_recorded_once(tmp_path, capsys):
     [versions, cell] = gpu_results.load(results)
     assert versions["versions"]["gpu"] == "no GPU" and cell["key"] == versions["key"]
     assert cell["status"] == "passed" and cell["timed_steps"] == 4 and cell["warmup_steps"] == 2
-    assert [s for s, _ in cell["losses"]] == [2, 4, 6] and cell["tokens_per_sec_per_gpu"] > 0
+    assert [s for s, _ in cell["losses"]] == [2, 4, 6] and cell["tokens_per_sec_per_device"] > 0
     assert parse_args(train_argv(shlex.split(cell["command"]))).max_steps == 6
     with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:
         names = tar.getnames()

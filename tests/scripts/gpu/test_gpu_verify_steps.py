@@ -17,7 +17,8 @@ import gpu_timebox
 import gpu_units
 import pytest
 import verify
-from test_gpu_trace import EVENTS
+
+from report.test_trace import EVENTS
 
 KEY = "test-gpu-0000"
 
