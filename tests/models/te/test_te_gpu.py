@@ -213,7 +213,18 @@ def test_te_fp8_resume_matches_the_uninterrupted_run(te, tmp_path, recipe):
                                           te_recipes.te_version())
     except ValueError as e:
         pytest.skip(str(e))
-    args = ["--fp8", "1", "--fp8_recipe", recipe, "--lr_decay_iters", "20", "--checkpoint_freq", "10"]
+    _check_resume(tmp_path, ["--fp8", "1", "--fp8_recipe", recipe, "--lr_decay_iters", "20", "--checkpoint_freq",
+                             "10"])
+
+
+def test_te_fp8_weights_resume_matches_the_uninterrupted_run(te, tmp_path):
+    """The same with FP8 primary weights (--fp8_all_gather 1): the optimizer's FP32 masters and moments are saved
+    and restored with the FP8 weights (MasterAdamW's state under each parameter's name)."""
+    _check_resume(tmp_path, ["--fp8", "1", "--fp8_recipe", "current", "--fp8_all_gather", "1", "--lr_decay_iters",
+                             "20", "--checkpoint_freq", "10"])
+
+
+def _check_resume(tmp_path: Path, args: list[str]) -> None:
     a = _losses(run_train(tmp_path / "a", *args, "--max_steps", "20"), after=10)
     b = _losses(run_train(tmp_path / "b", *args, "--max_steps", "20"), after=10)
     noise = max(abs(a[s] - b[s]) / abs(a[s]) for s in a)

@@ -210,3 +210,20 @@ def test_on_fsdp2_shards_it_steps_like_torch_adamw(one_rank):
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         assert isinstance(a, DTensor) and torch.equal(a.full_tensor(), b.full_tensor())
     assert all(isinstance(s["exp_avg"], DTensor) for s in ours.state.values())
+
+
+def test_a_state_without_masters_gets_them_at_the_next_step():
+    """Moments from torch's AdamW (no master): the FP8 weight still steps through an FP32 master, never in FP8."""
+    model = Fp8Linear()
+    plain = build.build_optimizer(model, CFG, CPU, Plain())  # torch's AdamW, the same groups
+    set_grads(model, 0)
+    plain.step()
+    model.weight.quantize_(model.weight.detach())
+    opt = fp8_optimizer(model)
+    opt.load_state_dict(plain.state_dict())
+    assert "master" not in opt.state[model.weight]
+    set_grads(model, 1)
+    opt.step()
+    state = opt.state[model.weight]
+    assert state["master"].dtype == state["exp_avg"].dtype == torch.float32 and float(state["step"]) == 2
+    assert torch.equal(model.weight.dequantize(torch.float32), e4m3(state["master"]).bfloat16().float())

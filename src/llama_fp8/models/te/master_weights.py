@@ -46,14 +46,18 @@ class MasterAdamW(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
     def _init_state(self, p: torch.Tensor) -> dict:
+        """The parameter's state, created at its first step. A quantized parameter always gets its master here,
+        also when its moments came from a state without one (e.g. loaded from torch's AdamW)."""
         state = self.state[p]
-        if state:
+        quantized = is_quantized(p)
+        if state and (not quantized or "master" in state):
             return state
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        if is_quantized(p):  # moments and master in FP32, shaped as the parameter's dequantized values
+        state.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+        if quantized:  # moments and master in FP32, shaped as the parameter's dequantized values
             master = local(p).dequantize(dtype=torch.float32)
-            state["exp_avg"] = _like(p, torch.zeros_like(master))
-            state["exp_avg_sq"] = _like(p, torch.zeros_like(master))
+            for name in ("exp_avg", "exp_avg_sq"):
+                old = state.get(name)
+                state[name] = _like(p, local(old).float() if old is not None else torch.zeros_like(master))
             state["master"] = _like(p, master.clone())
         else:  # as torch.optim.AdamW
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
