@@ -2,8 +2,7 @@
 
 Steps, in order: pytest (``pytest -m gpu``, the TE tests first, then the rest), bench
 (``benchmarks/bench_linear.py``), train (the A/B matrix through ``python -m llama_fp8 train``), resume (save
-at step k, resume to 2k), hf_init (``--init_from_hf`` TE vs HF), profile (one configuration under the
-trainer's profiler). A unit's id names it in the results file; ``verify.py --match`` selects ids by glob.
+at step k, resume to 2k), profile (one configuration under the trainer's profiler). A unit's id names it in the results file; ``verify.py --match`` selects ids by glob.
 
 Two plans: ``first`` (a first visit to a GPU node: the essentials in about 25 minutes of the node's time, in
 three commands; ``first_visit_seconds`` adds it up) and ``all`` (everything, over later visits).
@@ -16,7 +15,7 @@ import fnmatch
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STEPS = ("pytest", "bench", "train", "resume", "hf_init", "profile")
+STEPS = ("pytest", "bench", "train", "resume", "profile")
 PLANS = ("first", "all")
 SEED = 1234
 TOKENS = 8192  # bench_linear rows: the training batch below (2 sequences of 4096)
@@ -79,7 +78,7 @@ VARIANT = {v.name: v for v in VARIANTS}
 RESUME_VARIANTS = ("te-fp8-delayed", "te-fp8-current", "te-fp8-block", "hf-fp8-tensorwise", "hf-fp8-rowwise",
                    "te-bf16")
 # The GPU test that compares TE and HF logits at 4096 tokens through the build path from a save_pretrained
-# checkpoint (--init_from_hf): the hf_init unit runs it by node id.
+# checkpoint (--init_from_hf): one of the first visit's TE value tests.
 HF_INIT_TEST = "tests/models/te/test_te_gpu.py::test_te_logits_match_hf_at_4096_tokens_through_the_build_path"
 PYTEST_SETS = (("te", ("tests/models/te",)), ("other", ("tests", "--ignore=tests/models/te")))
 # The first visit's TE value tests: TE vs HF logits (RoPE with and without llama3 scaling; 4096 tokens through
@@ -115,7 +114,6 @@ class Options:
     # Small enough that four runs and a checkpoint (~2 GB with AdamW states) fit a few minutes.
     resume_model: tuple[str, ...] = ("--model", "llama3.2-1b", "--num_layers", "2", "--vocab_size", "32768",
                                      "--max_context_width", "2048")
-    hf_init_model: tuple[str, ...] = ("--model", "llama3.2-1b", "--max_context_width", "4096")
     profile_cell: str = "llama3.2-1b/synthetic/te-fp8-current"
     profile_steps: str = "21:23"
 
@@ -166,14 +164,6 @@ def resume_flags(opts: Options, variant: Variant, run_dir: Path, phase: str, ckp
     raise ValueError(f"unknown resume phase {phase!r}")
 
 
-def hf_init_flags(opts: Options, impl: str, ckpt: Path, run_dir: Path) -> list[str]:
-    """Three steps at learning rate 0 from the same HF checkpoint: each step's loss is a forward pass of
-    the loaded weights on the same batch in both implementations."""
-    return [*opts.hf_init_model, "--seed", str(SEED), "--device", opts.device, "--model_impl", impl, "--fp8", "0",
-            "--init_from_hf", str(ckpt), "--lr", "0", "--min_lr", "0", "--max_steps", "3", "--logging_freq", "1",
-            "--train_batch_size", "1", "--dataset", "synthetic", "--run_dir", str(run_dir)]
-
-
 def profile_flags(opts: Options, run_dir: Path, demo: tuple[Path, Path] | None) -> list[str]:
     """The profiled matrix cell, run two steps past the profiled ones."""
     model, data, variant = opts.profile_cell.split("/")
@@ -211,8 +201,6 @@ def plan(opts: Options, which: str = "all") -> list[Unit]:
     units += [bench_unit(te, ao) for te, ao in BENCH_SETS]
     units += [train_unit(model, data, v) for model in opts.models for data in opts.data for v in VARIANTS]
     units += [Unit(f"resume/{name}", "resume", 150, 480, VARIANT[name].fields()) for name in RESUME_VARIANTS]
-    model = opts.hf_init_model[opts.hf_init_model.index("--model") + 1]
-    units.append(Unit(f"hf_init/{model}", "hf_init", 200, 480, {"model": model}))
     units.append(Unit(f"profile/{opts.profile_cell}", "profile", 150, 480, {"cell": opts.profile_cell}))
     return units
 

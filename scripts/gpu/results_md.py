@@ -5,7 +5,7 @@
 
 One section per GPU + versions key: the versions, the test outcomes, the GEMM benchmark, the training A/B
 tables (FP8/BF16 within one implementation, and HF BF16 -> TE FP8), MFU, memory, the loss gap at the last
-step, save/resume, --init_from_hf, the profile, the issue's goals against what was measured, and what failed.
+step, save/resume, the profile, the issue's goals against what was measured, and what failed.
 Only what a record holds is printed; nothing is estimated.
 """
 
@@ -167,27 +167,6 @@ def resume_section(units: dict[str, dict]) -> list[str]:
     return out
 
 
-def hf_init_section(units: dict[str, dict]) -> list[str]:
-    recs = [r for r in units.values() if r.get("kind") == "hf_init"]
-    if not recs:
-        return ["Not measured."]
-    out = []
-    for r in recs:
-        test, smoke = r.get("test") or {}, r.get("smoke") or {}
-        out.append(f"- TE vs HF logits at 4096 tokens through the build path (`{test.get('nodeid', 'n/a')}`): "
-                   f"{test.get('test_status', test.get('status', 'n/a'))}"
-                   + (f": {first_line(test.get('message'))}" if test.get("status") not in (None, "passed") else "."))
-        if "gap_rel" in smoke:
-            out.append(f"- {r['model']} at sequence length {smoke.get('seq_len')}, `--init_from_hf` through the CLI "
-                       f"(random weights: a loading check, not a logits comparison): TE vs HF loss at learning rate "
-                       f"0 differs by at most {pct(smoke.get('gap_rel'))} (tolerance {pct(smoke.get('tolerance'))}): "
-                       f"{smoke['status']}.")
-        else:
-            out.append(f"- {r['model']} `--init_from_hf` through the CLI: {smoke.get('status', 'n/a')}: "
-                       f"{first_line(smoke.get('message'))}")
-    return out
-
-
 def profile_section(units: dict[str, dict]) -> list[str]:
     recs = [r for r in units.values() if r.get("kind") == "profile"]
     if not recs:
@@ -264,7 +243,6 @@ def key_section(key: str, records: list[dict]) -> list[str]:
                         ("FP8 GEMM benchmark (`benchmarks/bench_linear.py`)", bench_section(units)),
                         ("Training A/B (`python -m llama_fp8 train`)", train_section(units)),
                         ("Save at step k, resume to 2k", resume_section(units)),
-                        ("`--init_from_hf`: TE vs HF", hf_init_section(units)),
                         ("Where the time goes (profile)", profile_section(units)),
                         ("What failed or did not run", failures_section(units))):
         out += [f"### {title}", "", *body, ""]

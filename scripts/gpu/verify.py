@@ -4,7 +4,7 @@
                                  [--list] [--dry-run]
 
 Runs the units of gpu_units.py in order (pytest -m gpu, bench_linear, the training A/B matrix, save/resume,
---init_from_hf TE vs HF, profile) and appends one record per unit (per test for pytest) to the results file
+profile) and appends one record per unit (per test for pytest) to the results file
 (default docs/gpu-results/results.jsonl) as soon as the unit ends. A unit already recorded with a final
 status for this GPU + versions (gpu_versions.key) is skipped, so running the same command again continues
 where the last one stopped. Each unit has its own time limit, and no unit is started with less of
@@ -163,7 +163,7 @@ def bundle_logs(work: Path, mirror: Path | None) -> None:
 
 
 RUNNERS = {"pytest": gpu_steps.run_pytest, "bench": gpu_steps.run_bench, "train": gpu_steps.run_train,
-           "resume": gpu_checks.run_resume, "hf_init": gpu_checks.run_hf_init, "profile": gpu_checks.run_profile}
+           "resume": gpu_checks.run_resume, "profile": gpu_checks.run_profile}
 
 
 def commands_of(ctx: gpu_context.Context, unit: gpu_units.Unit) -> list[str]:
@@ -182,10 +182,6 @@ def commands_of(ctx: gpu_context.Context, unit: gpu_units.Unit) -> list[str]:
     elif unit.step == "resume":
         cmds = [ctx.train_cmd(gpu_units.resume_flags(ctx.opts, v, root / p, p, root / "ckpt"))
                 for p in ("u1", "u2", "p1", "p2")]
-    elif unit.step == "hf_init":
-        cmds = [gpu_steps.pytest_cmd(ctx, ["-m", "gpu", gpu_units.HF_INIT_TEST]), gpu_checks.checkpoint_cmd(ctx, root)]
-        cmds += [ctx.train_cmd(gpu_units.hf_init_flags(ctx.opts, i, root / "checkpoint", root / f"run_{i}"))
-                 for i in ("hf", "te")]
     else:
         cmds = [ctx.train_cmd(gpu_units.profile_flags(ctx.opts, root, demo))]
     return [shlex.join(c) for c in cmds]

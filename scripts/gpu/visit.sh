@@ -15,6 +15,10 @@ wheels=${WHEELS:-.whl}
 [[ $wheels == /* ]] || wheels="$repo/$wheels"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# A kit from scripts/offline/make_kit.sh carries a manifest: every file must match it before anything installs.
+if [[ -f $wheels/MANIFEST.json ]] && ! "$py" "$repo/scripts/offline/kit.py" verify "$wheels"; then
+    exit 2
+fi
 "$py" "$repo/scripts/gpu/bootstrap.py" "$wheels" "$site" --export "$out/built" 2>&1 | tee "$out/bootstrap.log"
 rc=${PIPESTATUS[0]}
 if (( rc == 3 )); then
