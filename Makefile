@@ -32,7 +32,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
-	$(VENV)/bin/shellcheck -S warning scripts/*.sh $(wildcard *.sbatch *.sh scripts/*.sbatch scripts/image/*.sh scripts/slurm/*.sh scripts/slurm/*.sbatch scripts/gpu/*.sh)
+	$(VENV)/bin/shellcheck -S warning scripts/*.sh $(wildcard *.sbatch *.sh scripts/*.sbatch scripts/image/*.sh scripts/slurm/*.sh scripts/slurm/*.sbatch scripts/gpu/*.sh scripts/offline/*.sh)
 	$(VENV)/bin/hadolint $(wildcard *.dockerfile)
 
 bench: $(STAMP)

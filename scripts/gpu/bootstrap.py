@@ -1,13 +1,13 @@
 """Bring a bare GPU node up from a folder of wheels, without network.
 
-    bash scripts/gpu/bootstrap.sh WHEELS_DIR [TARGET] [--no-build] [--force-build] [--export DIR]
+    python scripts/gpu/bootstrap.py WHEELS_DIR [TARGET] [--no-build] [--force-build] [--export DIR]
                                   [--jobs N] [--build-timeout S] [--dry-run]
 
 Installs every wheel of WHEELS_DIR (see gpu_kit.py for what a kit holds) into TARGET (default /tmp/site)
 with ``pip install --no-index --no-deps --target``, picks the ``transformer_engine_torch`` wheel built for
 this node's torch, and checks that TE's PyTorch extension imports. When no wheel fits, or the one that should
 fit does not import, it compiles one from the kit's source distribution (gpu_te_build.py), saves it to
-WHEELS_DIR/built/<key>/ with a build record (and to --export DIR/<key>/, e.g. under a device run's $OUT), so
+WHEELS_DIR/built/<key>/ with a build record (and to --export DIR/<key>/, e.g. under the output folder $OUT), so
 that the next visit installs it instead of compiling. Last, it prints one versions block.
 
 Use TARGET with ``export PYTHONPATH=TARGET:$REPO/src``. Exit codes: 0 ready; 2 bad arguments or an unusable
@@ -51,7 +51,7 @@ def say(message: str) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bootstrap.sh", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="bootstrap.py", description=__doc__.splitlines()[0])
     p.add_argument("wheels_dir", metavar="WHEELS_DIR", help="the wheel kit (make_wheels.sh DIR)")
     p.add_argument("target", metavar="TARGET", nargs="?", default="/tmp/site",
                    help="folder to install into (default /tmp/site); emptied first if an earlier bootstrap made it")
@@ -179,7 +179,7 @@ def check_kit(args: argparse.Namespace) -> tuple[gpu_kit.Kit, Node, str]:
     root = Path(args.wheels_dir).resolve()
     if not root.is_dir():
         raise BootstrapError(f"WHEELS_DIR {args.wheels_dir}: not a folder (make a kit with "
-                             f"/work/shared/gpu/make_wheels.sh {args.wheels_dir})", EXIT_BAD_KIT)
+                             f"scripts/offline/make_kit.sh {args.wheels_dir} --python X.Y --torch V --arch sm_NN)", EXIT_BAD_KIT)
     try:
         kit = gpu_kit.inventory(root)
     except ValueError as e:

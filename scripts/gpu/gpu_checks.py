@@ -1,5 +1,6 @@
-"""The runners of the checks that follow the A/B matrix: save at step k and resume to 2k (d),
-``--init_from_hf`` TE vs HF (e), and one profiled configuration (where the time goes)."""
+"""The runners of the checks that follow the A/B matrix: save at step k and resume to 2k, and one profiled
+configuration (where the time goes). TE vs HF logits through ``--init_from_hf`` is a GPU test, run with the
+first visit's TE value tests."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ import time
 from pathlib import Path
 
 import gpu_records
-import gpu_trace
 import gpu_units
 from gpu_context import Context, failure, fresh_dir, slug
-from gpu_steps import demo_data, pytest_cmd, pytest_env
+from gpu_steps import demo_data
+
+from llama_fp8.report import trace as gpu_trace
 
 HERE = Path(__file__).resolve().parent
-HF_INIT_REL_TOL = 0.01  # BF16 forward of the same weights through two implementations: losses within 1 %
-MIRROR_TRACE_MAX = 15 * 2**20  # a device run brings back files of at most 16 MiB
+MIRROR_TRACE_MAX = 15 * 2**20  # keep each file the output folder carries back small (16 MiB)
 
 
 # --- d: save at k, resume to 2k --------------------------------------------------------------------------
@@ -38,73 +39,6 @@ def run_resume(ctx: Context, unit: gpu_units.Unit) -> dict:
         result = {"status": "error", "message": str(e)}
     shutil.rmtree(root / "ckpt", ignore_errors=True)  # GBs of optimizer state: not kept
     return {**unit.info, "commands": commands, **result}
-
-
-# --- e: --init_from_hf, TE vs HF -------------------------------------------------------------------------
-def checkpoint_cmd(ctx: Context, root: Path) -> list[str]:
-    return [ctx.python, str(HERE / "make_hf_checkpoint.py"), str(root / "checkpoint"), "--", *ctx.opts.hf_init_model]
-
-
-def run_hf_init(ctx: Context, unit: gpu_units.Unit) -> dict:
-    """The GPU test that compares TE and HF logits at 4096 tokens through the build path (run by node id, or
-    its record taken when pytest/te ran it already), then a full-size smoke run of the CLI path."""
-    deadline = time.monotonic() + unit.timeout_s
-    test = logits_test(ctx, unit, deadline)
-    smoke = cli_smoke(ctx, unit, deadline)
-    parts = (test["status"], smoke["status"])
-    status = next((s for s in ("interrupted", "timeout", "error", "failed") if s in parts), "passed")
-    message = "; ".join(f"{name}: {p.get('message', '')[:300]}" for name, p in (("test", test), ("smoke", smoke))
-                        if p["status"] != "passed")
-    return {**unit.info, "test": test, "smoke": smoke, "status": status, **({"message": message} if message else {})}
-
-
-def logits_test(ctx: Context, unit: gpu_units.Unit, deadline: float) -> dict:
-    import pytest_record
-
-    nodeid, current = gpu_units.HF_INIT_TEST, ctx.work / f"{slug(unit.id)}.current"
-    out, killed = ctx.run(f"{slug(unit.id)}_test", pytest_cmd(ctx, ["-m", "gpu", nodeid]), deadline,
-                          pytest_env(ctx, current))
-    if killed:
-        return {"nodeid": nodeid, **failure(out, killed, "the logits test")}
-    recs = [r for r in ctx.store.records() if r.get("key") == ctx.key and r.get("unit") == pytest_record.unit_of(nodeid)]
-    if not recs:
-        return {"nodeid": nodeid, "status": "error", "message": f"pytest exit {out.returncode}: {nodeid} did not run "
-                f"(renamed? update gpu_units.HF_INIT_TEST)\n{out.tail(1000)}"}
-    rec = recs[-1]
-    # a skip verifies nothing: counted as failed, so that --retry runs it again
-    return {"nodeid": nodeid, "test_status": rec["status"], "status": "passed" if rec["status"] == "passed" else
-            "failed", "message": rec.get("message", "")[:1000]}
-
-
-def cli_smoke(ctx: Context, unit: gpu_units.Unit, deadline: float) -> dict:
-    """A save_pretrained checkpoint of the full model (random weights) loaded with --init_from_hf by both
-    implementations, three steps at learning rate 0: both load it and run, and their losses agree. With
-    random weights the loss hardly depends on how they are placed, so this checks loading at full size; the
-    logits test is the TE vs HF comparison."""
-    root = fresh_dir(ctx.work / "runs" / slug(unit.id))
-    make = checkpoint_cmd(ctx, root)
-    out, killed = ctx.run(f"{slug(unit.id)}_checkpoint", make, deadline)
-    commands = {"checkpoint": shlex.join(make)}
-    if killed or out.returncode != 0:
-        return {"commands": commands, **failure(out, killed, "save_pretrained")}
-    losses = {}
-    for impl in ("hf", "te"):
-        cmd = ctx.train_cmd(gpu_units.hf_init_flags(ctx.opts, impl, root / "checkpoint", root / f"run_{impl}"))
-        commands[impl] = shlex.join(cmd)
-        out, killed = ctx.run(f"{slug(unit.id)}_{impl}", cmd, deadline)
-        if killed or out.returncode != 0:
-            shutil.rmtree(root / "checkpoint", ignore_errors=True)
-            return {"commands": commands, **failure(out, killed, f"--init_from_hf with {impl}")}
-        losses[impl] = gpu_records.losses_by_step(root / f"run_{impl}")
-    shutil.rmtree(root / "checkpoint", ignore_errors=True)  # GBs: not kept
-    gap = gpu_records.max_gap(losses["te"], losses["hf"], range(1, 4))
-    flags = ctx.opts.hf_init_model
-    ok = gap is not None and gap[1] <= HF_INIT_REL_TOL
-    return {"commands": commands, "losses": {k: sorted(v.items()) for k, v in losses.items()},
-            "seq_len": flags[flags.index("--max_context_width") + 1] if "--max_context_width" in flags else None,
-            "tolerance": HF_INIT_REL_TOL, "gap_abs": gap and gap[0], "gap_rel": gap and gap[1],
-            "status": "passed" if ok else "failed",
-            **({} if ok else {"message": f"TE vs HF loss gap {gap and gap[1]} > {HF_INIT_REL_TOL}"})}
 
 
 # --- profile ---------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ class Context:
 
 
 def slug(unit_id: str) -> str:
-    """A unit id as a file name (letters, digits, '.', '_', '-': what a device run brings back)."""
+    """A unit id as a file name (letters, digits, '.', '_', '-': safe in the output folder that comes back)."""
     return unit_id.replace("/", "_").replace(":", "_")
 
 

@@ -1,6 +1,6 @@
 """The wheel kit: what is in WHEELS_DIR, and which transformer_engine_torch wheel fits this node.
 
-A kit (``/work/shared/gpu/make_wheels.sh DIR``) holds, at its top level, the wheels a bare GPU node lacks
+A kit (``scripts/offline/make_kit.sh DIR ...``) holds, at its top level, the wheels a bare GPU node lacks
 (torchao, Transformer Engine's Python part and core library, their small needs, datasets), the
 ``transformer_engine_torch`` source distribution, and usually a prebuilt ``transformer_engine_torch`` wheel.
 Wheels that ``bootstrap.py`` compiles on a node go to ``WHEELS_DIR/built/<build key>/`` with a build record
@@ -27,15 +27,6 @@ RECORD_SUFFIX = ".build.json"
 # Distributions a kit must provide (or the node must already have). TE's core wheel is
 # transformer_engine_cu12 or _cu13, matched by prefix.
 REQUIRED = ("torchao", "transformer_engine", "transformer_engine_cu*")
-
-# Wheels without a build record whose origin is written down elsewhere, by sha256. The kit's prebuilt wheel:
-# "compiled on the 2-core CPU machine against PyPI's torch==2.11.0 (which reports 2.11.0+cu130, the GPU
-# machine's build) with CPython 3.12.1, CUDA 13.0's nvcc and TE's sdist" (/work/shared/gpu/README.md).
-KNOWN_BUILDS = {
-    "c171ecc550756216db09ed02f2432d7a502478986d91fc1726b55f9c61cad478": {
-        "te_version": "2.20.2", "torch": "2.11.0+cu130", "python": "cp312",
-        "source": "/work/shared/gpu/prebuilt (see /work/shared/gpu/README.md)"},
-}
 
 _WHEEL = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)(?:-(?P<build>\d[^-]*))?-(?P<py>[^-]+)-(?P<abi>[^-]+)"
                     r"-(?P<plat>[^-]+)\.whl$")
@@ -98,17 +89,16 @@ def record_path(wheel_path: Path) -> Path:
 
 
 def read_record(wheel_path: Path) -> dict | None:
-    """The build record beside a wheel, else the KNOWN_BUILDS entry for its sha256, else None."""
+    """The build record beside a wheel (written by scripts/offline/build_te_torch.sh or by bootstrap), else None."""
     path = record_path(wheel_path)
     if path.is_file():
         return json.loads(path.read_text())
-    known = KNOWN_BUILDS.get(sha256(wheel_path))
-    return {**known, "sha256": sha256(wheel_path)} if known else None
+    return None
 
 
 def build_key(te_version: str, torch_version: str, cp_tag: str) -> str:
     """Folder name under built/ for one build (only letters, digits, '.', '_' and '-', so that it can
-    come back from a device run's $OUT)."""
+    come back in the node's output folder $OUT)."""
     return re.sub(r"[^A-Za-z0-9._-]", "_", f"te{te_version}-torch{torch_version}-{cp_tag}")
 
 
@@ -172,7 +162,7 @@ def problems(kit: Kit, installed: set[str]) -> list[str]:
 @dataclass(frozen=True)
 class Choice:
     wheel: Wheel | None
-    recorded: bool  # a build record (or KNOWN_BUILDS) says it was built for this torch
+    recorded: bool  # a build record says it was built for this torch
     notes: tuple[str, ...]
 
 

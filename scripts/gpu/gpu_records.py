@@ -6,9 +6,9 @@ world_size, fp8_emulated, start_step), then one ``train`` record per logging ste
 previous one (loss = mean over the window, tokens/s, mem_peak_gib = high-water mark so far, elapsed_s =
 seconds since the meter started, after the device synchronized).
 
-Timing here excludes the warm-up: the timed window runs from the last logged step <= ``warmup`` to the last
-logged step, so compile and allocator warm-up are not in it, and throughput = tokens in that window / its
-seconds (not a mean of per-window rates).
+Throughput, TFLOPS and MFU are the report's (``llama_fp8.report.compare.summarize_run``, what ``python -m
+llama_fp8 compare`` prints): the median of the per-window rates over logged steps after ``warmup``, so a
+results page and an A/B report of the same run give the same numbers.
 """
 
 from __future__ import annotations
@@ -44,29 +44,27 @@ def last_run(records: list[dict]) -> tuple[dict, list[dict], list[dict]]:
     return rest[0], [r for r in rest if r.get("type") == "train"], [r for r in rest if r.get("type") == "val"]
 
 
-def timing(meta: dict, train: list[dict], warmup: int) -> dict:
-    """Throughput over the logged steps after ``warmup`` (see the module docstring)."""
+THROUGHPUT = ("samples_per_sec", "tokens_per_sec_per_device", "tflops_per_device", "mfu_vs_bf16_peak",
+              "mfu_vs_fp8_peak")
+
+
+def timing(run_dir: Path, meta: dict, train: list[dict], warmup: int) -> dict:
+    """The report's throughput over the logged steps after ``warmup`` (counted from the run's start step)."""
+    from llama_fp8.report.compare import summarize_run
+    from llama_fp8.report.runs import CompareError, load_run
+
     if not train:
         raise MetricsError("no train records")
-    base_step, base_t = meta.get("start_step", 0), 0.0
-    for r in train:
-        if r["step"] <= warmup + meta.get("start_step", 0):
-            base_step, base_t = r["step"], r["elapsed_s"]
-    last = train[-1]
-    steps, seconds = last["step"] - base_step, last["elapsed_s"] - base_t
-    out = {"warmup_steps": base_step - meta.get("start_step", 0), "timed_steps": steps, "timed_seconds": seconds}
-    if steps <= 0 or seconds <= 0:
-        return {**out, "tokens_per_sec_per_gpu": None, "samples_per_sec": None, "tflops_per_gpu": None,
-                "mfu_vs_bf16_peak": None, "mfu_vs_fp8_peak": None}
-    world = meta.get("world_size", 1)
-    samples = steps * meta["global_batch_size"]
-    tokens_per_gpu = samples * meta["seq_len"] / world / seconds
-    tflops = tokens_per_gpu * meta["flops_per_token"] / 1e12
-    peak, peak8 = meta.get("peak_tflops_bf16"), meta.get("peak_tflops_fp8")
-    fp8 = str(meta.get("precision", "")).startswith("fp8")
-    return {**out, "tokens_per_sec_per_gpu": tokens_per_gpu, "samples_per_sec": samples / seconds,
-            "tflops_per_gpu": tflops, "mfu_vs_bf16_peak": tflops / peak if peak else None,
-            "mfu_vs_fp8_peak": tflops / peak8 if (peak8 and fp8) else None}
+    start = meta.get("start_step") or 0
+    timed = [r for r in train if r["step"] > start + warmup]
+    out = {"warmup_steps": warmup, "timed_steps": (timed[-1]["step"] - start - warmup) if timed else 0}
+    if not timed:
+        return {**out, **dict.fromkeys(THROUGHPUT)}
+    try:
+        summary = summarize_run(load_run(str(run_dir / "metrics.jsonl"), "run"), start + warmup)
+    except CompareError as e:
+        raise MetricsError(str(e)) from None
+    return {**out, **{k: summary.get(k) for k in THROUGHPUT}}
 
 
 META_KEEP = ("precision", "model_impl", "device_name", "peak_tflops_bf16", "peak_tflops_fp8", "seq_len",
@@ -78,7 +76,7 @@ def summarize(run_dir: Path, warmup: int) -> dict:
     meta, train, val = last_run(read(run_dir / "metrics.jsonl"))
     out = {k: meta.get(k) for k in META_KEEP}
     out["preset"] = meta.get("model")  # not "model": records name the matrix model (llama2-7b-8l), not the preset
-    out.update(timing(meta, train, warmup))
+    out.update(timing(run_dir, meta, train, warmup))
     mem = [r.get("mem_peak_gib") for r in train if r.get("mem_peak_gib") is not None]
     reserved = [r.get("mem_reserved_peak_gib") for r in train if r.get("mem_reserved_peak_gib") is not None]
     timed = [r for r in train if r["step"] > warmup + (meta.get("start_step") or 0)]

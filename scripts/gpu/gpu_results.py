@@ -51,7 +51,7 @@ def done(records: list[dict], key: str, retry: bool = False) -> set[str]:
 
 class Store:
     """Appends records to ``path`` (flushed and synced each time) and copies the whole file to
-    ``mirror/<same name>`` after each append, so that a device run's $OUT always holds the latest."""
+    ``mirror/<same name>`` after each append, so that the node's output folder $OUT always holds the latest."""
 
     def __init__(self, path: Path, mirror: Path | None = None):
         self.path = path

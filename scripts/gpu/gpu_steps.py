@@ -70,7 +70,7 @@ def in_test_set(file: str, args: list[str], cwd: Path) -> bool:
     def under(path: str) -> bool:
         return Path(file).is_relative_to((cwd / path).resolve())
 
-    paths = [a for a in args if not a.startswith("-")]
+    paths = [a.split("::")[0] for a in args if not a.startswith("-")]  # a node id's file
     ignored = [a.split("=", 1)[1] for a in args if a.startswith("--ignore=")]
     return bool(file) and any(map(under, paths)) and not any(map(under, ignored))
 
@@ -91,9 +91,9 @@ def bench_models(repo: Path) -> list[str]:
 
 
 def bench_cmd(ctx: Context, unit: gpu_units.Unit) -> list[str]:
+    models = unit.info.get("models") or ",".join(bench_models(ctx.repo))
     return [ctx.python, "benchmarks/bench_linear.py", "--tokens", str(gpu_units.TOKENS), "--te_recipe",
-            unit.info["te_recipe"], "--torchao_recipe", unit.info["torchao_recipe"], "--models",
-            ",".join(bench_models(ctx.repo))]
+            unit.info["te_recipe"], "--torchao_recipe", unit.info["torchao_recipe"], "--models", models]
 
 
 def run_bench(ctx: Context, unit: gpu_units.Unit) -> dict:

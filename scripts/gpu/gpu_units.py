@@ -2,8 +2,10 @@
 
 Steps, in order: pytest (``pytest -m gpu``, the TE tests first, then the rest), bench
 (``benchmarks/bench_linear.py``), train (the A/B matrix through ``python -m llama_fp8 train``), resume (save
-at step k, resume to 2k), hf_init (``--init_from_hf`` TE vs HF), profile (one configuration under the
-trainer's profiler). A unit's id names it in the results file; ``verify.py --match`` selects ids by glob.
+at step k, resume to 2k), profile (one configuration under the trainer's profiler). A unit's id names it in the results file; ``verify.py --match`` selects ids by glob.
+
+Two plans: ``first`` (a first visit to a GPU node: the essentials in about 25 minutes of the node's time, in
+three commands; ``first_visit_seconds`` adds it up) and ``all`` (everything, over later visits).
 """
 
 from __future__ import annotations
@@ -13,17 +15,18 @@ import fnmatch
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STEPS = ("pytest", "bench", "train", "resume", "hf_init", "profile")
+STEPS = ("pytest", "bench", "train", "resume", "profile")
+PLANS = ("first", "all")
 SEED = 1234
 TOKENS = 8192  # bench_linear rows: the training batch below (2 sequences of 4096)
 
-# name -> (train flags, seconds a cell of it takes, a guess for the budget check). The issue's three shapes:
+# name -> (train flags, seconds a cell of it takes (start-up + 40 steps), a guess for the budget check). The issue's three shapes:
 # Llama 3.2 1B and 3B at 4096 tokens (3B with activation checkpointing: FP32 AdamW states alone take
 # ~51 GB of the 80), and the AWS sample's Llama 2 7B shape cut to 8 layers.
 MODELS: dict[str, tuple[tuple[str, ...], int]] = {
-    "llama3.2-1b": (("--model", "llama3.2-1b", "--max_context_width", "4096"), 90),
+    "llama3.2-1b": (("--model", "llama3.2-1b", "--max_context_width", "4096"), 75),
     "llama3.2-3b": (("--model", "llama3.2-3b", "--max_context_width", "4096", "--activation_checkpointing", "1"),
-                    180),
+                    150),
     "llama2-7b-8l": (("--model", "llama2-7b", "--num_layers", "8"), 150),
 }
 DEFAULT_MODELS = tuple(MODELS)
@@ -75,9 +78,23 @@ VARIANT = {v.name: v for v in VARIANTS}
 RESUME_VARIANTS = ("te-fp8-delayed", "te-fp8-current", "te-fp8-block", "hf-fp8-tensorwise", "hf-fp8-rowwise",
                    "te-bf16")
 # The GPU test that compares TE and HF logits at 4096 tokens through the build path from a save_pretrained
-# checkpoint (--init_from_hf): the hf_init unit runs it by node id.
+# checkpoint (--init_from_hf): one of the first visit's TE value tests.
 HF_INIT_TEST = "tests/models/te/test_te_gpu.py::test_te_logits_match_hf_at_4096_tokens_through_the_build_path"
 PYTEST_SETS = (("te", ("tests/models/te",)), ("other", ("tests", "--ignore=tests/models/te")))
+# The first visit's TE value tests: TE vs HF logits (RoPE with and without llama3 scaling; 4096 tokens through
+# the build path), TE FP8 save/resume under current and delayed scaling.
+_TE_GPU = "tests/models/te/test_te_gpu.py::"
+TE_VALUE_TESTS = (f"{_TE_GPU}test_te_logits_match_hf", HF_INIT_TEST,
+                  f"{_TE_GPU}test_te_fp8_resume_matches_the_uninterrupted_run[delayed]",
+                  f"{_TE_GPU}test_te_fp8_resume_matches_the_uninterrupted_run[current]")
+# The first visit's A/B core cells (seq 4096, synthetic data) and its one GEMM benchmark (the 3B shapes).
+FIRST_CELLS = (("llama3.2-1b", ("hf-bf16", "hf-fp8-tensorwise", "te-bf16", "te-fp8-current")),
+               ("llama3.2-3b", ("te-bf16", "te-fp8-current")))
+FIRST_BENCH_MODEL = "llama3.2-3b"
+# What each command of a visit pays besides its units (a guess, seconds): a fresh node start (the node is
+# idle between commands) and bootstrap (installing the kit with a prebuilt TE extension, the versions probe).
+NODE_START_S, BOOTSTRAP_S = 120, 45
+VISIT_COMMAND_S = 540  # one command's budget (visit.sh VISIT_SECONDS)
 BENCH_SETS = (("current", "tensorwise"), ("delayed", "rowwise"), ("block", "tensorwise"))
 
 
@@ -88,7 +105,7 @@ class Options:
     device: str = "cuda"
     models: tuple[str, ...] = DEFAULT_MODELS
     data: tuple[str, ...] = DATA
-    max_steps: int = 50  # synthetic cells: warm-up + >= 30 timed steps
+    max_steps: int = 40  # synthetic cells: 10 warm-up + 30 timed steps
     text_steps: int = 100  # real-text cells: the loss goal is stated after 100 steps
     warmup: int = 10
     logging_freq: int = 5
@@ -97,7 +114,6 @@ class Options:
     # Small enough that four runs and a checkpoint (~2 GB with AdamW states) fit a few minutes.
     resume_model: tuple[str, ...] = ("--model", "llama3.2-1b", "--num_layers", "2", "--vocab_size", "32768",
                                      "--max_context_width", "2048")
-    hf_init_model: tuple[str, ...] = ("--model", "llama3.2-1b", "--max_context_width", "4096")
     profile_cell: str = "llama3.2-1b/synthetic/te-fp8-current"
     profile_steps: str = "21:23"
 
@@ -148,14 +164,6 @@ def resume_flags(opts: Options, variant: Variant, run_dir: Path, phase: str, ckp
     raise ValueError(f"unknown resume phase {phase!r}")
 
 
-def hf_init_flags(opts: Options, impl: str, ckpt: Path, run_dir: Path) -> list[str]:
-    """Three steps at learning rate 0 from the same HF checkpoint: each step's loss is a forward pass of
-    the loaded weights on the same batch in both implementations."""
-    return [*opts.hf_init_model, "--seed", str(SEED), "--device", opts.device, "--model_impl", impl, "--fp8", "0",
-            "--init_from_hf", str(ckpt), "--lr", "0", "--min_lr", "0", "--max_steps", "3", "--logging_freq", "1",
-            "--train_batch_size", "1", "--dataset", "synthetic", "--run_dir", str(run_dir)]
-
-
 def profile_flags(opts: Options, run_dir: Path, demo: tuple[Path, Path] | None) -> list[str]:
     """The profiled matrix cell, run two steps past the profiled ones."""
     model, data, variant = opts.profile_cell.split("/")
@@ -165,23 +173,57 @@ def profile_flags(opts: Options, run_dir: Path, demo: tuple[Path, Path] | None) 
         "--profile_steps", opts.profile_steps, "--memory_snapshot", "1"]
 
 
-def plan(opts: Options) -> list[Unit]:
-    """Every unit, in the order a visit runs them."""
+def train_unit(model: str, data: str, v: Variant) -> Unit:
+    base = MODELS.get(model, ((), 60))[1]
+    estimate = 30 if v.expect == "refuse" else base + 60 * v.compile + 30 * (data == "text")
+    return Unit(f"train/{model}/{data}/{v.name}", "train", estimate, 480, {"model": model, "data": data, **v.fields()})
+
+
+def bench_unit(te: str, ao: str, models: str | None = None) -> Unit:
+    info = {"te_recipe": te, "torchao_recipe": ao, **({"models": models} if models else {})}
+    return Unit(f"bench/te-{te}+torchao-{ao}" + (f"/{models}" if models else ""), "bench", 60 if models else 90, 400,
+                info)
+
+
+def first_plan() -> list[Unit]:
+    """A first visit, in the order that proves the essentials first: the TE value tests, the 1B A/B core cells,
+    the 3B TE cells (the MFU goal), one GEMM benchmark. (The versions block and TE import come from bootstrap.)"""
+    units = [Unit("pytest/te-values", "pytest", 300, 540, {"args": list(TE_VALUE_TESTS)})]
+    units += [train_unit(model, "synthetic", VARIANT[v]) for model, names in FIRST_CELLS for v in names]
+    return units + [bench_unit("current", "tensorwise", FIRST_BENCH_MODEL)]
+
+
+def plan(opts: Options, which: str = "all") -> list[Unit]:
+    """Every unit of plan ``which`` (``first`` or ``all``), in the order a visit runs them."""
+    if which == "first":
+        return first_plan()
     units = [Unit(f"pytest/{name}", "pytest", 300, 540, {"args": list(args)}) for name, args in PYTEST_SETS]
-    units += [Unit(f"bench/te-{te}+torchao-{ao}", "bench", 90, 400, {"te_recipe": te, "torchao_recipe": ao})
-              for te, ao in BENCH_SETS]
-    for model in opts.models:
-        base = MODELS.get(model, ((), 60))[1]
-        for data in opts.data:
-            for v in VARIANTS:
-                estimate = 30 if v.expect == "refuse" else base + 60 * v.compile + 30 * (data == "text")
-                units.append(Unit(f"train/{model}/{data}/{v.name}", "train", estimate, 480,
-                                  {"model": model, "data": data, **v.fields()}))
+    units += [bench_unit(te, ao) for te, ao in BENCH_SETS]
+    units += [train_unit(model, data, v) for model in opts.models for data in opts.data for v in VARIANTS]
     units += [Unit(f"resume/{name}", "resume", 150, 480, VARIANT[name].fields()) for name in RESUME_VARIANTS]
-    model = opts.hf_init_model[opts.hf_init_model.index("--model") + 1]
-    units.append(Unit(f"hf_init/{model}", "hf_init", 200, 480, {"model": model}))
     units.append(Unit(f"profile/{opts.profile_cell}", "profile", 150, 480, {"cell": opts.profile_cell}))
     return units
+
+
+def pack(units: list[Unit], command_s: float = VISIT_COMMAND_S - BOOTSTRAP_S) -> list[list[Unit]]:
+    """How verify.py's budget rule splits ``units`` over commands of ``command_s`` seconds each (by their
+    estimates): a unit starts only when what is left covers its estimate, except the first of a command."""
+    commands: list[list[Unit]] = []
+    left = 0.0
+    for u in units:
+        if not commands or left < u.estimate_s:
+            commands.append([])
+            left = command_s
+        commands[-1].append(u)
+        left -= u.estimate_s
+    return commands
+
+
+def first_visit_seconds(units: list[Unit] | None = None) -> tuple[int, float]:
+    """(commands, node seconds) a first visit needs by the estimates: each command pays a node start and
+    bootstrap, then runs what fits."""
+    commands = pack(first_plan() if units is None else units)
+    return len(commands), sum(NODE_START_S + BOOTSTRAP_S + sum(u.estimate_s for u in c) for c in commands)
 
 
 def select(units: list[Unit], only: tuple[str, ...] | None, match: tuple[str, ...] | None) -> list[Unit]:

@@ -54,7 +54,7 @@ def take_wheels(files_at: Path, wheels: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("files_at", help="the folder the device run's $OUT files came back to")
+    p.add_argument("files_at", help="the node's output folder ($OUT), as it came back")
     p.add_argument("--results", default=str(REPO / "docs" / "gpu-results" / "results.jsonl"),
                    help="the local results file to append to")
     p.add_argument("--wheels", default=str(REPO / ".whl"), help="the wheel kit (compiled wheels go to its built/)")

@@ -1,9 +1,10 @@
 """Verify the package on a GPU node, in slices that each fit one device command, resumable across visits.
 
-    python scripts/gpu/verify.py [--only STEP,...] [--match GLOB]... [--budget-seconds S] [--list] [--dry-run]
+    python scripts/gpu/verify.py [--plan first|all] [--only STEP,...] [--match GLOB]... [--budget-seconds S]
+                                 [--list] [--dry-run]
 
 Runs the units of gpu_units.py in order (pytest -m gpu, bench_linear, the training A/B matrix, save/resume,
---init_from_hf TE vs HF, profile) and appends one record per unit (per test for pytest) to the results file
+profile) and appends one record per unit (per test for pytest) to the results file
 (default docs/gpu-results/results.jsonl) as soon as the unit ends. A unit already recorded with a final
 status for this GPU + versions (gpu_versions.key) is skipped, so running the same command again continues
 where the last one stopped. Each unit has its own time limit, and no unit is started with less of
@@ -42,6 +43,8 @@ EXIT_MORE, EXIT_VERSIONS = 10, 3
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="verify.py", description=__doc__.splitlines()[0])
+    p.add_argument("--plan", default="all", choices=gpu_units.PLANS,
+                   help="first: a first visit's essentials (~25 min of node time in 3 commands); all: everything")
     p.add_argument("--only", help=f"comma-separated steps to run, in this order: {','.join(gpu_units.STEPS)}")
     p.add_argument("--match", action="append", metavar="GLOB",
                    help="only units whose id matches (repeatable), e.g. 'train/llama3.2-1b/synthetic/*'")
@@ -147,7 +150,7 @@ def probe_versions(args: argparse.Namespace, work: Path, env: dict[str, str]) ->
 
 
 def bundle_logs(work: Path, mirror: Path | None) -> None:
-    """logs/ and every run's metrics.jsonl and config.yaml, as one archive (a device run brings back 8 files)."""
+    """logs/ and every run's metrics.jsonl and config.yaml, as one archive (few files for the output folder)."""
     if mirror is None:
         return
     mirror.mkdir(parents=True, exist_ok=True)
@@ -160,7 +163,7 @@ def bundle_logs(work: Path, mirror: Path | None) -> None:
 
 
 RUNNERS = {"pytest": gpu_steps.run_pytest, "bench": gpu_steps.run_bench, "train": gpu_steps.run_train,
-           "resume": gpu_checks.run_resume, "hf_init": gpu_checks.run_hf_init, "profile": gpu_checks.run_profile}
+           "resume": gpu_checks.run_resume, "profile": gpu_checks.run_profile}
 
 
 def commands_of(ctx: gpu_context.Context, unit: gpu_units.Unit) -> list[str]:
@@ -179,10 +182,6 @@ def commands_of(ctx: gpu_context.Context, unit: gpu_units.Unit) -> list[str]:
     elif unit.step == "resume":
         cmds = [ctx.train_cmd(gpu_units.resume_flags(ctx.opts, v, root / p, p, root / "ckpt"))
                 for p in ("u1", "u2", "p1", "p2")]
-    elif unit.step == "hf_init":
-        cmds = [gpu_steps.pytest_cmd(ctx, ["-m", "gpu", gpu_units.HF_INIT_TEST]), gpu_checks.checkpoint_cmd(ctx, root)]
-        cmds += [ctx.train_cmd(gpu_units.hf_init_flags(ctx.opts, i, root / "checkpoint", root / f"run_{i}"))
-                 for i in ("hf", "te")]
     else:
         cmds = [ctx.train_cmd(gpu_units.profile_flags(ctx.opts, root, demo))]
     return [shlex.join(c) for c in cmds]
@@ -211,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = {**provenance(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     opts = options(args)
     only = tuple(s for s in (args.only or "").split(",") if s) or None
-    units = gpu_units.select(gpu_units.plan(opts), only, tuple(args.match) if args.match else None)
+    units = gpu_units.select(gpu_units.plan(opts, args.plan), only, tuple(args.match) if args.match else None)
     records = store.records()
     if args.list:
         list_units(units, records, key)

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One device command of a GPU visit: install the wheel kit, then run one slice of verify.py inside a time
-# budget, results and logs written to $OUT (what comes back from the device machine).
-#   bash scripts/gpu/visit.sh [verify.py flags]     e.g. --only pytest     or     --match 'train/llama3.2-1b/*'
+# One command of a GPU visit on a node: install the offline kit, then run one slice of verify.py inside a time
+# budget, results and logs written to $OUT (the output folder that comes back from the node).
+#   bash scripts/gpu/visit.sh [verify.py flags]     e.g. --plan first     or     --match 'train/llama3.2-1b/*'
 # Environment: WHEELS (the kit, default .whl; relative paths are the repo's), SITE (install target, default
-# /tmp/site), VISIT_SECONDS (the whole command's budget, default 480), PYTHON (default python3), OUT (where
-# results and logs go; the device tool sets it; default /tmp/llama-fp8-out).
+# /tmp/site), VISIT_SECONDS (the whole command's budget, default 540), PYTHON (default python3), OUT (where
+# results and logs go: the output folder that comes back from the node; default /tmp/llama-fp8-out).
 # Exit code: verify.py's (0 slice done, 10 budget ran out: run the same command again), or bootstrap's 2.
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -15,6 +15,10 @@ wheels=${WHEELS:-.whl}
 [[ $wheels == /* ]] || wheels="$repo/$wheels"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# A kit from scripts/offline/make_kit.sh carries a manifest: every file must match it before anything installs.
+if [[ -f $wheels/MANIFEST.json ]] && ! "$py" "$repo/scripts/offline/kit.py" verify "$wheels"; then
+    exit 2
+fi
 "$py" "$repo/scripts/gpu/bootstrap.py" "$wheels" "$site" --export "$out/built" 2>&1 | tee "$out/bootstrap.log"
 rc=${PIPESTATUS[0]}
 if (( rc == 3 )); then
@@ -24,7 +28,7 @@ elif (( rc != 0 )); then
     exit "$rc"
 fi
 export PYTHONPATH="$site:$repo/src${PYTHONPATH:+:$PYTHONPATH}"
-budget=$(( ${VISIT_SECONDS:-480} - SECONDS - 15 ))
+budget=$(( ${VISIT_SECONDS:-540} - SECONDS - 15 ))
 if (( budget < 60 )); then
     echo "visit: only ${budget} s left after bootstrap: nothing started"
     exit 10

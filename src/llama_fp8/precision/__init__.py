@@ -36,6 +36,7 @@ class Fp8Runtime(Protocol):
     def autocast(self) -> contextlib.AbstractContextManager: ...
     def model_init_context(self) -> contextlib.AbstractContextManager: ...
     def prepare(self, model: nn.Module) -> None: ...
+    def optimizer(self, param_groups: list[dict], **kwargs) -> torch.optim.Optimizer | None: ...
     def post_step(self, model: nn.Module) -> None: ...
 
 
@@ -69,6 +70,10 @@ class Plain:
 
     def prepare(self, model: nn.Module) -> None:
         """Once the model is materialized and initialized, before a checkpoint is loaded into it."""
+        return None
+
+    def optimizer(self, param_groups: list[dict], **kwargs):
+        """An optimizer this precision needs (e.g. FP32 masters for FP8 weights); None: the configured one."""
         return None
 
     def post_step(self, model: nn.Module) -> None:

@@ -61,9 +61,10 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW without weight decay on norms, biases and embeddings: torch's (fused on CUDA), or
-    torchao.optim's with 8-bit / FP8 states (--optimizer)."""
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device, prec=None) -> torch.optim.Optimizer:
+    """AdamW without weight decay on norms, biases and embeddings: the one the precision runtime ``prec`` needs
+    (e.g. FP32 masters for FP8 weights), else torch's (fused on CUDA), or torchao.optim's with 8-bit / FP8
+    states (--optimizer)."""
     decay, no_decay, seen = [], [], set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
@@ -72,6 +73,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
         (no_decay if p.dim() < 2 or "embed_tokens" in name else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": 1e-8}
+    own = prec.optimizer(groups, **kwargs) if prec is not None else None
+    if own is not None:
+        log.info("optimizer %s (the precision's own)", type(own).__name__)
+        return own
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, fused=device.type == "cuda", **kwargs)
     from torchao.optim import AdamW8bit, AdamWFp8

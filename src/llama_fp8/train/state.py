@@ -50,7 +50,7 @@ def start(cfg: TrainConfig, env: parallel.DistEnv) -> TrainState:
     from llama_fp8 import data
 
     plan, impl, prec, model, size, context = plan_and_build_model(cfg, env)
-    optimizer = build.build_optimizer(model, cfg, env.device)
+    optimizer = build.build_optimizer(model, cfg, env.device, prec)
     scheduler = build.build_scheduler(optimizer, cfg)
     train_loader, val_loader = parallel.on_every_rank(env, lambda: build.build_loaders(cfg, env, plan.dims))
     ckpt = checkpoint.Checkpointer(Path(plan.checkpoint_dir), cfg.keep_last_k, cfg.async_checkpoint, env.rank,

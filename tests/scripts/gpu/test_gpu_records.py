@@ -1,4 +1,4 @@
-"""metrics.jsonl -> results record (timing without the warm-up, MFU, memory, losses), the save/resume
+"""metrics.jsonl -> results record (the report's throughput without the warm-up, MFU, memory, losses), the save/resume
 verdict, the results file (append, cut-off lines, done/retry), and the time box."""
 
 from __future__ import annotations
@@ -24,26 +24,41 @@ def write_metrics(run_dir: Path, losses: dict[int, float], *, start_step: int = 
             "device": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "peak_tflops_bf16": 989.4,
             "peak_tflops_fp8": 1978.9, "seq_len": 4096, "global_batch_size": 2, "flops_per_token": 1.0e10,
             "num_params": 1_235_814_400, "fp8_emulated": False, "start_step": start_step}
-    lines = [meta]
+    lines, previous = [meta], (start_step, 0.0)
     for step in sorted(losses):
         elapsed = warm_s + (step - start_step) * step_s
+        samples, seconds = (step - previous[0]) * 2, elapsed - previous[1]
+        tokens = samples * 4096 / seconds
         lines.append({"type": "train", "step": step, "loss": losses[step], "elapsed_s": elapsed,
+                      "samples_per_sec": samples / seconds, "tokens_per_sec_per_device": tokens,
+                      "tflops_per_device": tokens * 1e-2, "mfu_vs_bf16_peak": tokens * 1e-2 / 989.4,
+                      "mfu_vs_fp8_peak": tokens * 1e-2 / 1978.9 if precision.startswith("fp8") else None,
                       "mem_peak_gib": 20.0 + step / 100, "mem_reserved_peak_gib": 24.0, "alloc_retries": 0,
                       "data_wait_frac": 0.01})
+        previous = (step, elapsed)
     with open(run_dir / "metrics.jsonl", "a" if append else "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in lines)
     return run_dir
 
 
-def test_timing_leaves_out_the_warmup_and_counts_tokens_over_time(tmp_path):
+def test_throughput_is_the_reports_and_leaves_out_the_warmup(tmp_path):
+    """One throughput definition: the record holds what ``python -m llama_fp8 compare`` reports for the run (the
+    median of the per-window rates after the warm-up), not a second summary of its own."""
+    from llama_fp8.report.compare import summarize_run
+    from llama_fp8.report.runs import load_run
+
     run = write_metrics(tmp_path / "r", {s: 10.0 - s / 10 for s in range(5, 51, 5)}, precision="fp8-te-delayed")
     rec = gpu_records.summarize(run, warmup=10)
-    # window: logged step 10 (elapsed 30 + 5.0) to step 50 (30 + 25.0): 40 steps in 20 s
-    assert rec["warmup_steps"] == 10 and rec["timed_steps"] == 40 and rec["timed_seconds"] == pytest.approx(20.0)
-    tokens = 40 * 2 * 4096 / 20.0
-    assert rec["tokens_per_sec_per_gpu"] == pytest.approx(tokens)
+    report = summarize_run(load_run(str(run / "metrics.jsonl"), "run"), 10)
+    for key in gpu_records.THROUGHPUT:
+        assert rec[key] == report[key], key
+    # the windows after step 10: 5 steps of 2 sequences of 4096 tokens in 2.5 s each; the first window (with
+    # 30 s of warm-up) is left out
+    tokens = 5 * 2 * 4096 / 2.5
+    assert rec["warmup_steps"] == 10 and rec["timed_steps"] == 40
+    assert rec["tokens_per_sec_per_device"] == pytest.approx(tokens)
     assert rec["samples_per_sec"] == pytest.approx(4.0)
-    assert rec["tflops_per_gpu"] == pytest.approx(tokens * 1e10 / 1e12)
+    assert rec["tflops_per_device"] == pytest.approx(tokens * 1e10 / 1e12)
     assert rec["mfu_vs_bf16_peak"] == pytest.approx(tokens * 1e-2 / 989.4)
     assert rec["mfu_vs_fp8_peak"] == pytest.approx(tokens * 1e-2 / 1978.9)
     assert rec["mem_peak_gib"] == pytest.approx(20.5) and rec["mem_reserved_peak_gib"] == 24.0
@@ -55,7 +70,7 @@ def test_bf16_runs_have_no_fp8_mfu_and_a_run_without_timed_steps_has_no_rates(tm
     rec = gpu_records.summarize(write_metrics(tmp_path / "a", {s: 1.0 for s in range(1, 21)}), warmup=5)
     assert rec["mfu_vs_fp8_peak"] is None and rec["timed_steps"] == 15
     rec = gpu_records.summarize(write_metrics(tmp_path / "b", {1: 1.0, 2: 1.0}), warmup=5)
-    assert rec["timed_steps"] == 0 and rec["tokens_per_sec_per_gpu"] is None
+    assert rec["timed_steps"] == 0 and rec["tokens_per_sec_per_device"] is None
 
 
 def test_a_resumed_run_dir_is_read_from_its_last_start(tmp_path):

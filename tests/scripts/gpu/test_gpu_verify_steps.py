@@ -17,7 +17,8 @@ import gpu_timebox
 import gpu_units
 import pytest
 import verify
-from test_gpu_trace import EVENTS
+
+from report.test_trace import EVENTS
 
 KEY = "test-gpu-0000"
 
@@ -129,41 +130,6 @@ def test_profile_waits_for_the_trainer_flags_then_summarizes_the_trace(tmp_path)
     assert (tmp_path / "out" / rec["trace_kept"]).is_file() and rec["trace_kept"].endswith(".trace.json.gz")
 
 
-def fake_node(tmp_path: Path, test_outcome: str, te_loss: float) -> str:
-    """Stands in for the GPU node's Python in the hf_init unit: `-m pytest` records the logits test as the
-    plugin would, make_hf_checkpoint.py writes a folder, `-m llama_fp8 train` writes three losses (HF 10.0,
-    TE ``te_loss``)."""
-    return fake_program(tmp_path, f"""\
-        import os
-        if argv[:2] == ["-m", "pytest"]:
-            nodeid = next(a for a in argv if "::" in a)
-            rec = {{"key": os.environ["GPU_VERIFY_KEY"], "unit": "test:" + nodeid, "kind": "test", "nodeid": nodeid,
-                   "status": {test_outcome!r}, "message": "Skipped: no TE" if {test_outcome!r} == "skipped" else ""}}
-            open(os.environ["GPU_VERIFY_RESULTS"], "a").write(json.dumps(rec) + "\\n")
-        elif argv[0].endswith("make_hf_checkpoint.py"):
-            pathlib.Path(argv[1]).mkdir(parents=True)
-        else:
-            run = pathlib.Path(argv[argv.index("--run_dir") + 1])
-            run.mkdir(parents=True)
-            impl = argv[argv.index("--model_impl") + 1]
-            loss = 10.0 if impl == "hf" else {te_loss}
-            rows = [{{"type": "meta", "start_step": 0}}] + [{{"type": "train", "step": s, "loss": loss}} for s in (1, 2, 3)]
-            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in rows))
-        """)
-
-
-def test_hf_init_takes_the_logits_test_and_the_cli_smoke(tmp_path):
-    [unit] = [u for u in gpu_units.plan(gpu_units.Options()) if u.step == "hf_init"]
-    rec = gpu_checks.run_hf_init(context(tmp_path / "a", fake_node(tmp_path, "passed", 10.05)), unit)
-    assert rec["status"] == "passed" and rec["test"]["nodeid"] == gpu_units.HF_INIT_TEST
-    assert rec["smoke"]["gap_rel"] == pytest.approx(0.005) and rec["smoke"]["seq_len"] == "4096"
-    assert "--init_from_hf" in rec["smoke"]["commands"]["te"] and "--lr 0" in rec["smoke"]["commands"]["te"]
-    rec = gpu_checks.run_hf_init(context(tmp_path / "b", fake_node(tmp_path, "skipped", 10.0)), unit)
-    assert rec["status"] == "failed" and rec["test"]["test_status"] == "skipped" and "no TE" in rec["message"]
-    rec = gpu_checks.run_hf_init(context(tmp_path / "c", fake_node(tmp_path, "passed", 10.5)), unit)
-    assert rec["status"] == "failed" and rec["smoke"]["status"] == "failed"
-
-
 @pytest.mark.slow
 def test_resume_step_through_the_real_trainer_on_cpu(tmp_path):
     """Four real CPU runs of a small model with torchao FP8 (emulated): the second half resumes from step k."""
@@ -177,20 +143,3 @@ def test_resume_step_through_the_real_trainer_on_cpu(tmp_path):
     assert [s for s, _ in rec["losses"]["resumed"]] == [4, 5, 6] and len(rec["losses"]["uninterrupted"]) == 6
     assert set(rec["commands"]) == {"u1", "u2", "p1", "p2"} and "--checkpoint_freq 3" in rec["commands"]["p1"]
     assert not (ctx.work / "runs" / "resume_hf-fp8-tensorwise" / "ckpt").exists()  # checkpoints not kept
-
-
-@pytest.mark.slow
-def test_hf_checkpoint_and_init_from_hf_flags_through_the_real_trainer(tmp_path):
-    """make_hf_checkpoint.py writes a save_pretrained folder that the trainer loads with the hf_init flags
-    (the TE half needs Transformer Engine and a GPU)."""
-    opts = gpu_units.Options(device="cpu", hf_init_model=("--model", "tiny", "--num_layers", "2"))
-    ctx = context(tmp_path, opts=opts)
-    root = ctx.work / "hf_init"
-    out, killed = ctx.run("ckpt", gpu_checks.checkpoint_cmd(ctx, root), 1e12)
-    assert out.returncode == 0 and killed is None, out.tail()
-    ckpt = root / "checkpoint"
-    assert (ckpt / "config.json").is_file() and list(ckpt.glob("*.safetensors"))
-    out, killed = ctx.run("hf", ctx.train_cmd(gpu_units.hf_init_flags(opts, "hf", ckpt, root / "run")), 1e12)
-    assert out.returncode == 0, out.tail()
-    losses = [json.loads(x) for x in (root / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in losses if r["type"] == "train"] == [1, 2, 3] and losses[0]["model_impl"] == "hf"

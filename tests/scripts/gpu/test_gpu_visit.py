@@ -1,4 +1,4 @@
-"""scripts/gpu/visit.sh, the one command a device call runs, end to end on CPU: bootstrap from a (fake) kit,
+"""scripts/gpu/visit.sh, the one command a GPU node runs per visit step, end to end on CPU: bootstrap from a (fake) kit,
 then a slice of verify.py through the real trainer, with everything that must come back written to $OUT."""
 
 from __future__ import annotations
@@ -34,3 +34,18 @@ def test_visit_bootstraps_then_runs_a_slice_and_leaves_the_results_in_out(tmp_pa
     assert records[1]["status"] == "passed" and (out / "logs.tar.gz").is_file()
     assert "1 of 1 selected units to run" in proc.stdout
     assert not net_log.exists()
+
+
+def test_visit_refuses_a_kit_that_differs_from_its_manifest(tmp_path):
+    import json
+
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    (kit / "torchao-0.18.0-py3-none-any.whl").write_bytes(b"changed")
+    (kit / "MANIFEST.json").write_text(json.dumps({"files": {"torchao-0.18.0-py3-none-any.whl": {"sha256": "0" * 64}}}))
+    out = tmp_path / "out"
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "WHEELS": str(kit), "SITE": str(tmp_path / "site"),
+           "OUT": str(out)}
+    proc = subprocess.run(["bash", str(VISIT), "--plan", "first"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "sha256 differs: torchao-0.18.0-py3-none-any.whl" in proc.stderr
+    assert not (tmp_path / "site").exists() and not (out / "bootstrap.log").exists()

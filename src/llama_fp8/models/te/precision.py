@@ -68,6 +68,10 @@ def check_fp8_parameters(cfg, recipe: Recipe) -> None:
         raise ConfigError("--fp8_all_gather 1 with the TE model works with plain FSDP only (one data-parallel "
                           "mesh dimension); drop --sharding_strategy hybrid / --dp_replicate_size, or use "
                           "--fp8_all_gather 0")
+    if cfg.optimizer != "adamw":
+        # FP8 weights need FP32 masters in the optimizer (master_weights.py); torchao's low-bit AdamW has none.
+        raise ConfigError(f"--optimizer {cfg.optimizer} with --fp8_all_gather 1 (TE): FP8 primary weights are "
+                          "optimized by AdamW with FP32 master weights; use --optimizer adamw, or --fp8_all_gather 0")
     if cfg.init_from_hf:
         raise ConfigError("--init_from_hf with --fp8_all_gather 1 (TE): loading a checkpoint into FP8 weights "
                           "is not supported; start the run with --fp8_all_gather 0")
@@ -92,6 +96,15 @@ class TEFp8(Plain):
         if self.stateful:
             fp8_state.init_scaling_state(model, self.autocast())
             fp8_state.expose_scaling_state(model)
+
+    def optimizer(self, param_groups: list[dict], **kwargs):
+        """FP8 primary weights are optimized through FP32 masters (a weight stored in FP8 would round away
+        every update smaller than half its quantization step); BF16/FP32 weights by the configured optimizer."""
+        if not self.all_gather:
+            return None
+        from llama_fp8.models.te.master_weights import MasterAdamW
+
+        return MasterAdamW(param_groups, **kwargs)
 
     def model_init_context(self):
         """FP8 primary weights (``--fp8_all_gather 1``): FSDP2 then all-gathers FP8 bytes."""

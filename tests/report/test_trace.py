@@ -6,8 +6,9 @@ from __future__ import annotations
 import gzip
 import json
 
-import gpu_trace
 import pytest
+
+from llama_fp8.report import trace as gpu_trace
 
 
 def kernel(name: str, ts: float, dur: float, cat: str = "kernel", stream: int = 7) -> dict:

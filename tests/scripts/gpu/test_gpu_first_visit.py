@@ -1,0 +1,61 @@
+"""The first visit of a GPU node, rehearsed on CPU with fake timings: its units in the issue's order, its
+estimates adding up to about 25 minutes of node time (node starts and bootstrap included) in three commands,
+and three runs of the same command recording everything, each continuing where the last stopped."""
+
+from __future__ import annotations
+
+import gpu_results
+import gpu_timebox
+import gpu_units
+import pytest
+import verify
+from test_gpu_verify import H100, KEY
+
+FIRST = ["pytest/te-values"] + [f"train/llama3.2-1b/synthetic/{v}" for v in
+                                ("hf-bf16", "hf-fp8-tensorwise", "te-bf16", "te-fp8-current")] + [
+    "train/llama3.2-3b/synthetic/te-bf16", "train/llama3.2-3b/synthetic/te-fp8-current",
+    "bench/te-current+torchao-tensorwise/llama3.2-3b"]
+
+
+def test_the_first_plan_is_the_issues_order_and_fits_25_minutes_in_3_commands():
+    units = gpu_units.plan(gpu_units.Options(), "first")
+    assert [u.id for u in units] == FIRST
+    assert units[0].info["args"] == list(gpu_units.TE_VALUE_TESTS)
+    assert all(u.estimate_s <= gpu_units.VISIT_COMMAND_S - gpu_units.BOOTSTRAP_S for u in units)
+    commands, seconds = gpu_units.first_visit_seconds()
+    assert commands == 3 and seconds <= 26 * 60, (commands, seconds)
+    assert gpu_units.Options().max_steps - gpu_units.Options().warmup == 30  # 30 timed steps after warm-up
+    # a plan too big for three commands says so
+    assert gpu_units.first_visit_seconds(units + units)[0] > 3
+
+
+@pytest.mark.parametrize("slow,runs", [(1.0, 3), (1.3, 3), (1.7, 4)])
+def test_three_runs_of_the_same_command_record_the_first_visit(tmp_path, monkeypatch, slow, runs):
+    """Each fake unit takes its estimate times ``slow``: every command stops before a unit that would not fit
+    and the next one continues there; up to 30 % over the estimates three commands record all, and a slower
+    node needs a fourth run of the same command, which records the rest (nothing is run twice)."""
+    monkeypatch.setattr(verify, "probe_versions", lambda args, work, env: dict(H100))
+    clock, calls = [0.0], []
+    real_budget = gpu_timebox.Budget
+    monkeypatch.setattr(verify.gpu_timebox, "Budget", lambda s: real_budget(s, clock=lambda: clock[0]))
+
+    def runner(ctx, unit):
+        calls.append(unit.id)
+        clock[0] += unit.estimate_s * slow
+        return {"status": "passed"}
+
+    for step in ("pytest", "train", "bench"):
+        monkeypatch.setitem(verify.RUNNERS, step, runner)
+    results = tmp_path / "r.jsonl"
+    budget = gpu_units.VISIT_COMMAND_S - gpu_units.BOOTSTRAP_S
+    argv = ["--plan", "first", "--budget-seconds", str(budget), "--results", str(results), "--work",
+            str(tmp_path / "w"), "--mirror", str(tmp_path / "out")]
+    codes = []
+    for _ in range(5):
+        codes.append(verify.main(argv))
+        if codes[-1] == 0:
+            break
+    assert calls == FIRST  # in order, each once
+    assert codes == [verify.EXIT_MORE] * (runs - 1) + [0]
+    recorded = [r["unit"] for r in gpu_results.load(results) if r.get("key") == KEY and r["unit"] != "versions"]
+    assert recorded == FIRST
