@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# `make demo`: a CPU A/B run of the tiny preset, 2 ranks under torchrun, --fp8=0 then --fp8=1
-# (torchao FP8, emulated on CPU), same seed and data; then the compare report of the two runs.
+# `make demo`: a CPU A/B of the tiny preset, 2 ranks under torchrun: R pairs (DEMO_REPEATS or --repeats R,
+# default 2) of --fp8=0 and --fp8=1 (torchao FP8, emulated on CPU), interleaved with the order alternating,
+# pair i with seed 1234+i-1 for both arms; then the compare report of all pairs (speed-up intervals, the
+# BF16-vs-BF16 noise band, the verdict).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+REPEATS=${DEMO_REPEATS:-2}
+if [ "${1:-}" = --repeats ]; then
+  REPEATS=${2:?--repeats needs a number}
+  shift 2
+fi
+[ $# -eq 0 ] || { echo "error: unknown argument(s) $*: the only option is --repeats R" >&2; exit 2; }
 VENV=${VENV:-.venv}
 PY="$VENV/bin/python"
 STEPS=${DEMO_STEPS:-100}
@@ -25,20 +33,22 @@ if [ -n "${DEMO_EXTRA:-}" ]; then
   common+=(${extra[@]+"${extra[@]}"})  # the safe form: bash 4.2 calls an empty array unbound under set -u
 fi
 
-for fp8 in 0 1; do
-  name=$([ "$fp8" = 1 ] && echo fp8 || echo bf16)
-  echo "== training tiny on CPU with $NPROC ranks, --fp8=$fp8 -> $OUT/$name"
+# The run order (alternating per pair) and seeds come from the same schedule as the Slurm A/B job.
+schedule=$("$PY" -m llama_fp8.report.schedule --repeats "$REPEATS" -- "${common[@]}")
+while read -r subdir fp8 seed; do
+  echo "== training tiny on CPU with $NPROC ranks, --fp8=$fp8 --seed $seed -> $OUT/$subdir"
+  mkdir -p "$OUT/$subdir"
   "$VENV/bin/torchrun" --standalone --nproc_per_node "$NPROC" -m llama_fp8 train "${common[@]}" \
-    --fp8 "$fp8" --run_dir "$OUT/$name" 2>"$OUT/$name.stderr" | tee "$OUT/$name.log" | grep -E '^Batch' | tail -n 3
-done
+    --fp8 "$fp8" --seed "$seed" --run_dir "$OUT/$subdir" 2>"$OUT/$subdir.stderr" | tee "$OUT/$subdir.log" \
+    | grep -E '^Batch' | tail -n 3
+done <<<"$schedule"
 
 echo
 echo "== last lines"
-for name in bf16 fp8; do
-  echo "$name: $(grep -E '^Batch' "$OUT/$name.log" | tail -n 1)"
-  echo "      metrics: $OUT/$name/metrics.jsonl  config: $OUT/$name/config.yaml"
-done
-if "$PY" -c "import llama_fp8.report.compare" 2>/dev/null; then
-  echo
-  "$PY" -m llama_fp8 compare "$OUT/bf16" "$OUT/fp8" --out "$OUT/report"
-fi
+while read -r subdir _ _; do
+  echo "$subdir: $(grep -E '^Batch' "$OUT/$subdir.log" | tail -n 1)"
+  echo "      metrics: $OUT/$subdir/metrics.jsonl  config: $OUT/$subdir/config.yaml"
+done <<<"$schedule"
+read -r -a runs <<<"$("$PY" -m llama_fp8.report.schedule --repeats "$REPEATS" --compare)"
+echo
+"$PY" -m llama_fp8 compare "${runs[@]/#/$OUT/}" --out "$OUT/report"
