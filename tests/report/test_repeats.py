@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
+from llama_fp8 import goodput
 from llama_fp8.report import compare as C
 from llama_fp8.report import stats
 
@@ -29,7 +30,9 @@ def write_run(run_dir: Path, precision: str, seed: int, *, loss_shift: float, sp
                      "tflops_per_device": sps * 16 * 5.5e6 / 1e12, "mfu_vs_bf16_peak": None,
                      "mem_peak_gib": mem, "precision": precision, "world_size": 2})
     meta = {"type": "meta", "precision": precision, "world_size": 2}
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [meta, *recs]))
+    parts = {f"{k}_s": float(i + 1 + seed) for i, k in enumerate(goodput.PARTS)}
+    good = {"type": "goodput", "step": STEPS, "wall_s": sum(parts.values()), **parts}
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [meta, *recs, good]))
     (run_dir / "config.yaml").write_text(yaml.safe_dump({"asked": {"seed": seed, "fp8": precision == "fp8"}}))
     return recs
 
@@ -126,6 +129,11 @@ def test_speedup_memory_and_noise_band_match_an_independent_computation(tmp_path
     report = (tmp_path / "o" / "report.md").read_text()
     assert f"**Speed-up B/A: {sp['text']}**" in report and "3 pairs" in sp["text"]
     assert "Noise band (BF16 vs BF16 across seeds" in report and "| 3 | 3 |" in report   # pair 3, seed 3
+    # goodput of an arm: its runs' parts summed; productive is the 3rd part (3 + seed s in run s)
+    wall = sum(sum(i + 1 + seed for i in range(len(goodput.PARTS))) for seed in seeds)
+    prod = sum(3 + seed for seed in seeds)
+    assert ab["goodput"][0]["wall_s"] == wall and ab["goodput"][0]["goodput"] == pytest.approx(prod / wall)
+    assert f"| **goodput** (productive / wall) | {100 * prod / wall:.1f} % |" in report
 
 
 def test_the_tolerance_decides_when_wider_than_the_band_and_a_gap_beyond_both_fails(tmp_path):

@@ -199,7 +199,8 @@ def summarize_pairs(pairs: list[tuple[Run, Run]], warm: list[tuple[int, int]], t
     noise = repeats.noise_band([a for a, _ in pairs], loss_summary)
     seeds = [runs_seed(a) for a, _ in pairs]
     return {"pairs": len(pairs), "seeds": seeds, "speed": repeats.speed(pairs, warm),
-            "memory": repeats.memory(pairs), "pair_losses": pair_losses, "data_checks": checks,
+            "memory": repeats.memory(pairs), "goodput": [repeats.goodput([p[i] for p in pairs]) for i in (0, 1)],
+            "pair_losses": pair_losses, "data_checks": checks,
             "noise": noise, "verdict": repeats.judge(pair_losses, noise, tolerance, checks)}
 
 

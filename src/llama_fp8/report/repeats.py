@@ -60,6 +60,19 @@ def memory(pairs: list[tuple[Run, Run]]) -> dict[str, Any]:
     return {"peak_gib_a": a, "peak_gib_b": b, "ratio": b / a if a and b is not None else None}
 
 
+def goodput(runs: list[Run]) -> dict[str, Any] | None:
+    """One arm's wall time split over all its runs and attempts (goodput.py); None when none recorded it."""
+    from llama_fp8.goodput import PARTS
+
+    recs = [g for run in runs for g in run.goodput]
+    if not recs:
+        return None
+    wall = sum(float(g["wall_s"]) for g in recs)
+    parts = {k: sum(float(g.get(f"{k}_s") or 0.0) for g in recs) for k in PARTS}
+    return {"attempts": len(recs), "runs": len(runs), "wall_s": wall, "parts_s": parts,
+            "goodput": parts["productive"] / wall if wall > 0 else None}
+
+
 def noise_band(a_runs: list[Run], loss_summary) -> dict[str, Any]:
     """The BF16-vs-BF16 final-loss gaps across seeds (train and validation), and their max |gap|."""
     out: dict[str, Any] = {"measured": len(a_runs) > 1}
@@ -129,12 +142,29 @@ def markdown(ab: dict[str, Any], la: str, lb: str) -> list[str]:
                   f"validation {_pct(nb['validation_band_pct'], 0)}"]
     else:
         lines += ["", "Noise band: **noise not measured** (one pair; run with --repeats 2 or more)"]
+    lines += ["", "## Goodput (where the wall time went)", ""]
+    ga, gb = ab["goodput"]
+    if ga is None and gb is None:
+        lines += ["not recorded (runs without goodput records: plain logs or an older version)"]
+    else:
+        lines += [f"| part (s, all runs and attempts) | {la} | {lb} |", "|---|---|---|"]
+        from llama_fp8.goodput import PARTS
+
+        for k in PARTS:
+            lines.append(f"| {k.replace('_', ' ')} | {_num(ga and ga['parts_s'][k], '.1f')} | "
+                         f"{_num(gb and gb['parts_s'][k], '.1f')} |")
+        lines += [f"| wall | {_num(ga and ga['wall_s'], '.1f')} | {_num(gb and gb['wall_s'], '.1f')} |",
+                  f"| **goodput** (productive / wall) | {_pct_of(ga)} | {_pct_of(gb)} |"]
     lines += ["", "Verdict reasoning:", ""] + [f"- {r}" for r in ab["verdict"]["reasons"]] + [""]
     return lines
 
 
 def _num(x: float | None, spec: str = ".4g") -> str:
     return "n/a" if x is None else format(x, spec)
+
+
+def _pct_of(g: dict[str, Any] | None) -> str:
+    return "n/a" if not g or g["goodput"] is None else f"{100 * g['goodput']:.1f} %"
 
 
 def _pct(x: float | None, sign: int = 1) -> str:
