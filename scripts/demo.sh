@@ -17,6 +17,14 @@ STEPS=${DEMO_STEPS:-100}
 NPROC=${DEMO_NPROC:-2}
 OUT=${DEMO_DIR:-runs/demo-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
+{  # the exact command, for `python -m llama_fp8 compare --repro` (it prints a script that re-runs the A/B)
+  printf 'cd %q\n' "$PWD"
+  for var in DEMO_STEPS DEMO_NPROC DEMO_DATA DEMO_EXTRA VENV; do
+    if [ -n "${!var:-}" ]; then printf '%s=%q ' "$var" "${!var}"; fi
+  done
+  printf '%q ' bash scripts/demo.sh --repeats "$REPEATS"
+  printf '\n'
+} >"$OUT/ab_command.sh"
 
 # Real text: docstrings of the Python standard library (ships with every CPython), packed into
 # 128-token blocks by a 4096-token BPE tokenizer trained on it here; cached under runs/demo_data.

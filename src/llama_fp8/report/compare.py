@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from llama_fp8.report import hardware, plots, repeats
+from llama_fp8.report import hardware, plots, repeats, repro
 from llama_fp8.report.plots import METRICS, ratio, render_report, same_data_text
 from llama_fp8.report.runs import CompareError, Run, load_run, precision_label  # noqa: F401 - the CLI's API
 
@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup_steps_excluded", type=_nonneg_int, default=None,
                    help="leave steps <= N out of the medians (default: 10%% of the last step, "
                         "at least the first logged window)")
+    p.add_argument("--repro", action="store_true",
+                   help="print a bash script that re-runs this A/B (recorded commit, launcher command or each "
+                        "run's training command) instead of writing the report")
     return p
 
 
@@ -225,6 +228,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     summary["data"] = data_check(a, b)
     summary["environment"] = hardware.compare_environments(a.environments, b.environments)
     summary["ab"] = summarize_pairs(pairs, warm, args.loss_tolerance)
+    summary["repro"] = repro.collect(pairs)
     ok = summary["ab"]["verdict"]["ok"]
     summary.update(verdict="PASS" if ok else "FAIL", verdict_line=summary["ab"]["verdict"]["line"])
     images = plots.plot_all([a, b], list(w1), out, args.loss_tolerance)
@@ -235,6 +239,18 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
+def repro_script(args: argparse.Namespace) -> str:
+    """``--repro``: the re-run script of the runs given (nothing is written)."""
+    pairs = _pairs(args)
+    rest = [f"--loss_tolerance={args.loss_tolerance:g}"]
+    if args.warmup_steps_excluded is not None:
+        rest.append(f"--warmup_steps_excluded={args.warmup_steps_excluded}")
+    try:
+        return repro.script(repro.collect(pairs), [*args.runs, *rest])
+    except ValueError as e:
+        raise CompareError(str(e)) from None
+
+
 def main(argv: list[str]) -> int:
     """CLI entry: returns 0 on success (either verdict), 2 on bad flags or inputs."""
     try:
@@ -242,6 +258,9 @@ def main(argv: list[str]) -> int:
     except SystemExit as e:  # argparse already printed the message naming the flag
         return int(e.code or 0)
     try:
+        if args.repro:
+            print(repro_script(args), end="")
+            return 0
         summary = compare(args)
     except (CompareError, OSError) as e:
         print(f"compare: error: {e}", file=sys.stderr)

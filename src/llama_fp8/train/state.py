@@ -90,6 +90,7 @@ def plan_and_build_model(cfg: TrainConfig, env: parallel.DistEnv):
 
 
 def start_metrics(cfg: TrainConfig, plan: RunPlan, env: parallel.DistEnv, size: ModelSize, start_step: int):
+    from llama_fp8 import repro
     from llama_fp8.cluster import environment  # meta record: nodes, GPU/driver, versions, NCCL network
     device_name, peak_bf16, peak_fp8 = metrics.peak_tflops(env.device, cfg.peak_tflops)
     meter = metrics.StepMeter(env.device, env.world_size, plan.global_batch, cfg.max_context_width,
@@ -101,5 +102,6 @@ def start_metrics(cfg: TrainConfig, plan: RunPlan, env: parallel.DistEnv, size: 
                   "global_batch_size": plan.global_batch,
                   "flops_per_token": size.flops_per_token, "num_params": size.num_params,
                   "fp8_emulated": plan.precision.emulated, "start_step": start_step,
-                  "environment": environment.describe(env.device.type) if env.is_main else {}})
+                  "environment": environment.describe(env.device.type) if env.is_main else {},
+                  "repro": repro.describe() if env.is_main else {}})
     return meter, writer
