@@ -9,7 +9,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from llama_fp8 import checkpoint, faults, goodput, metrics, models, parallel, precision, profiling
+from llama_fp8 import (
+    checkpoint,
+    faults,
+    goodput,
+    gpu_health,
+    metrics,
+    models,
+    parallel,
+    precision,
+    profiling,
+    stragglers,
+)
 from llama_fp8.config import ConfigError, TrainConfig
 from llama_fp8.models.common import ModelSize
 from llama_fp8.plan import RunPlan, make_plan
@@ -38,6 +49,7 @@ class TrainState:
     context: parallel.StepContext  # what each step runs inside (tensor/context parallelism)
     profiler: profiling.Profiler
     goodput: goodput.Goodput  # where the wall time went (goodput.py); rank 0 writes it
+    ranks: stragglers.RankMonitor  # per-rank step time, data wait and GPU health of each logging window
 
     def close(self) -> None:
         with self.goodput.timed(self.goodput.checkpoint_part):  # an async save still in flight
@@ -75,7 +87,9 @@ def start(cfg: TrainConfig, env: parallel.DistEnv) -> TrainState:
     return TrainState(cfg, plan, env, impl, prec, model, size, optimizer, scheduler, train_loader, val_loader, ckpt,
                       meter, writer, faults.SignalWatch(env.world_size),
                       faults.NanGuard(env.device, cfg.nan_policy, cfg.max_nan_skips), start_step, context,
-                      profiling.Profiler(cfg, Path(plan.run_dir), env.rank, env.device), clock)
+                      profiling.Profiler(cfg, Path(plan.run_dir), env.rank, env.device), clock,
+                      stragglers.RankMonitor(env.device, env.local_rank, cfg.straggler_threshold_pct,
+                                             gpu_health.GpuHealth(env.device.type, env.device.index)))
 
 
 def plan_and_build_model(cfg: TrainConfig, env: parallel.DistEnv):
