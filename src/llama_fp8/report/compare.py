@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from llama_fp8.report import hardware, plots, repeats, repro
+from llama_fp8.report import hardware, plots, ranks, repeats, repro
 from llama_fp8.report.plots import METRICS, ratio, render_report, same_data_text
 from llama_fp8.report.runs import CompareError, Run, load_run, precision_label  # noqa: F401 - the CLI's API
 
@@ -207,6 +207,17 @@ def summarize_pairs(pairs: list[tuple[Run, Run]], warm: list[tuple[int, int]], t
             "noise": noise, "verdict": repeats.judge(pair_losses, noise, tolerance, checks)}
 
 
+def rank_view(pairs: list[tuple[Run, Run]], out: Path) -> dict[str, Any]:
+    """Stragglers and throttling per arm (ranks.py), and the heat strip of pair 1."""
+    view: dict[str, Any] = {"a": ranks.arm_view([p[0] for p in pairs]), "b": ranks.arm_view([p[1] for p in pairs])}
+    view["comparable"], view["comparable_line"] = ranks.comparability(view["a"], view["b"])
+    plot = ranks.heat_strip(list(pairs[0]), ["A", "B"], out / "ranks.png")
+    if plot is None and (out / "ranks.png").exists():
+        (out / "ranks.png").unlink()  # a stale strip from an earlier compare here
+    view["plot"] = plot
+    return view
+
+
 def runs_seed(run: Run) -> int | None:
     """The run's --seed from its config.yaml (the ask), None when unknown (a plain log)."""
     asked = run.config.get("asked") if isinstance(run.config.get("asked"), dict) else run.config
@@ -229,8 +240,11 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     summary["environment"] = hardware.compare_environments(a.environments, b.environments)
     summary["ab"] = summarize_pairs(pairs, warm, args.loss_tolerance)
     summary["repro"] = repro.collect(pairs)
-    ok = summary["ab"]["verdict"]["ok"]
-    summary.update(verdict="PASS" if ok else "FAIL", verdict_line=summary["ab"]["verdict"]["line"])
+    summary["ranks"] = rank_view(pairs, out)
+    ok, line = summary["ab"]["verdict"]["ok"], summary["ab"]["verdict"]["line"]
+    if summary["ranks"]["comparable"] is False:  # the loss verdict stands; the speed-up does not
+        line += f" | {summary['ranks']['comparable_line']}"
+    summary.update(verdict="PASS" if ok else "FAIL", verdict_line=line)
     images = plots.plot_all([a, b], list(w1), out, args.loss_tolerance)
     report = out / "report.md"
     report.write_text(render_report(summary, images))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from llama_fp8.report import hardware, repeats, repro
+from llama_fp8.report import hardware, ranks, repeats, repro
 
 if TYPE_CHECKING:
     from llama_fp8.report.runs import Run
@@ -102,6 +102,8 @@ def render_report(summary: dict[str, Any], plots: dict[str, Path]) -> str:
     ab = summary.get("ab")
     if ab:
         lines += [f"**Speed-up B/A: {ab['speed']['samples_per_sec']['text']}**", ""] + repeats.markdown(ab, la, lb)
+    if summary.get("ranks"):
+        lines += ranks.markdown(summary["ranks"], la, lb)
     lines += [f"**Verdict: {summary['verdict_line']}** (tolerance {summary['loss_tolerance_pct']:g} %)", "",
               f"Same training data: {same_data_text(summary.get('data'))}", ""]
     if summary.get("repro"):
