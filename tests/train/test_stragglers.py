@@ -17,8 +17,8 @@ from llama_fp8 import gpu_health, stragglers
 
 def test_a_rank_slowed_by_a_fault_is_named_with_host_and_gpu(tiny_args, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "llama_fp8",
-           "train", *tiny_args, "--max_steps", "6", "--logging_freq", "3", "--straggler_threshold_pct", "25"]
-    env = cli_env(LLAMA_FP8_FAULT="sleep@data:rank=1:seconds=0.3")   # rank 1's input pipeline is slow
+           "train", *tiny_args, "--max_steps", "6", "--logging_freq", "3", "--straggler_threshold_pct", "15"]
+    env = cli_env(LLAMA_FP8_FAULT="sleep@data:rank=1:seconds=1")   # rank 1's input pipeline is slow
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     recs = train_records(tmp_path / "run")
@@ -26,11 +26,12 @@ def test_a_rank_slowed_by_a_fault_is_named_with_host_and_gpu(tiny_args, tmp_path
     for rec in recs:
         r0, r1 = rec["ranks"]
         assert (r0["rank"], r0["local_rank"], r1["rank"], r1["local_rank"]) == (0, 0, 1, 1)
-        assert r1["data_wait_s"] >= 0.3 > r0["data_wait_s"]                  # per-rank figures are kept
+        assert r1["data_wait_s"] >= 1.0 > r0["data_wait_s"]                  # per-rank figures are kept
         assert r0["host"] == r1["host"] == socket.gethostname()
-        (s,) = rec["stragglers"]                                            # rank 1 only, named
+        assert len(rec["stragglers"]) == 1, rec                              # rank 1 only, named
+        (s,) = rec["stragglers"]
         assert (s["rank"], s["host"], s["local_rank"], s["cause"]) == (1, socket.gethostname(), 1, "data wait")
-        assert s["slower_pct"] > 25 and rec["gpu_health"].startswith("not measured (no CUDA")
+        assert s["slower_pct"] > 15 and rec["gpu_health"].startswith("not measured (no CUDA")
         assert r0["sm_clock_mhz"] is None and rec["throttled"] is False
     assert f"rank 1 ({socket.gethostname()} GPU 1)" in proc.stderr
 
