@@ -42,14 +42,16 @@ if [ -n "${DEMO_EXTRA:-}" ]; then
 fi
 
 # The run order (alternating per pair) and seeds come from the same schedule as the Slurm A/B job.
+# torch.distributed.run through this venv's python (what `torchrun` is), never a script whose #! may name
+# another interpreter (a copied venv keeps its old path there).
 schedule=$("$PY" -m llama_fp8.report.schedule --repeats "$REPEATS" -- "${common[@]}")
-while read -r subdir fp8 seed; do
+while read -r subdir fp8 seed <&3; do  # fd 3: the launcher cannot take the schedule from stdin
   echo "== training tiny on CPU with $NPROC ranks, --fp8=$fp8 --seed $seed -> $OUT/$subdir"
   mkdir -p "$OUT/$subdir"
-  "$VENV/bin/torchrun" --standalone --nproc_per_node "$NPROC" -m llama_fp8 train "${common[@]}" \
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m llama_fp8 train "${common[@]}" \
     --fp8 "$fp8" --seed "$seed" --run_dir "$OUT/$subdir" 2>"$OUT/$subdir.stderr" | tee "$OUT/$subdir.log" \
     | grep -E '^Batch' | tail -n 3
-done <<<"$schedule"
+done 3<<<"$schedule"
 
 echo
 echo "== last lines"
