@@ -98,7 +98,7 @@ def test_ratio_ci_is_none_without_windows_and_text_format():
 
 
 # --- repeats on fixture runs -----------------------------------------------------------------------------
-def test_speedup_memory_and_noise_band_match_an_independent_computation(tmp_path):
+def test_speedup_memory_and_noise_band_match_an_independent_computation(tmp_path, capsys):
     seeds = [1, 2, 3]
     paths, recs = make_pairs(tmp_path, seeds, fp8_shift=0.003)
     s = run(paths, tmp_path / "o", "--warmup_steps_excluded", "4", "--loss_tolerance", "0.1")
@@ -134,6 +134,9 @@ def test_speedup_memory_and_noise_band_match_an_independent_computation(tmp_path
     prod = sum(3 + seed for seed in seeds)
     assert ab["goodput"][0]["wall_s"] == wall and ab["goodput"][0]["goodput"] == pytest.approx(prod / wall)
     assert f"| **goodput** (productive / wall) | {100 * prod / wall:.1f} % |" in report
+    out = capsys.readouterr().out
+    assert f"goodput: A {100 * prod / wall:.1f} %, B {100 * prod / wall:.1f} %" in out
+    assert f"speedup B/A: {sp['text']}" in out and "stragglers: none named; throttling: throttling not measured" in out
 
 
 def test_the_tolerance_decides_when_wider_than_the_band_and_a_gap_beyond_both_fails(tmp_path):

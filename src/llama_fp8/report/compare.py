@@ -265,6 +265,19 @@ def repro_script(args: argparse.Namespace) -> str:
         raise CompareError(str(e)) from None
 
 
+def goodput_text(arms: list[dict[str, Any] | None]) -> str:
+    """``A 61.2 %, B 58.0 %`` (productive / wall over each arm's runs)."""
+    def one(g: dict[str, Any] | None) -> str:
+        return "n/a" if g is None or g["goodput"] is None else f"{100 * g['goodput']:.1f} %"
+    return ", ".join(f"{tag} {one(g)}" for tag, g in zip("AB", arms))
+
+
+def stragglers_text(view: dict[str, Any]) -> str:
+    named = [f"{tag}: {', '.join(v['straggler_windows'])}" for tag, v in (("A", view["a"]), ("B", view["b"]))
+             if v["straggler_windows"]]
+    return "; ".join(named) if named else "none named"
+
+
 def main(argv: list[str]) -> int:
     """CLI entry: returns 0 on success (either verdict), 2 on bad flags or inputs."""
     try:
@@ -283,9 +296,13 @@ def main(argv: list[str]) -> int:
     print(f"summary: {summary['report'].parent / 'summary.json'}")
     for name, path in summary["plots"].items():
         print(f"plot ({name}): {path}")
+    if summary["ranks"]["plot"]:
+        print(f"plot (ranks): {summary['ranks']['plot']}")
     print(f"speedup B/A: {summary['ab']['speed']['samples_per_sec']['text']}")
     print(f"same training data: {same_data_text(summary['data'])}")
     print(f"hardware: {hardware.one_line(summary['environment'])}")
+    print(f"goodput: {goodput_text(summary['ab']['goodput'])}")
+    print(f"stragglers: {stragglers_text(summary['ranks'])}; throttling: {summary['ranks']['comparable_line']}")
     print(f"verdict: {summary['verdict_line']}")
     return 0
 
