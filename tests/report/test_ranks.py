@@ -65,7 +65,7 @@ def test_not_measured_throttling_says_so(tmp_path):
     assert C.main([str(tmp_path / "bf16"), str(tmp_path / "fp8"), "--out", str(tmp_path / "o")]) == 0
     s = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert s["ranks"]["comparable"] is None and "not comparable" not in s["verdict_line"]
-    assert "Throttling: throttling not measured (not measured (no CUDA device))" in (tmp_path / "o" / "report.md").read_text()
+    assert "Throttling: throttling not measured (no CUDA device)" in (tmp_path / "o" / "report.md").read_text()
 
 
 def test_alike_throttling_stays_comparable(tmp_path):

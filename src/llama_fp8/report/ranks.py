@@ -62,8 +62,8 @@ def arm_view(runs: list[Run]) -> dict[str, Any]:
 def comparability(a: dict[str, Any], b: dict[str, Any]) -> tuple[bool | None, str]:
     """(comparable?, why): None when throttling was not measured on both arms."""
     if not a["gpu_measured_windows"] or not b["gpu_measured_windows"]:
-        why = "; ".join(sorted(set(a["gpu_health"]) | set(b["gpu_health"]))) or "no per-rank records"
-        return None, f"throttling not measured ({why})"
+        why = "; ".join(sorted(set(a["gpu_health"]) | set(b["gpu_health"]) - {"measured"}))
+        return None, f"throttling {why or 'not measured (no per-rank records)'}"
     fa, fb = (x["throttled_windows"] / x["gpu_measured_windows"] for x in (a, b))
     if (fa > 0) != (fb > 0) or abs(fa - fb) > THROTTLE_DIFF:
         return False, (f"speed not comparable: throttled windows A {100 * fa:.0f} % vs B {100 * fb:.0f} % "
