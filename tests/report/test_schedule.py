@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,54 @@ def test_launchers_take_their_order_and_seeds_from_the_schedule():
         text = path.read_text()
         assert "-m llama_fp8.report.schedule --repeats" in text and "--compare" in text, path
         assert "read -r" in text and '--seed' in text and "$fp8" in text, path
+
+
+FAKE_JOB_LIB = """EXIT_REQUEUE=85
+lf_die() { echo "error: $*" >&2; exit 1; }
+lf_setup() { PY=("$FAKE_PY"); CONTAINER_ARGS=(); }
+lf_preflight() { :; }
+lf_train() {  # like the real one: a job step (srun), which reads its stdin
+    srun --nodes=1 bash -c 'echo "$*" >>"$AB_DIR/train.calls"; d="${*: -1}"; mkdir -p "${d#--run_dir=}"' _ "$@"
+}
+"""
+FAKE_SRUN = """#!/bin/bash
+cat >/dev/null   # srun forwards stdin to its tasks: take all of it, as a task reading stdin would
+while [[ "$1" == --* ]]; do shift; done
+if [[ "$*" == *"llama_fp8 compare"* ]]; then echo "$*" >>"$AB_DIR/compare.calls"; exit 0; fi
+exec "$@"
+"""
+
+
+def test_batch_job_runs_the_interleaved_schedule_and_compares_every_pair(tmp_path):
+    """ab_job.sbatch itself, with Slurm's commands and the job library faked: every run of 3 pairs runs, in
+    the alternating order with one seed per pair, although each job step drains its stdin; then compare."""
+    repo = tmp_path / "repo"
+    (repo / "scripts" / "slurm").mkdir(parents=True)
+    (repo / "scripts" / "slurm" / "ab_job.sbatch").write_text((REPO / "scripts/slurm/ab_job.sbatch").read_text())
+    (repo / "scripts" / "slurm" / "job_lib.sh").write_text(FAKE_JOB_LIB)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    ab = tmp_path / "ab"
+    ab.mkdir()
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "REPO_DIR": str(repo), "AB_DIR": str(ab),
+           "AB_REPEATS": "3", "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-2]", "FAKE_PY": sys.executable,
+           "PYTHONPATH": str(REPO / "src")}
+    cmd = ["bash", str(repo / "scripts" / "slurm" / "ab_job.sbatch"), "--model", "tiny", "--seed", "10"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = [shlex.split(line) for line in (ab / "train.calls").read_text().splitlines()]
+    got = [(c[-1].removeprefix(f"--run_dir={ab}/"), c[-3], c[-2]) for c in calls]
+    assert got == [("pair1/bf16", "--fp8=0", "--seed=10"), ("pair1/fp8", "--fp8=1", "--seed=10"),
+                   ("pair2/fp8", "--fp8=1", "--seed=11"), ("pair2/bf16", "--fp8=0", "--seed=11"),
+                   ("pair3/bf16", "--fp8=0", "--seed=12"), ("pair3/fp8", "--fp8=1", "--seed=12")]
+    compare = (ab / "compare.calls").read_text().split()
+    dirs = compare[compare.index("compare") + 1:compare.index("--out")]
+    assert dirs == [f"{ab}/pair{i}/{arm}" for i in (1, 2, 3) for arm in ("bf16", "fp8")]
+    runs_tsv = [line.split("\t") for line in (ab / "ab_runs.tsv").read_text().splitlines()]
+    assert [r[:3] for r in runs_tsv] == [[g[0], "77", "n[1-2]"] for g in got]
+    # a requeued job skips the runs that finished
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.count("finished in an earlier attempt") == 6
+    assert len((ab / "train.calls").read_text().splitlines()) == 6
