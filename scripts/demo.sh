@@ -1,14 +1,30 @@
 #!/usr/bin/env bash
-# `make demo`: a CPU A/B run of the tiny preset, 2 ranks under torchrun, --fp8=0 then --fp8=1
-# (torchao FP8, emulated on CPU), same seed and data; then the compare report of the two runs.
+# `make demo`: a CPU A/B of the tiny preset, 2 ranks under torchrun: R pairs (DEMO_REPEATS or --repeats R,
+# default 2) of --fp8=0 and --fp8=1 (torchao FP8, emulated on CPU), interleaved with the order alternating,
+# pair i with seed 1234+i-1 for both arms; then the compare report of all pairs (speed-up intervals, the
+# BF16-vs-BF16 noise band, the verdict).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+REPEATS=${DEMO_REPEATS:-2}
+if [ "${1:-}" = --repeats ]; then
+  REPEATS=${2:?--repeats needs a number}
+  shift 2
+fi
+[ $# -eq 0 ] || { echo "error: unknown argument(s) $*: the only option is --repeats R" >&2; exit 2; }
 VENV=${VENV:-.venv}
 PY="$VENV/bin/python"
 STEPS=${DEMO_STEPS:-100}
 NPROC=${DEMO_NPROC:-2}
 OUT=${DEMO_DIR:-runs/demo-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
+{  # the exact command, for `python -m llama_fp8 compare --repro` (it prints a script that re-runs the A/B)
+  printf 'cd %q\n' "$PWD"
+  for var in DEMO_STEPS DEMO_NPROC DEMO_DATA DEMO_EXTRA VENV; do
+    if [ -n "${!var:-}" ]; then printf '%s=%q ' "$var" "${!var}"; fi
+  done
+  printf '%q ' bash scripts/demo.sh --repeats "$REPEATS"
+  printf '\n'
+} >"$OUT/ab_command.sh"
 
 # Real text: docstrings of the Python standard library (ships with every CPython), packed into
 # 128-token blocks by a 4096-token BPE tokenizer trained on it here; cached under runs/demo_data.
@@ -25,20 +41,24 @@ if [ -n "${DEMO_EXTRA:-}" ]; then
   common+=(${extra[@]+"${extra[@]}"})  # the safe form: bash 4.2 calls an empty array unbound under set -u
 fi
 
-for fp8 in 0 1; do
-  name=$([ "$fp8" = 1 ] && echo fp8 || echo bf16)
-  echo "== training tiny on CPU with $NPROC ranks, --fp8=$fp8 -> $OUT/$name"
-  "$VENV/bin/torchrun" --standalone --nproc_per_node "$NPROC" -m llama_fp8 train "${common[@]}" \
-    --fp8 "$fp8" --run_dir "$OUT/$name" 2>"$OUT/$name.stderr" | tee "$OUT/$name.log" | grep -E '^Batch' | tail -n 3
-done
+# The run order (alternating per pair) and seeds come from the same schedule as the Slurm A/B job.
+# torch.distributed.run through this venv's python (what `torchrun` is), never a script whose #! may name
+# another interpreter (a copied venv keeps its old path there).
+schedule=$("$PY" -m llama_fp8.report.schedule --repeats "$REPEATS" -- "${common[@]}")
+while read -r subdir fp8 seed <&3; do  # fd 3: the launcher cannot take the schedule from stdin
+  echo "== training tiny on CPU with $NPROC ranks, --fp8=$fp8 --seed $seed -> $OUT/$subdir"
+  mkdir -p "$OUT/$subdir"
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m llama_fp8 train "${common[@]}" \
+    --fp8 "$fp8" --seed "$seed" --run_dir "$OUT/$subdir" 2>"$OUT/$subdir.stderr" | tee "$OUT/$subdir.log" \
+    | grep -E '^Batch' | tail -n 3
+done 3<<<"$schedule"
 
 echo
 echo "== last lines"
-for name in bf16 fp8; do
-  echo "$name: $(grep -E '^Batch' "$OUT/$name.log" | tail -n 1)"
-  echo "      metrics: $OUT/$name/metrics.jsonl  config: $OUT/$name/config.yaml"
-done
-if "$PY" -c "import llama_fp8.report.compare" 2>/dev/null; then
-  echo
-  "$PY" -m llama_fp8 compare "$OUT/bf16" "$OUT/fp8" --out "$OUT/report"
-fi
+while read -r subdir _ _; do
+  echo "$subdir: $(grep -E '^Batch' "$OUT/$subdir.log" | tail -n 1)"
+  echo "      metrics: $OUT/$subdir/metrics.jsonl  config: $OUT/$subdir/config.yaml"
+done <<<"$schedule"
+read -r -a runs <<<"$("$PY" -m llama_fp8.report.schedule --repeats "$REPEATS" --compare)"
+echo
+"$PY" -m llama_fp8 compare "${runs[@]/#/$OUT/}" --out "$OUT/report"

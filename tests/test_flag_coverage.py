@@ -85,6 +85,7 @@ FLAG_TESTS: dict[str, list[str]] = {
     "process_group_timeout": ["test_checkpoint::test_process_group_timeout_reaches_the_process_group",
                               "test_checkpoint::test_sigkill_of_one_rank_fails_fast_and_the_rerun_resumes"],
     "logging_freq": ["train/test_train::test_max_steps_and_logging_freq"],
+    "straggler_threshold_pct": ["train/test_stragglers::test_a_rank_slowed_by_a_fault_is_named_with_host_and_gpu"],
     "peak_tflops": ["train/test_train::test_peak_tflops_gives_mfu"],
     "tensorboard_dir": ["test_metrics::test_tensorboard_sink_writes_the_scalars"],
     "wandb_project": ["test_metrics::test_wandb_offline_sink_needs_no_network"],

@@ -37,6 +37,7 @@ FAULT_ENV = "LLAMA_FP8_FAULT"
 FAULT_DIR_ENV = "LLAMA_FP8_FAULT_DIR"
 """Where ``pause`` announces itself and waits for ``release``, and where ``once`` remembers a fired fault."""
 POINTS = {
+    "data": "the loader: before a micro-batch is fetched (counted as this rank's data wait: a slow input pipeline)",
     "step": "the middle of an optimizer step: after the forward pass, before the backward pass",
     "save.files_written": "a save: this rank's own files written, before the sharded model/optimizer write",
     "save.shards_written": "a save: this rank's shards written and checksummed, before the ranks agree that "

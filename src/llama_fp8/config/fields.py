@@ -171,6 +171,9 @@ class TrainConfig:
     # --- logging -------------------------------------------------------------------------------------
     logging_freq: int = _f(1, "print the Batch/Loss/Speed line and write metrics every N steps", min=1,
                            group="logging")
+    straggler_threshold_pct: float = _f(10.0, "name a rank in a logging window when it is more than this many "
+                                        "percent slower than the median rank (metrics.jsonl 'stragglers')",
+                                        min=0.0, group="logging")
     peak_tflops: float | None = _f(None, "dense BF16 peak TFLOPS per device for MFU (FP8 peak taken as 2x); "
                                    "default: the built-in table for known GPUs, none on CPU", min=0.0,
                                    group="logging")

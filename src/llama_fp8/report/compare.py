@@ -1,4 +1,7 @@
-"""A/B report of two training runs: ``python -m llama_fp8 compare RUN_A RUN_B``.
+"""A/B report of training runs: ``python -m llama_fp8 compare RUN_A RUN_B [RUN_A2 RUN_B2 ...]``.
+
+Runs come in pairs, baseline first: R pairs (the same seed within a pair, a different one per pair) give
+the speed-up with a 95 % confidence interval across pairs and the measured loss noise band (repeats.py).
 
 Each run is a run directory (``metrics.jsonl`` + ``config.yaml``), a ``metrics.jsonl`` file, or
 a plain Slurm log with ``Batch N Loss: x, Speed: y samples/sec, lr: z[, key: value ...]`` lines
@@ -12,7 +15,8 @@ Summary rules (also printed in the report):
 - Final train loss: mean of the last ``k = max(5, ceil(5 % of records))`` logged losses, taken on the
   steps both runs logged when they share any. Final validation loss: the last step both evaluated.
 - Verdict: PASS when every available loss gap ``(B-A)/A`` (train, and validation when both runs
-  have it) lies within ``+/- --loss_tolerance`` percent, else FAIL. The exit code stays 0 either way.
+  have it; the mean over pairs) lies within ``max(--loss_tolerance, noise band)`` percent, else FAIL;
+  the verdict says which of the two decided. The exit code stays 0 either way.
 - Same data: our runs log a fingerprint of rank 0's tokens per logging window (``data_crc32``); when
   both runs have them, a differing window makes the verdict FAIL (the losses are not comparable).
   Plain logs have none: "not checked".
@@ -29,8 +33,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from llama_fp8.report import hardware, plots
-from llama_fp8.report.plots import METRICS, fmt, ratio, render_report, same_data_text
+from llama_fp8.report import hardware, plots, ranks, repeats, repro
+from llama_fp8.report.plots import METRICS, ratio, render_report, same_data_text
 from llama_fp8.report.runs import CompareError, Run, load_run, precision_label  # noqa: F401 - the CLI's API
 
 DEFAULT_TOLERANCE_PCT = 1.0
@@ -110,27 +114,6 @@ def data_check(a: Run, b: Run) -> dict[str, Any]:
             "first_different_step": differ[0] if differ else None}
 
 
-def verdict(losses: dict[str, Any], tolerance: float, data: dict[str, Any] | None = None) -> tuple[bool, str]:
-    """PASS iff the runs did not train on different data (when both recorded it) and every available
-    loss gap is finite and within +-tolerance percent."""
-    gaps = {"train": losses["train_gap_pct"], "validation": losses["val_gap_pct"]}
-    reasons = []
-    if data and data["same"] is False:
-        reasons.append(f"the runs trained on different data (first differing window ends at step "
-                       f"{data['first_different_step']}), so their losses are not comparable")
-    for name, gap in gaps.items():
-        if gap is None:
-            continue
-        if not math.isfinite(gap):
-            reasons.append(f"{name} loss gap is not finite (a loss is nan/inf or zero)")
-        elif abs(gap) > tolerance:
-            reasons.append(f"{name} loss gap {gap:+.3f} % exceeds +-{tolerance:g} %")
-    checked = " and ".join(n for n, g in gaps.items() if g is not None)
-    if reasons:
-        return False, "FAIL: " + "; ".join(reasons)
-    return True, f"PASS: {checked} loss gap within +-{tolerance:g} %"
-
-
 # ----------------------------------------------------------------------------- report
 def _json_safe(obj: Any) -> Any:
     """NaN/inf -> None and Paths -> str, so summary.json is strict JSON."""
@@ -170,44 +153,129 @@ def _nonneg_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llama_fp8 compare", allow_abbrev=False,
-                                description="A/B report (markdown + PNG plots) of two training runs.")
-    p.add_argument("run_a", metavar="RUN_A", help="baseline: run dir, metrics.jsonl or Slurm log")
-    p.add_argument("run_b", metavar="RUN_B", help="candidate (e.g. the FP8 run), same forms as RUN_A")
+                                description="A/B report (markdown + PNG plots) of R pairs of training runs.")
+    p.add_argument("runs", metavar="RUN", nargs="+",
+                   help="RUN_A RUN_B [RUN_A2 RUN_B2 ...]: pairs of baseline (e.g. BF16) and candidate (e.g. "
+                        "FP8) runs, each a run dir, metrics.jsonl or Slurm log; pair i shares its seed")
     p.add_argument("--out", help="output dir (default: compare_<A>_vs_<B> next to the runs)")
     p.add_argument("--loss_tolerance", type=_nonneg_float, default=DEFAULT_TOLERANCE_PCT,
                    help="max |loss gap| in percent for PASS (default %(default)s)")
     p.add_argument("--warmup_steps_excluded", type=_nonneg_int, default=None,
                    help="leave steps <= N out of the medians (default: 10%% of the last step, "
                         "at least the first logged window)")
+    p.add_argument("--repro", action="store_true",
+                   help="print a bash script that re-runs this A/B (recorded commit, launcher command or each "
+                        "run's training command) instead of writing the report")
     return p
 
 
+def _pairs(args: argparse.Namespace) -> list[tuple[Run, Run]]:
+    if len(args.runs) % 2:
+        raise CompareError(f"runs come in pairs (RUN_A RUN_B per pair, baseline first), got {len(args.runs)} "
+                           f"path(s): the last RUN_B is missing")
+    out = []
+    for i in range(0, len(args.runs), 2):
+        tag = "" if i == 0 else f" (pair {i // 2 + 1})"
+        a, b = load_run(args.runs[i], "RUN_A" + tag), load_run(args.runs[i + 1], "RUN_B" + tag)
+        if a.label == b.label:
+            a.label, b.label = f"{a.label} [{a.name}]", f"{b.label} [{b.name}]"
+        out.append((a, b))
+    return out
+
+
+def _warmups(pairs: list[tuple[Run, Run]], n: int | None) -> list[tuple[int, int]]:
+    warm = []
+    for i, pair in enumerate(pairs, 1):
+        ws = tuple(default_warmup(r) if n is None else n for r in pair)
+        for which, r, w in zip(("RUN_A", "RUN_B"), pair, ws):
+            if not any(t["step"] > w for t in r.train):
+                raise CompareError(f"--warmup_steps_excluded {w} leaves no step of {which} of pair {i} "
+                                   f"({r.source}, last step {r.train[-1]['step']})")
+        warm.append(ws)
+    return warm
+
+
+def summarize_pairs(pairs: list[tuple[Run, Run]], warm: list[tuple[int, int]], tolerance: float) -> dict[str, Any]:
+    """The repeats: speed CIs, memory, per-pair losses, the noise band, the verdict (repeats.py)."""
+    pair_losses = [loss_summary(a, b) for a, b in pairs]
+    checks = [data_check(a, b) for a, b in pairs]
+    noise = repeats.noise_band([a for a, _ in pairs], loss_summary)
+    seeds = [runs_seed(a) for a, _ in pairs]
+    return {"pairs": len(pairs), "seeds": seeds, "speed": repeats.speed(pairs, warm),
+            "memory": repeats.memory(pairs), "goodput": [repeats.goodput([p[i] for p in pairs]) for i in (0, 1)],
+            "pair_losses": pair_losses, "data_checks": checks,
+            "noise": noise, "verdict": repeats.judge(pair_losses, noise, tolerance, checks)}
+
+
+def rank_view(pairs: list[tuple[Run, Run]], out: Path) -> dict[str, Any]:
+    """Stragglers and throttling per arm (ranks.py), and the heat strip of pair 1."""
+    view: dict[str, Any] = {"a": ranks.arm_view([p[0] for p in pairs]), "b": ranks.arm_view([p[1] for p in pairs])}
+    view["comparable"], view["comparable_line"] = ranks.comparability(view["a"], view["b"])
+    plot = ranks.heat_strip(list(pairs[0]), ["A", "B"], out / "ranks.png")
+    if plot is None and (out / "ranks.png").exists():
+        (out / "ranks.png").unlink()  # a stale strip from an earlier compare here
+    view["plot"] = plot
+    return view
+
+
+def runs_seed(run: Run) -> int | None:
+    """The run's --seed from its config.yaml (the ask), None when unknown (a plain log)."""
+    asked = run.config.get("asked") if isinstance(run.config.get("asked"), dict) else run.config
+    seed = asked.get("seed") if isinstance(asked, dict) else None
+    return seed if isinstance(seed, int) else None
+
+
 def compare(args: argparse.Namespace) -> dict[str, Any]:
-    """Load, summarise, plot and write; returns the summary dict (also written as JSON)."""
-    a, b = load_run(args.run_a, "RUN_A"), load_run(args.run_b, "RUN_B")
-    if a.label == b.label:
-        a.label, b.label = f"{a.label} [{a.name}]", f"{b.label} [{b.name}]"
-    n = args.warmup_steps_excluded
-    warm = [default_warmup(r) if n is None else n for r in (a, b)]
-    for which, r, w in (("RUN_A", a, warm[0]), ("RUN_B", b, warm[1])):
-        if not any(t["step"] > w for t in r.train):
-            raise CompareError(f"--warmup_steps_excluded {w} leaves no step of {which} "
-                               f"({r.source}, last step {r.train[-1]['step']})")
-    out = Path(args.out) if args.out else default_out_dir(a, b, args.run_a, args.run_b)
+    """Load, summarise, plot and write; returns the summary dict (also written as JSON). Pair 1 gets the
+    detailed tables and plots; all pairs feed the speed intervals, the noise band and the verdict."""
+    pairs = _pairs(args)
+    warm = _warmups(pairs, args.warmup_steps_excluded)
+    (a, b), w1 = pairs[0], warm[0]
+    out = Path(args.out) if args.out else default_out_dir(a, b, args.runs[0], args.runs[1])
     out.mkdir(parents=True, exist_ok=True)
-    summary: dict[str, Any] = {"run_a": summarize_run(a, warm[0]), "run_b": summarize_run(b, warm[1]),
+    summary: dict[str, Any] = {"run_a": summarize_run(a, w1[0]), "run_b": summarize_run(b, w1[1]),
                                "loss": loss_summary(a, b), "loss_tolerance_pct": args.loss_tolerance}
     summary["speedup"] = ratio(summary["run_a"]["samples_per_sec"], summary["run_b"]["samples_per_sec"])
     summary["data"] = data_check(a, b)
     summary["environment"] = hardware.compare_environments(a.environments, b.environments)
-    ok, line = verdict(summary["loss"], args.loss_tolerance, summary["data"])
+    summary["ab"] = summarize_pairs(pairs, warm, args.loss_tolerance)
+    summary["repro"] = repro.collect(pairs)
+    summary["ranks"] = rank_view(pairs, out)
+    ok, line = summary["ab"]["verdict"]["ok"], summary["ab"]["verdict"]["line"]
+    if summary["ranks"]["comparable"] is False:  # the loss verdict stands; the speed-up does not
+        line += f" | {summary['ranks']['comparable_line']}"
     summary.update(verdict="PASS" if ok else "FAIL", verdict_line=line)
-    images = plots.plot_all([a, b], warm, out, args.loss_tolerance)
+    images = plots.plot_all([a, b], list(w1), out, args.loss_tolerance)
     report = out / "report.md"
     report.write_text(render_report(summary, images))
     summary.update(report=report, plots=images)
     (out / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2) + "\n")
     return summary
+
+
+def repro_script(args: argparse.Namespace) -> str:
+    """``--repro``: the re-run script of the runs given (nothing is written)."""
+    pairs = _pairs(args)
+    rest = [f"--loss_tolerance={args.loss_tolerance:g}"]
+    if args.warmup_steps_excluded is not None:
+        rest.append(f"--warmup_steps_excluded={args.warmup_steps_excluded}")
+    try:
+        return repro.script(repro.collect(pairs), [*args.runs, *rest])
+    except ValueError as e:
+        raise CompareError(str(e)) from None
+
+
+def goodput_text(arms: list[dict[str, Any] | None]) -> str:
+    """``A 61.2 %, B 58.0 %`` (productive / wall over each arm's runs)."""
+    def one(g: dict[str, Any] | None) -> str:
+        return "n/a" if g is None or g["goodput"] is None else f"{100 * g['goodput']:.1f} %"
+    return ", ".join(f"{tag} {one(g)}" for tag, g in zip("AB", arms))
+
+
+def stragglers_text(view: dict[str, Any]) -> str:
+    named = [f"{tag}: {', '.join(v['straggler_windows'])}" for tag, v in (("A", view["a"]), ("B", view["b"]))
+             if v["straggler_windows"]]
+    return "; ".join(named) if named else "none named"
 
 
 def main(argv: list[str]) -> int:
@@ -217,6 +285,9 @@ def main(argv: list[str]) -> int:
     except SystemExit as e:  # argparse already printed the message naming the flag
         return int(e.code or 0)
     try:
+        if args.repro:
+            print(repro_script(args), end="")
+            return 0
         summary = compare(args)
     except (CompareError, OSError) as e:
         print(f"compare: error: {e}", file=sys.stderr)
@@ -225,9 +296,13 @@ def main(argv: list[str]) -> int:
     print(f"summary: {summary['report'].parent / 'summary.json'}")
     for name, path in summary["plots"].items():
         print(f"plot ({name}): {path}")
-    print(f"speedup B/A: {fmt(summary['speedup']) + 'x' if summary['speedup'] else 'n/a'}")
+    if summary["ranks"]["plot"]:
+        print(f"plot (ranks): {summary['ranks']['plot']}")
+    print(f"speedup B/A: {summary['ab']['speed']['samples_per_sec']['text']}")
     print(f"same training data: {same_data_text(summary['data'])}")
     print(f"hardware: {hardware.one_line(summary['environment'])}")
+    print(f"goodput: {goodput_text(summary['ab']['goodput'])}")
+    print(f"stragglers: {stragglers_text(summary['ranks'])}; throttling: {summary['ranks']['comparable_line']}")
     print(f"verdict: {summary['verdict_line']}")
     return 0
 

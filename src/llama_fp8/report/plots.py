@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from llama_fp8.report import hardware
+from llama_fp8.report import hardware, ranks, repeats, repro
 
 if TYPE_CHECKING:
     from llama_fp8.report.runs import Run
@@ -97,9 +97,17 @@ def render_report(summary: dict[str, Any], plots: dict[str, Path]) -> str:
               f"| {fmt(ls['train_loss_b'], 'loss')} | {_gap(ls['train_gap_pct'])} |",
               f"| final validation loss ({vstep}) | {fmt(ls['val_loss_a'], 'loss')} "
               f"| {fmt(ls['val_loss_b'], 'loss')} | {_gap(ls['val_gap_pct'])} |", "",
-              f"**Speedup B/A (median samples/s): {fmt(summary['speedup']) + 'x' if summary['speedup'] else 'n/a'}**",
-              "", f"**Verdict: {summary['verdict_line']}** (tolerance {summary['loss_tolerance_pct']:g} %)", "",
+              f"**Speedup B/A (median samples/s, pair 1): "
+              f"{fmt(summary['speedup']) + 'x' if summary['speedup'] else 'n/a'}**", ""]
+    ab = summary.get("ab")
+    if ab:
+        lines += [f"**Speed-up B/A: {ab['speed']['samples_per_sec']['text']}**", ""] + repeats.markdown(ab, la, lb)
+    if summary.get("ranks"):
+        lines += ranks.markdown(summary["ranks"], la, lb)
+    lines += [f"**Verdict: {summary['verdict_line']}** (tolerance {summary['loss_tolerance_pct']:g} %)", "",
               f"Same training data: {same_data_text(summary.get('data'))}", ""]
+    if summary.get("repro"):
+        lines += repro.markdown(summary["repro"])
     if plots:
         lines += ["## Plots", ""] + [f"![{k}]({p.name})" for k, p in plots.items()] + [""]
     lines += ["## Method", "",
@@ -108,7 +116,12 @@ def render_report(summary: dict[str, Any], plots: dict[str, Path]) -> str:
               "- MFU is shown as a percentage of the named peak; `n/a` means the run did not record it "
               "(e.g. CPU or an unknown device) — nothing is estimated here.",
               "- Final train loss: mean of the last k = max(5, 5 % of records) losses on steps both runs "
-              "logged. Verdict: PASS when every available gap is within +-tolerance.", ""]
+              "logged. Noise band: max |final-loss gap| between the baseline runs of different seeds. "
+              "Verdict: PASS when the mean gap over pairs is within max(tolerance, noise band); the "
+              "wider of the two decided.",
+              "- Speed-up intervals: percentile bootstrap (4000 draws) of the B/A ratio of harmonic-mean "
+              "window rates; within a pair the windows are resampled, across pairs the pairs and then "
+              "their windows (geometric mean of the pair ratios).", ""]
     return "\n".join(lines)
 
 

@@ -31,6 +31,8 @@ class Run:
     label: str = ""
     environments: list[dict[str, Any]] = field(default_factory=list)
     """The ``environment`` of every meta record: one per attempt (a requeued run starts again)."""
+    goodput: list[dict[str, Any]] = field(default_factory=list)
+    """The ``goodput`` record of every attempt (where its wall time went)."""
 
 
 # ----------------------------------------------------------------------------- loading
@@ -40,8 +42,8 @@ def _dedupe(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def _read_jsonl(path: Path) -> tuple[list[dict], list[dict], dict, list[dict]]:
-    train, val, meta, envs, bad = [], [], {}, [], 0
+def _read_jsonl(path: Path) -> tuple[list[dict], list[dict], dict, list[dict], list[dict]]:
+    train, val, meta, envs, good, bad = [], [], {}, [], [], 0
     for line in path.read_text(errors="replace").splitlines():
         if not line.strip():
             continue
@@ -59,9 +61,11 @@ def _read_jsonl(path: Path) -> tuple[list[dict], list[dict], dict, list[dict]]:
             train.append(rec)
         elif kind == "val" and "step" in rec and "val_loss" in rec:
             val.append(rec)
+        elif kind == "goodput" and isinstance(rec.get("wall_s"), (int, float)):
+            good.append(rec)
     if bad:
         print(f"compare: warning: skipped {bad} unparsable line(s) in {path}", file=sys.stderr)
-    return train, val, meta, envs
+    return train, val, meta, envs, good
 
 
 def _is_jsonl(path: Path) -> bool:
@@ -92,15 +96,16 @@ def load_run(arg: str, which: str) -> Run:
         if path.name == "metrics.jsonl":
             config = _read_config(path.parent / "config.yaml")
     envs: list[dict[str, Any]] = []
+    good: list[dict[str, Any]] = []
     if _is_jsonl(file):
-        train, val, meta, envs = _read_jsonl(file)
+        train, val, meta, envs, good = _read_jsonl(file)
         kind = "jsonl"
     else:
         (train, val, meta), kind = read_log(file), "log"
     if not train:
         raise CompareError(f"{which}: no training records in {file} (expected metrics.jsonl "
                            "'type: train' records or 'Batch N Loss: x, Speed: y samples/sec, lr: z' lines)")
-    run = Run(name, file, kind, _dedupe(train), _dedupe(val), meta, config, environments=envs)
+    run = Run(name, file, kind, _dedupe(train), _dedupe(val), meta, config, environments=envs, goodput=good)
     run.label = precision_label(run)
     return run
 

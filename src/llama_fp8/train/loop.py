@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama_fp8 import data, faults, metrics, parallel
+from llama_fp8 import data, faults, metrics, parallel, stragglers
 from llama_fp8.profiling import phase
 from llama_fp8.train.state import TrainState
 
@@ -32,13 +32,16 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def loop(s: TrainState) -> list[float]:
     """Steps start+1 .. max_steps. Host syncs happen on logging, validation and checkpoint steps only."""
     cfg, batches = s.cfg, data.Fingerprinted(s.train_loader)
-    losses, window_start = [], s.start_step + 1
+    losses, window_start, clock = [], s.start_step + 1, s.goodput
     s.model.train()
+    clock.begin()
     for step in range(s.start_step + 1, cfg.max_steps + 1):
         log_now = step % cfg.logging_freq == 0 or step == cfg.max_steps
         lr = s.optimizer.param_groups[0]["lr"]
         s.profiler.before_step(step)
+        t_step = time.perf_counter()
         loss, grad_norm, data_wait = train_step(s, batches, step)
+        s.ranks.add_step(time.perf_counter() - t_step, data_wait)
         s.scheduler.step()
         s.profiler.after_step(step)
         s.meter.add_step(loss, data_wait)
@@ -47,19 +50,26 @@ def loop(s: TrainState) -> list[float]:
             rec = s.meter.window(step, lr, grad_norm)
             # rank 0's tokens over steps window_start..step: equal in two runs iff they read the same data
             rec.update(precision=s.plan.precision.name, world_size=s.env.world_size, data_crc32=batches.take(),
-                       data_from_step=window_start)
+                       data_from_step=window_start, goodput=clock.so_far(), **s.ranks.window())
             window_start = step + 1
             losses.append(rec["loss"])
             s.writer.write(rec, metrics.format_line(rec))
+            note = stragglers.summary_line(rec["stragglers"])
+            if note and s.env.is_main:
+                log.warning("step %d: %s", step, note)
         if s.val_loader is not None and step % cfg.validation_freq == 0:
-            s.writer.write(*validate(s, step))
+            with clock.timed("evaluation"):
+                s.writer.write(*validate(s, step))
         stop = s.watch.requested()
         periodic = cfg.checkpoint_freq and (step % cfg.checkpoint_freq == 0 or step == cfg.max_steps)
         if periodic or stop:
             s.guard.check()  # never write a non-finite model over the last good checkpoint
-            s.checkpointer.save(step, s.model, s.optimizer, s.scheduler, s.train_loader, s.cfg, s.plan)
+            with clock.timed(clock.checkpoint_part):
+                s.checkpointer.save(step, s.model, s.optimizer, s.scheduler, s.train_loader, s.cfg, s.plan)
+        clock.end_step(step, data_wait)
         if stop:
-            s.checkpointer.wait()
+            with clock.timed(clock.checkpoint_part):
+                s.checkpointer.wait()
             raise faults.Preempted(step)
     return losses
 
@@ -83,6 +93,7 @@ def train_step(s: TrainState, batches, step: int):
     loss_sum, data_wait, accum = None, 0.0, s.cfg.grad_accum_steps
     for micro in range(accum):
         t0 = time.perf_counter()
+        faults.at("data", step)
         batch = next(batches)
         data_wait += time.perf_counter() - t0
         if accum > 1:  # reduce-scatter gradients on the last micro-batch only

@@ -9,7 +9,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from llama_fp8 import checkpoint, faults, metrics, models, parallel, precision, profiling
+from llama_fp8 import (
+    checkpoint,
+    faults,
+    goodput,
+    gpu_health,
+    metrics,
+    models,
+    parallel,
+    precision,
+    profiling,
+    stragglers,
+)
 from llama_fp8.config import ConfigError, TrainConfig
 from llama_fp8.models.common import ModelSize
 from llama_fp8.plan import RunPlan, make_plan
@@ -37,9 +48,15 @@ class TrainState:
     start_step: int
     context: parallel.StepContext  # what each step runs inside (tensor/context parallelism)
     profiler: profiling.Profiler
+    goodput: goodput.Goodput  # where the wall time went (goodput.py); rank 0 writes it
+    ranks: stragglers.RankMonitor  # per-rank step time, data wait and GPU health of each logging window
 
     def close(self) -> None:
-        self.checkpointer.wait()
+        with self.goodput.timed(self.goodput.checkpoint_part):  # an async save still in flight
+            self.checkpointer.wait()
+        if self.goodput.begun:
+            rec = self.goodput.record()
+            self.writer.write(rec, goodput.summary_line(rec))
         self.watch.close()
         self.writer.close()
         self.profiler.close()
@@ -62,11 +79,17 @@ def start(cfg: TrainConfig, env: parallel.DistEnv) -> TrainState:
                                    cfg.train_batch_size)
         except data.DataStateError as e:
             raise ConfigError(f"cannot resume from {plan.resume_from}: {e}") from None
+    # steps an earlier attempt logged past the checkpoint resumed from are redone: restart loss
+    redo_until = goodput.last_logged_step(Path(plan.run_dir) / "metrics.jsonl") if env.is_main else 0
+    clock = goodput.Goodput(start_step, goodput.first_log_step(start_step, cfg.logging_freq, cfg.max_steps),
+                            redo_until, cfg.async_checkpoint)
     meter, writer = start_metrics(cfg, plan, env, size, start_step)
     return TrainState(cfg, plan, env, impl, prec, model, size, optimizer, scheduler, train_loader, val_loader, ckpt,
                       meter, writer, faults.SignalWatch(env.world_size),
                       faults.NanGuard(env.device, cfg.nan_policy, cfg.max_nan_skips), start_step, context,
-                      profiling.Profiler(cfg, Path(plan.run_dir), env.rank, env.device))
+                      profiling.Profiler(cfg, Path(plan.run_dir), env.rank, env.device), clock,
+                      stragglers.RankMonitor(env.device, env.local_rank, cfg.straggler_threshold_pct,
+                                             gpu_health.GpuHealth(env.device.type, env.device.index)))
 
 
 def plan_and_build_model(cfg: TrainConfig, env: parallel.DistEnv):
@@ -81,6 +104,7 @@ def plan_and_build_model(cfg: TrainConfig, env: parallel.DistEnv):
 
 
 def start_metrics(cfg: TrainConfig, plan: RunPlan, env: parallel.DistEnv, size: ModelSize, start_step: int):
+    from llama_fp8 import repro
     from llama_fp8.cluster import environment  # meta record: nodes, GPU/driver, versions, NCCL network
     device_name, peak_bf16, peak_fp8 = metrics.peak_tflops(env.device, cfg.peak_tflops)
     meter = metrics.StepMeter(env.device, env.world_size, plan.global_batch, cfg.max_context_width,
@@ -92,5 +116,6 @@ def start_metrics(cfg: TrainConfig, plan: RunPlan, env: parallel.DistEnv, size: 
                   "global_batch_size": plan.global_batch,
                   "flops_per_token": size.flops_per_token, "num_params": size.num_params,
                   "fp8_emulated": plan.precision.emulated, "start_step": start_step,
-                  "environment": environment.describe(env.device.type) if env.is_main else {}})
+                  "environment": environment.describe(env.device.type) if env.is_main else {},
+                  "repro": repro.describe() if env.is_main else {}})
     return meter, writer

@@ -1,0 +1,134 @@
+"""Goodput: where one attempt of a run spent its wall time, and ``goodput = productive / wall``.
+
+Parts (seconds, measured on rank 0 with ``time.perf_counter``; they add up to the wall time but for the
+loop's own bookkeeping, which is folded into the step it belongs to):
+
+- ``startup``: process start (the kernel's start time of this process) to the first step: imports, the
+  process group, model build, checkpoint load, loaders.
+- ``warmup``: the steps of the attempt's first logging window, less their data wait: they hold
+  ``torch.compile`` and allocator warm-up (the report leaves this window out of every speed figure).
+- ``productive``: every later step, less its data wait.
+- ``data_wait``: time the loop blocked on the data loader.
+- ``checkpoint_sync``: synchronous saves; ``checkpoint_async``: the part of async saves the loop waits for
+  (staging, and finishing the previous save).
+- ``evaluation``: validation passes.
+- ``restart_loss``: steps redone after a resume (steps this run's metrics.jsonl already logged before the
+  checkpoint it resumed from was written), less their data wait.
+
+A requeued run writes one ``goodput`` record per attempt; the time spent queued between attempts is
+nobody's wall time here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+PARTS = ("startup", "warmup", "productive", "data_wait", "checkpoint_sync", "checkpoint_async", "evaluation",
+         "restart_loss")
+_IMPORTED_AT = time.time()
+
+
+def process_start_time() -> float:
+    """Epoch seconds at which this process started (Linux /proc), else when this module was imported."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # field 22 (starttime) of proc(5), counted after the ")" of the name
+        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                     if line.startswith("btime "))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED_AT
+
+
+def last_logged_step(metrics_path: Path, max_bytes: int = 64 << 20) -> int:
+    """The highest train step an earlier attempt logged in metrics.jsonl (0 if none); reads at most the
+    file's last ``max_bytes`` (a hostile or huge file costs no more than that)."""
+    try:
+        with metrics_path.open("rb") as f:
+            f.seek(max(0, metrics_path.stat().st_size - max_bytes))
+            text = f.read(max_bytes).decode("utf-8", errors="replace")
+    except OSError:
+        return 0
+    last = 0
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and rec.get("type") == "train" and isinstance(rec.get("step"), int):
+            last = max(last, rec["step"])
+    return last
+
+
+class Goodput:
+    """The clock of one attempt; ``begin`` at the first step, ``end_step`` after each, ``timed`` around
+    evaluation and checkpoints, ``record`` at the end."""
+
+    def __init__(self, start_step: int, first_log_step: int, redo_until: int, async_checkpoint: bool):
+        self.start_step, self.first_log_step, self.redo_until = start_step, first_log_step, redo_until
+        self.checkpoint_part = "checkpoint_async" if async_checkpoint else "checkpoint_sync"
+        self.parts = dict.fromkeys(PARTS, 0.0)
+        self._proc_start = process_start_time()
+        self._t_loop = self._inside = None
+        self.last_step = start_step
+
+    def begin(self) -> None:
+        self._t_loop = time.perf_counter()
+        self.parts["startup"] = max(time.time() - self._proc_start, 0.0)
+        self._t_step = self._t_loop
+
+    @contextlib.contextmanager
+    def timed(self, part: str):
+        """Charge the block to ``part`` (and not to the step it runs in)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            self.parts[part] += dt
+            self._inside = (self._inside or 0.0) + dt
+
+    def end_step(self, step: int, data_wait: float) -> None:
+        """Close step ``step``: its time since the previous step's end, less timed blocks and data wait."""
+        now = time.perf_counter()
+        work = max(now - self._t_step - (self._inside or 0.0) - data_wait, 0.0)
+        part = ("restart_loss" if step <= self.redo_until else "warmup" if step <= self.first_log_step
+                else "productive")
+        self.parts[part] += work
+        self.parts["data_wait"] += data_wait
+        self._t_step, self._inside, self.last_step = now, None, step
+
+    def so_far(self) -> float | None:
+        """Goodput up to now (the window records carry it)."""
+        wall = self.wall()
+        return self.parts["productive"] / wall if wall > 0 else None
+
+    @property
+    def begun(self) -> bool:
+        return self._t_loop is not None
+
+    def wall(self) -> float:
+        return self.parts["startup"] + (time.perf_counter() - self._t_loop if self._t_loop else 0.0)
+
+    def record(self) -> dict:
+        wall = self.wall()
+        return {"type": "goodput", "step": self.last_step, "start_step": self.start_step, "wall_s": wall,
+                **{f"{k}_s": v for k, v in self.parts.items()},
+                "goodput": self.parts["productive"] / wall if wall > 0 else None}
+
+
+def summary_line(rec: dict) -> str:
+    """The log's end summary: ``Goodput: 71.2 % of 123.4 s wall (start-up 9.1 s, ...)``."""
+    parts = ", ".join(f"{k.replace('_', ' ')} {rec[f'{k}_s']:.1f} s" for k in PARTS)
+    g = rec["goodput"]
+    return f"Goodput: {'n/a' if g is None else f'{100 * g:.1f} %'} of {rec['wall_s']:.1f} s wall ({parts})"
+
+
+def first_log_step(start_step: int, logging_freq: int, max_steps: int) -> int:
+    """The first logging step of an attempt that starts after ``start_step``."""
+    nxt = (start_step // logging_freq + 1) * logging_freq
+    return min(nxt, max_steps)

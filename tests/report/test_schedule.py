@@ -1,0 +1,127 @@
+"""The repeated A/B's run order: interleaved pairs, alternating order, one seed per pair; the launchers
+use it (2.ab_fp8_vs_bf16.sh --repeats with a fake sbatch, the batch job and the demo read the schedule)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO
+from llama_fp8.report import schedule
+
+
+def test_pairs_interleave_alternate_and_share_a_seed():
+    runs = schedule.plan(4, ("bf16", "fp8"), seed=7)
+    assert [(r.pair, r.name) for r in runs] == [(1, "bf16"), (1, "fp8"), (2, "fp8"), (2, "bf16"),
+                                               (3, "bf16"), (3, "fp8"), (4, "fp8"), (4, "bf16")]
+    for pair in range(1, 5):
+        assert {r.seed for r in runs if r.pair == pair} == {7 + pair - 1}   # both arms, the same seed s_i
+    assert [r.subdir for r in runs[:2]] == ["pair1/bf16", "pair1/fp8"] and runs[2].fp8 == 1
+    assert schedule.compare_dirs(runs) == [f"pair{i}/{a}" for i in range(1, 5) for a in ("bf16", "fp8")]
+    first = schedule.plan(2, ("fp8", "bf16"), seed=0)
+    assert [r.name for r in first] == ["fp8", "bf16", "bf16", "fp8"]
+    one = schedule.plan(1, seed=3)
+    assert [(r.subdir, r.fp8, r.seed) for r in one] == [("bf16", 0, 3), ("fp8", 1, 3)]   # the old layout
+
+
+def test_base_seed_from_train_flags_and_bad_values(capsys):
+    assert schedule.base_seed(["--model", "tiny", "--seed", "5", "--seed=9"]) == 9
+    assert schedule.base_seed(["--model", "tiny"]) == 42   # TrainConfig's default
+    assert schedule.main(["--repeats", "0"]) == 2 and "between 1 and" in capsys.readouterr().err
+    assert schedule.main(["--repeats", "2", "--order", "fp8 fp8"]) == 2 and "once each" in capsys.readouterr().err
+    assert schedule.main(["--repeats", "2", "--", "--seed", "x"]) == 2 and "--seed 'x'" in capsys.readouterr().err
+    assert schedule.main(["--repeats", "2", "--", "--seed", "10"]) == 0
+    assert capsys.readouterr().out.split("\n")[:4] == ["pair1/bf16 0 10", "pair1/fp8 1 10", "pair2/fp8 1 11",
+                                                       "pair2/bf16 0 11"]
+
+
+def fake_sbatch(tmp_path: Path) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/bash\necho "AB_REPEATS=$AB_REPEATS $*" >>{tmp_path}/sbatch.calls\necho 101\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "AB_DIR": str(tmp_path / "ab")}
+
+
+def test_ab_script_passes_repeats_to_the_job_and_keeps_the_exact_command(tmp_path):
+    env = fake_sbatch(tmp_path)
+    proc = subprocess.run([str(REPO / "2.ab_fp8_vs_bf16.sh"), "--repeats", "3", "--model", "tiny", "--seed", "5"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    call = (tmp_path / "sbatch.calls").read_text()
+    assert call.startswith("AB_REPEATS=3 ") and call.rstrip().endswith("ab_job.sbatch --model tiny --seed 5")
+    cmd = (tmp_path / "ab" / "ab_command.sh").read_text().splitlines()
+    assert cmd[0] == f"cd {shlex.quote(str(tmp_path))}"
+    assert shlex.split(cmd[1])[-6:] == ["--repeats", "3", "--model", "tiny", "--seed", "5"]
+
+
+@pytest.mark.parametrize("bad", [["--repeats", "0"], ["--repeats", "x"], ["--repeats"]])
+def test_ab_script_refuses_a_bad_repeat_count(tmp_path, bad):
+    env = fake_sbatch(tmp_path)
+    proc = subprocess.run([str(REPO / "2.ab_fp8_vs_bf16.sh"), *bad, "--model", "tiny"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--repeats" in proc.stderr and not (tmp_path / "sbatch.calls").exists()
+
+
+def test_launchers_take_their_order_and_seeds_from_the_schedule():
+    """The batch job and the demo run what the schedule prints (SUBDIR FP8 SEED) and compare its folders."""
+    for path in (REPO / "scripts" / "slurm" / "ab_job.sbatch", REPO / "scripts" / "demo.sh"):
+        text = path.read_text()
+        assert "-m llama_fp8.report.schedule --repeats" in text and "--compare" in text, path
+        assert "read -r" in text and '--seed' in text and "$fp8" in text, path
+
+
+FAKE_JOB_LIB = """EXIT_REQUEUE=85
+lf_die() { echo "error: $*" >&2; exit 1; }
+lf_setup() { PY=("$FAKE_PY"); CONTAINER_ARGS=(); }
+lf_preflight() { :; }
+lf_train() {  # like the real one: a job step (srun), which reads its stdin
+    srun --nodes=1 bash -c 'echo "$*" >>"$AB_DIR/train.calls"; d="${*: -1}"; mkdir -p "${d#--run_dir=}"' _ "$@"
+}
+"""
+FAKE_SRUN = """#!/bin/bash
+cat >/dev/null   # srun forwards stdin to its tasks: take all of it, as a task reading stdin would
+while [[ "$1" == --* ]]; do shift; done
+if [[ "$*" == *"llama_fp8 compare"* ]]; then echo "$*" >>"$AB_DIR/compare.calls"; exit 0; fi
+exec "$@"
+"""
+
+
+def test_batch_job_runs_the_interleaved_schedule_and_compares_every_pair(tmp_path):
+    """ab_job.sbatch itself, with Slurm's commands and the job library faked: every run of 3 pairs runs, in
+    the alternating order with one seed per pair, although each job step drains its stdin; then compare."""
+    repo = tmp_path / "repo"
+    (repo / "scripts" / "slurm").mkdir(parents=True)
+    (repo / "scripts" / "slurm" / "ab_job.sbatch").write_text((REPO / "scripts/slurm/ab_job.sbatch").read_text())
+    (repo / "scripts" / "slurm" / "job_lib.sh").write_text(FAKE_JOB_LIB)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    ab = tmp_path / "ab"
+    ab.mkdir()
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "REPO_DIR": str(repo), "AB_DIR": str(ab),
+           "AB_REPEATS": "3", "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-2]", "FAKE_PY": sys.executable,
+           "PYTHONPATH": str(REPO / "src")}
+    cmd = ["bash", str(repo / "scripts" / "slurm" / "ab_job.sbatch"), "--model", "tiny", "--seed", "10"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = [shlex.split(line) for line in (ab / "train.calls").read_text().splitlines()]
+    got = [(c[-1].removeprefix(f"--run_dir={ab}/"), c[-3], c[-2]) for c in calls]
+    assert got == [("pair1/bf16", "--fp8=0", "--seed=10"), ("pair1/fp8", "--fp8=1", "--seed=10"),
+                   ("pair2/fp8", "--fp8=1", "--seed=11"), ("pair2/bf16", "--fp8=0", "--seed=11"),
+                   ("pair3/bf16", "--fp8=0", "--seed=12"), ("pair3/fp8", "--fp8=1", "--seed=12")]
+    compare = (ab / "compare.calls").read_text().split()
+    dirs = compare[compare.index("compare") + 1:compare.index("--out")]
+    assert dirs == [f"{ab}/pair{i}/{arm}" for i in (1, 2, 3) for arm in ("bf16", "fp8")]
+    runs_tsv = [line.split("\t") for line in (ab / "ab_runs.tsv").read_text().splitlines()]
+    assert [r[:3] for r in runs_tsv] == [[g[0], "77", "n[1-2]"] for g in got]
+    # a requeued job skips the runs that finished
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.count("finished in an earlier attempt") == 6
+    assert len((ab / "train.calls").read_text().splitlines()) == 6

@@ -1,0 +1,113 @@
+"""Per-rank windows: a rank slowed by a fault is named with its host and local GPU; NVML readings from a
+fake NVML module mark throttled windows; no NVML says "not measured"."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from helpers import REPO, cli_env, train_records
+from llama_fp8 import gpu_health, stragglers
+
+
+def test_a_rank_slowed_by_a_fault_is_named_with_host_and_gpu(tiny_args, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "llama_fp8",
+           "train", *tiny_args, "--max_steps", "6", "--logging_freq", "3", "--straggler_threshold_pct", "15"]
+    env = cli_env(LLAMA_FP8_FAULT="sleep@data:rank=1:seconds=1")   # rank 1's input pipeline is slow
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    recs = train_records(tmp_path / "run")
+    assert len(recs) == 2
+    for rec in recs:
+        r0, r1 = rec["ranks"]
+        assert (r0["rank"], r0["local_rank"], r1["rank"], r1["local_rank"]) == (0, 0, 1, 1)
+        assert r1["data_wait_s"] >= 1.0 > r0["data_wait_s"]                  # per-rank figures are kept
+        assert r0["host"] == r1["host"] == socket.gethostname()
+        assert len(rec["stragglers"]) == 1, rec                              # rank 1 only, named
+        (s,) = rec["stragglers"]
+        assert (s["rank"], s["host"], s["local_rank"], s["cause"]) == (1, socket.gethostname(), 1, "data wait")
+        assert s["slower_pct"] > 15 and rec["gpu_health"].startswith("not measured (no CUDA")
+        assert r0["sm_clock_mhz"] is None and rec["throttled"] is False
+    assert f"rank 1 ({socket.gethostname()} GPU 1)" in proc.stderr
+
+
+def test_find_stragglers_threshold_and_causes():
+    ranks = [{"rank": i, "host": f"n{i // 2}", "local_rank": i % 2, "step_s": st, "data_wait_s": dw}
+             for i, (st, dw) in enumerate([(1.0, 0.0), (1.0, 0.0), (1.25, 0.0), (1.0, 0.15)])]
+    named = stragglers.find_stragglers(ranks, 0.10)
+    assert [(s["rank"], s["host"], s["local_rank"], s["cause"]) for s in named] == [
+        (2, "n1", 0, "step time"), (3, "n1", 1, "data wait")]
+    assert named[0]["slower_pct"] == pytest.approx((1.25 - 1.075) / 1.075 * 100)   # median of 1, 1, 1.15, 1.25
+    assert stragglers.find_stragglers(ranks, 0.30) == []          # both within 30 %
+    assert stragglers.find_stragglers(ranks[:1], 0.0) == []       # one rank: nobody to compare with
+
+
+class FakeNvml(types.SimpleNamespace):
+    """The pynvml calls GpuHealth makes, returning set values (reasons: NVML's throttle bit mask)."""
+
+    NVML_CLOCK_SM, NVML_TEMPERATURE_GPU = 1, 0
+
+    def __init__(self, reasons: int, clock: int = 1980, fail_init: bool = False):
+        super().__init__(reasons=reasons, clock=clock, fail_init=fail_init)
+
+    def nvmlInit(self):
+        if self.fail_init:
+            raise RuntimeError("Driver Not Loaded")
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        return ("uuid", uuid)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return ("index", i)
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h):
+        return self.reasons
+
+    def nvmlDeviceGetClockInfo(self, h, kind):
+        assert kind == self.NVML_CLOCK_SM
+        return self.clock
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        return 612_500   # mW
+
+    def nvmlDeviceGetTemperature(self, h, kind):
+        return 71
+
+
+def test_gpu_health_from_a_fake_nvml_marks_throttling_and_summarises_per_node():
+    hot = gpu_health.GpuHealth("cuda", 0, nvml=FakeNvml(gpu_health.HW_THERMAL, clock=1400)).sample()
+    assert hot == {"sm_clock_mhz": 1400.0, "power_w": 612.5, "temp_c": 71.0, "throttle_thermal": 1.0,
+                   "throttle_power": 0.0}
+    capped = gpu_health.GpuHealth("cuda", 0, nvml=FakeNvml(gpu_health.SW_POWER_CAP)).sample()
+    assert capped["throttle_power"] == 1.0 and capped["throttle_thermal"] == 0.0
+    idle = gpu_health.GpuHealth("cuda", 0, nvml=FakeNvml(0x1)).sample()   # GPU idle: not a slowdown
+    assert idle["throttle_power"] == idle["throttle_thermal"] == 0.0
+    nodes = gpu_health.per_node([{"host": "a", **hot}, {"host": "a", **idle}, {"host": "b", **capped}])
+    assert nodes["a"]["min_sm_clock_mhz"] == 1400.0 and nodes["a"]["throttle_thermal"] is True
+    assert nodes["b"]["throttle_power"] is True and nodes["b"]["throttle_thermal"] is False
+
+
+def test_gpu_health_not_measured_without_cuda_nvml_or_driver(monkeypatch):
+    assert gpu_health.GpuHealth("cpu", None).status == "not measured (no CUDA device)"
+    monkeypatch.setitem(sys.modules, "pynvml", None)   # import pynvml -> ImportError
+    g = gpu_health.GpuHealth("cuda", 0)
+    assert g.status.startswith("not measured (nvidia-ml-py not installed") and g.sample()["sm_clock_mhz"] is None
+    broken = gpu_health.GpuHealth("cuda", 0, nvml=FakeNvml(0, fail_init=True))
+    assert broken.status == "not measured (NVML: Driver Not Loaded)"
+
+
+def test_rank_monitor_window_in_one_process_carries_fake_nvml_readings():
+    health = gpu_health.GpuHealth("cuda", 0, nvml=FakeNvml(gpu_health.SW_THERMAL))
+    mon = stragglers.RankMonitor(torch.device("cpu"), 0, 10.0, health)
+    mon.add_step(1.0, 0.25)
+    mon.add_step(2.0, 0.25)
+    w = mon.window()
+    (r,) = w["ranks"]
+    assert r["step_s"] == pytest.approx(1.25) and r["data_wait_s"] == pytest.approx(0.25)
+    assert r["throttle_thermal"] == 1.0 and w["throttled"] is True and w["stragglers"] == []
+    assert w["gpu_nodes"][socket.gethostname()]["throttle_thermal"] is True
