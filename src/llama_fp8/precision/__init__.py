@@ -29,6 +29,9 @@ class PrecisionChoice:
     recipe: str | None = None
     emulated: bool = False
     all_gather: bool = False  # FP8 all-gather of FSDP parameters
+    exclude: tuple[str, ...] = ()  # --fp8_exclude: module-name globs kept in high precision (precision/exclude.py)
+    verify: str = "error"  # --fp8_verify: stop (error) or warn when FP8 is asked and not on (precision/verify.py)
+    stats_every: int = 0  # --fp8_stats: per-layer FP8 numerics every N steps (precision/fp8_stats.py)
 
 
 class Fp8Runtime(Protocol):
@@ -76,6 +79,10 @@ class Plain:
     def post_step(self, model: nn.Module) -> None:
         return None
 
+    def report(self, write) -> None:
+        """FP8 runtimes hand their check and statistics records to ``write(rec, line)``; nothing here."""
+        return None
+
 
 def resolve(cfg, impl, device: torch.device, world_size: int = 1) -> PrecisionChoice:
     """Pick the backend and recipe for model implementation ``impl`` and check the hardware, before any
@@ -91,8 +98,11 @@ def resolve(cfg, impl, device: torch.device, world_size: int = 1) -> PrecisionCh
         raise ConfigError(f"--fp8_recipe {name} is a recipe of {recipe.backend}, not of {backend.name}; valid with "
                           f"{backend.name}: {mine}")
     emulated = backend.check(cfg, recipe, device, world_size)
+    from llama_fp8.precision import exclude
+
     return PrecisionChoice(name=f"fp8-{backend.name}-{name}", backend=backend.name, recipe=name, emulated=emulated,
-                           all_gather=cfg.fp8_all_gather)
+                           all_gather=cfg.fp8_all_gather, exclude=exclude.parse(cfg.fp8_exclude),
+                           verify=cfg.fp8_verify, stats_every=cfg.fp8_stats)
 
 
 def _backend(cfg, impl) -> Fp8Backend:
