@@ -34,6 +34,7 @@ FLAG_TESTS: dict[str, list[str]] = {
                     "precision/test_fp8_check::test_a_healthy_run_writes_its_coverage_record"],
     "fp8_verify": ["precision/test_fp8_check::test_a_run_whose_conversion_is_patched_away_stops_naming_it",
                    "precision/test_fp8_check::test_fp8_verify_warn_lets_the_same_run_finish"],
+    "fp8_stats": ["precision/test_fp8_stats::test_a_run_with_fp8_stats_writes_one_line_per_layer_tensor_and_logged_step"],
     "fp8_amax_history_len": ["precision/test_precision::test_te_backend_plumbs_recipe_flags_and_checks_before_building"],
     "fp8_amax_compute_algo": ["precision/test_precision::test_te_backend_plumbs_recipe_flags_and_checks_before_building"],
     "train_batch_size": ["train/test_train::test_batch_size_and_context_width_set_the_batch"],

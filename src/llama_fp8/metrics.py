@@ -153,7 +153,7 @@ class MetricsWriter:
             print(line, flush=True)
         self._fh.write(json.dumps(rec) + "\n")
         self._fh.flush()
-        if rec.get("type") in ("train", "val"):
+        if rec.get("type") in ("train", "val", "fp8_stats"):
             scalars = {f"{rec['type']}/{k}": v for k, v in rec.items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time", "data_from_step")}
             if self._tb is not None:

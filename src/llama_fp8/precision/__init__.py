@@ -79,8 +79,8 @@ class Plain:
     def post_step(self, model: nn.Module) -> None:
         return None
 
-    def report(self, write) -> None:
-        """FP8 runtimes hand their check and statistics records to ``write(rec, line)``; nothing here."""
+    def report(self, writer, step: int) -> None:
+        """After each step, FP8 runtimes hand their check and statistics records to the metrics writer."""
         return None
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from llama_fp8.errors import ConfigError
-from llama_fp8.precision import Plain
+from llama_fp8.precision import Plain, fp8_stats
 from llama_fp8.precision import exclude as exclude_globs
 from llama_fp8.precision import verify as fp8_verify
 from llama_fp8.precision.recipes import Recipe
@@ -61,7 +61,8 @@ class TorchaoBackend:
         return check(cfg, recipe, device, world_size)
 
     def runtime(self, choice, cfg) -> TorchaoFp8:
-        return TorchaoFp8(choice.recipe, choice.emulated, choice.all_gather, choice.exclude, choice.verify)
+        return TorchaoFp8(choice.recipe, choice.emulated, choice.all_gather, choice.exclude, choice.verify,
+                          choice.stats_every)
 
 
 def check(cfg, recipe: Recipe, device: torch.device, world_size: int) -> bool:
@@ -114,9 +115,10 @@ class TorchaoFp8(Plain):
     the converted layers quantize themselves)."""
 
     def __init__(self, recipe: str, emulated: bool, all_gather: bool, exclude: tuple[str, ...] = (),
-                 verify: str = "error"):
+                 verify: str = "error", stats_every: int = 0):
         self.recipe, self.emulated, self.all_gather, self.exclude = recipe, emulated, all_gather, exclude
         self.verifier = fp8_verify.Verifier(self.layers, fp8_weights, all_gather, not emulated, verify)
+        self.stats = fp8_stats.TorchaoStats(stats_every) if stats_every else None
 
     def convert(self, model: nn.Module) -> nn.Module:
         ao = torchao_import()
@@ -126,6 +128,8 @@ class TorchaoFp8(Plain):
         exclude_globs.check_all_match(self.exclude, [n for n, m in model.named_modules() if isinstance(m, nn.Linear)])
         ao.convert_to_float8_training(model, config=config, module_filter_fn=self.convert_filter)
         converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+        if self.stats is not None:
+            self.stats.attach(model)
         log.info("torchao FP8 (%s%s): converted %d/%d linears", self.recipe, ", emulated" if self.emulated else "",
                  converted, total)
         return model
@@ -137,8 +141,11 @@ class TorchaoFp8(Plain):
             torchao_import().precompute_float8_dynamic_scale_for_fsdp(model)
         self.verifier.after_step(model)
 
-    def report(self, write) -> None:
-        self.verifier.report(write)
+    def report(self, writer, step: int) -> None:
+        """After each step: the FP8 check's record (once) and, on --fp8_stats steps, the per-layer numerics."""
+        self.verifier.report(writer.write)
+        if self.stats is not None:
+            fp8_stats.report(self.stats, writer, step)
 
     def convert_filter(self, module: nn.Module, fqn: str) -> bool:
         """torchao's module filter: ``fp8_linear_filter`` minus the --fp8_exclude layers."""
