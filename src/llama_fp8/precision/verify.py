@@ -101,7 +101,7 @@ class AllGatherMeter:
             for dtype, n in zip(ds, ns, strict=True):
                 self.by_dtype[str(dtype).removeprefix("torch.")] += n * dtype.itemsize
             name = getattr(param, "_param_fqn", None)
-            if name in self.fp8_weights and not any(d.itemsize == 1 and d.is_floating_point for d in ds):
+            if name in self.fp8_weights and not any(d.itemsize == 1 for d in ds):
                 self.not_fp8.add(name)
 
 
@@ -119,7 +119,8 @@ def problems(cov: dict, all_gather: bool, meter: AllGatherMeter | None, kernels:
     if unexpected:
         out.append(f"{len(unexpected)} layer(s) that should run in FP8 do not: {', '.join(unexpected[:5])}")
     if all_gather and meter is not None:
-        fp8_bytes = sum(n for d, n in meter.by_dtype.items() if "float8" in d)
+        # 1-byte payloads: torchao hands FSDP2 float8 tensors, Transformer Engine its FP8 bytes as uint8
+        fp8_bytes = sum(n for d, n in meter.by_dtype.items() if "float8" in d or d == "uint8")
         if meter.not_fp8 or fp8_bytes == 0:
             names = ", ".join(sorted(meter.not_fp8)[:3])
             out.append(f"--fp8_all_gather 1 but FSDP2 all-gathered FP8 layers' weights in high precision "
