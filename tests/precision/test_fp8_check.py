@@ -140,6 +140,7 @@ def test_all_gather_bytes_of_fp8_weights_halve_with_fp8_all_gather_on_2_gloo_ran
         (check,) = [rec for rec in read_metrics(run_dir) if rec["type"] == "fp8_check"]
         got[ag] = check["all_gather_bytes"]
         assert check["problems"] == []
+        assert check["fp8_weights_all_gathered"] == check["fp8_linears"] == 14  # every FP8 weight checked by name
     assert set(got["0"]) == {"bfloat16"} and got["1"]["float8_e4m3fn"] > 0
     # the FP8 layers' weights left the BF16 bytes and came back at one byte per element: exactly half
     assert got["0"]["bfloat16"] - got["1"]["bfloat16"] == 2 * got["1"]["float8_e4m3fn"]

@@ -76,6 +76,7 @@ class AllGatherMeter:
         self.fp8_weights = fp8_weights
         self.by_dtype: dict[str, int] = defaultdict(int)
         self.not_fp8: set[str] = set()  # FP8 layers' weights that were gathered in another dtype
+        self.seen_fp8: set[str] = set()  # FP8 layers' weights seen in an all-gather at all
 
     @contextlib.contextmanager
     def measure(self):
@@ -101,8 +102,10 @@ class AllGatherMeter:
             for dtype, n in zip(ds, ns, strict=True):
                 self.by_dtype[str(dtype).removeprefix("torch.")] += n * dtype.itemsize
             name = getattr(param, "_param_fqn", None)
-            if name in self.fp8_weights and not any(d.itemsize == 1 for d in ds):
-                self.not_fp8.add(name)
+            if name in self.fp8_weights:
+                self.seen_fp8.add(name)
+                if not any(d.itemsize == 1 for d in ds):
+                    self.not_fp8.add(name)
 
 
 def kernel_names(prof) -> list[str]:
@@ -171,6 +174,7 @@ class Verifier:
         lines = [coverage_line(cov)]
         if self._meter is not None and self._meter.by_dtype:
             rec["all_gather_bytes"] = dict(self._meter.by_dtype)
+            rec["fp8_weights_all_gathered"] = len(self._meter.seen_fp8)  # names matched: the per-weight check ran
             lines.append(all_gather_line(self._meter.by_dtype))
         if kernels is not None:
             rec["fp8_kernels"] = [k for k in kernels if FP8_KERNEL.search(k)][:20]
