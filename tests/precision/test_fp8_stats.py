@@ -93,3 +93,18 @@ def test_a_run_with_fp8_stats_writes_one_line_per_layer_tensor_and_logged_step(t
     assert [r["step"] for r in summaries] == [2, 4]
     step2 = [r for r in lines if r["step"] == 2 and r["tensor"] == "input"]
     assert summaries[0]["input_underflow_max"] == max(r["underflow"] for r in step2)
+
+
+def test_fp8_stats_summaries_reach_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = C.parse_args(["--model", "tiny", "--device", "cpu", "--num_layers", "1", "--max_context_width", "32",
+                        "--max_steps", "3", "--fp8", "1", "--fp8_backend", "torchao", "--model_impl", "hf",
+                        "--fp8_stats", "1", "--run_dir", str(tmp_path / "run"), "--tensorboard_dir", str(tmp_path / "tb")])
+    assert T.run(cfg) == 0
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    summaries = [r for r in read_metrics(tmp_path / "run") if r["type"] == "fp8_stats"]
+    tb = acc.Scalars("fp8_stats/weight_snr_db_min")
+    assert [e.step for e in tb] == [r["step"] for r in summaries] == [2, 3]
+    assert [e.value for e in tb] == pytest.approx([r["weight_snr_db_min"] for r in summaries])
