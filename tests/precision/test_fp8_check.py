@@ -119,6 +119,7 @@ def test_a_bf16_all_gather_of_fp8_weights_is_a_problem():
     assert "--fp8_all_gather 1 but FSDP2 all-gathered FP8 layers' weights in high precision" in issue
     assert "model.layers.0.mlp.up_proj.weight" in issue
     assert V.problems(cov, False, meter, None) == []  # asked without FP8 all-gather: BF16 is right
+    assert V.problems(cov, True, V.AllGatherMeter(set()), None) == []  # nothing all-gathered (one rank)
 
 
 def test_no_fp8_kernel_in_the_profiled_step_is_a_problem():

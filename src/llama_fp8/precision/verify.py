@@ -121,7 +121,7 @@ def problems(cov: dict, all_gather: bool, meter: AllGatherMeter | None, kernels:
     unexpected = [n for n, why in cov["high_precision"].items() if why == "not converted"]
     if unexpected:
         out.append(f"{len(unexpected)} layer(s) that should run in FP8 do not: {', '.join(unexpected[:5])}")
-    if all_gather and meter is not None:
+    if all_gather and meter is not None and meter.by_dtype:  # one rank: FSDP2 all-gathers nothing to check
         # 1-byte payloads: torchao hands FSDP2 float8 tensors, Transformer Engine its FP8 bytes as uint8
         fp8_bytes = sum(n for d, n in meter.by_dtype.items() if "float8" in d or d == "uint8")
         if meter.not_fp8 or fp8_bytes == 0:
