@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                       "seq_len": args.seq_len, "batch_size": args.batch_size, "device": device.type,
                       "window": args.window, "rounds": args.rounds,
                       "median_s_per_step": {k: round(med[k] / args.window, 5) for k in variants},
-                      "ratio_n50": round(ratio["N=50"], 4), "ratio_n1": round(ratio["N=1"], 4)}))
+                      "ratio": round(ratio["N=50"], 4), "ratio_n50": round(ratio["N=50"], 4),
+                      "ratio_n1": round(ratio["N=1"], 4)}))
     return 0
 
 
