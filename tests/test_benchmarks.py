@@ -88,3 +88,11 @@ def test_bench_checkpoint_prints_table_and_ratio(tmp_path):
     assert all(v > 0 for v in rec["gbps"].values()) and rec["ratio"] == min(rec["save_ratio"], rec["load_ratio"])
     assert rec["async_blocked_ratio"] > 0
     assert (tmp_path / "ckpt").is_dir() and (tmp_path / "raw" / "rank1.bin").is_file()  # both wrote to --dir
+
+
+def test_bench_fp8_stats_prints_table_and_ratios():
+    out, rec = run_bench("bench_fp8_stats.py", "--seq_len", "16", "--batch_size", "1", "--num_layers", "1",
+                         "--window", "2", "--rounds", "1")
+    assert [row[0] for row in table_rows(out, "off") + table_rows(out, "N=50") + table_rows(out, "N=1")] == \
+        ["off", "N=50", "N=1"]
+    assert rec["bench"] == "fp8_stats" and rec["ratio"] == rec["ratio_n50"] and rec["ratio_n1"] > 0

@@ -1,4 +1,4 @@
-"""`python -m llama_fp8 {train,compare,submit,convert,preflight} ...` (also the `llama-fp8` script)."""
+"""`python -m llama_fp8 {train,compare,submit,convert,preflight,fp8-bisect} ...` (also the `llama-fp8` script)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ COMMANDS = {
     "submit": "submit a training job to Slurm through submitit",
     "convert": "export a checkpoint to a Hugging Face folder",
     "preflight": "check a node: GPUs, FP8 support, TE, NCCL, EFA, file systems",
+    "fp8-bisect": "find the decoder layers to keep in BF16 for FP8 to match BF16's loss",
 }
 MODULES = {"train": "llama_fp8.train", "compare": "llama_fp8.report.compare", "launch": "llama_fp8.cluster.launch",
            "submit": "llama_fp8.cluster.submit", "convert": "llama_fp8.convert",
-           "preflight": "llama_fp8.cluster.preflight"}
+           "preflight": "llama_fp8.cluster.preflight", "fp8-bisect": "llama_fp8.precision.bisect"}
 
 
 def _usage() -> str:

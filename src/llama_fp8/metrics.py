@@ -17,48 +17,26 @@ from pathlib import Path
 
 import torch
 
+from llama_fp8 import peaks
+
 log = logging.getLogger(__name__)
 
-# Dense (no sparsity) peak tensor-core TFLOPS per GPU, (bf16, fp8). Matched on the CUDA device name,
-# most specific first. Sources: NVIDIA product datasheets (H100: "NVIDIA H100 Tensor Core GPU"
-# datasheet, SXM/NVL/PCIe columns, sparsity figures halved; H200: H200 datasheet; B200 and GB200:
-# DGX B200 / GB200 NVL72 datasheets per GPU, sparsity halved; A100: A100 datasheet (no FP8);
-# L40S: L40S datasheet; L4: L4 datasheet).
-PEAK_TFLOPS: list[tuple[str, float, float | None]] = [
-    ("GB200", 2500.0, 5000.0),
-    ("B200", 2250.0, 4500.0),
-    ("H200", 989.4, 1978.9),
-    ("H100 NVL", 835.0, 1670.0),
-    ("H100 PCIe", 756.0, 1513.0),
-    ("H100", 989.4, 1978.9),  # SXM5 (e.g. "NVIDIA H100 80GB HBM3")
-    ("A100", 312.0, None),
-    ("L40S", 362.05, 733.0),
-    ("L4", 121.0, 242.0),
-]
+# The peak table and the MFU convention live in peaks.py (one home per fact).
+PEAK_TFLOPS = peaks.PEAKS
+FLOPS_CONVENTION = peaks.FLOPS_CONVENTION
 
 
 def peak_table_markdown() -> str:
     """The README's table of the peaks MFU is measured against."""
-    rows = ["| GPU (name contains) | dense BF16 TFLOPS | dense FP8 TFLOPS |", "|---|---|---|"]
-    for key, bf16, fp8 in PEAK_TFLOPS:
-        rows.append(f"| {key} | {bf16:g} | {'-' if fp8 is None else f'{fp8:g}'} |")
-    return "\n".join(rows)
+    return peaks.table_markdown()
 
 
 def peak_tflops(device: torch.device, override: float | None = None) -> tuple[str, float | None, float | None]:
-    """(device name, bf16 peak, fp8 peak) for this device; peaks are None when unknown (CPU included).
-    ``override`` (--peak_tflops) is the dense BF16 peak; FP8's is taken as twice that, as on every
-    GPU generation with FP8 tensor cores so far."""
+    """(device name, dense bf16 peak, dense fp8 peak) for this device; a peak is None when unknown, when
+    the name is ambiguous or a MIG slice, and on CPU (see ``peaks.resolve``). ``override`` is --peak_tflops."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    if override:
-        return name, override, 2.0 * override
-    if device.type != "cuda":
-        return name, None, None
-    for key, bf16, fp8 in PEAK_TFLOPS:
-        if key in name:
-            return name, bf16, fp8
-    log.warning("no peak TFLOPS known for %r: MFU is reported as null (pass --peak_tflops to set one)", name)
-    return name, None, None
+    bf16, fp8, _ = peaks.resolve(name if device.type == "cuda" else None, override)
+    return name, bf16, fp8
 
 
 def memory_gib(device: torch.device) -> float:
@@ -126,6 +104,7 @@ class StepMeter:
             "tflops_per_device": tflops,
             "mfu_vs_bf16_peak": tflops / self.peak_bf16 if self.peak_bf16 else None,
             "mfu_vs_fp8_peak": tflops / self.peak_fp8 if (self.peak_fp8 and self.is_fp8) else None,
+            "is_fp8": self.is_fp8,
             "mem_peak_gib": memory_gib(self.device),
             **cuda_memory_extras(self.device),
             "data_wait_frac": min(self._data_wait / elapsed, 1.0),
@@ -142,12 +121,14 @@ def _num(x: float | None, fmt: str) -> str:
 
 
 def format_line(rec: dict) -> str:
-    """``Batch N Loss: x, Speed: y samples/sec, lr: z`` (the prefix log monitors match), then extras."""
-    mfu = rec.get("mfu_vs_fp8_peak") if rec.get("mfu_vs_fp8_peak") is not None else rec.get("mfu_vs_bf16_peak")
-    mfu_label = "MFU(fp8 peak)" if rec.get("mfu_vs_fp8_peak") is not None else "MFU"
+    """``Batch N Loss: x, Speed: y samples/sec, lr: z`` (the prefix log monitors match), then extras.
+    MFU is always against the dense BF16 peak (``MFU(bf16 peak)``); FP8 runs add ``MFU(fp8 peak)``."""
+    mfu = f"MFU(bf16 peak): {_num(rec.get('mfu_vs_bf16_peak'), '.3f')}"
+    if rec.get("is_fp8"):
+        mfu += f", MFU(fp8 peak): {_num(rec.get('mfu_vs_fp8_peak'), '.3f')}"
     return (f"Batch {rec['step']} Loss: {rec['loss']:.5f}, Speed: {rec['samples_per_sec']:.2f} samples/sec, "
             f"lr: {rec['lr']:.6f}, tokens/s/device: {rec['tokens_per_sec_per_device']:.1f}, "
-            f"TFLOPS/device: {_num(rec['tflops_per_device'], '.3f')}, {mfu_label}: {_num(mfu, '.3f')}, "
+            f"TFLOPS/device: {_num(rec['tflops_per_device'], '.3f')}, {mfu}, "
             f"mem: {_num(rec['mem_peak_gib'], '.2f')} GiB, grad_norm: {_num(rec['grad_norm'], '.3f')}")
 
 
@@ -172,7 +153,7 @@ class MetricsWriter:
             print(line, flush=True)
         self._fh.write(json.dumps(rec) + "\n")
         self._fh.flush()
-        if rec.get("type") in ("train", "val"):
+        if rec.get("type") in ("train", "val", "fp8_stats"):
             scalars = {f"{rec['type']}/{k}": v for k, v in rec.items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time", "data_from_step")}
             if self._tb is not None:

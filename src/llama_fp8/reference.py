@@ -23,8 +23,9 @@ FILES = ("README.md", "docs/fp8.md")
 def render(text: str) -> str:
     """``text`` with every marked table regenerated."""
     for name, make in tables().items():
-        text = re.sub(rf"(<!-- {name}:start -->\n).*?(\n<!-- {name}:end -->)",
-                      lambda m, make=make: m.group(1) + make() + m.group(2), text, flags=re.S)
+        # (?:.*?\n)? also matches an empty block: a table that was never rendered gets rendered.
+        text = re.sub(rf"(<!-- {name}:start -->\n)(?:.*?\n)?(<!-- {name}:end -->)",
+                      lambda m, make=make: m.group(1) + make() + "\n" + m.group(2), text, flags=re.S)
     return text
 
 
@@ -34,7 +35,7 @@ def stale(repo: Path) -> list[str]:
     for rel in FILES:
         text = (repo / rel).read_text()
         for name, make in tables().items():
-            m = re.search(rf"<!-- {name}:start -->\n(.*?)\n<!-- {name}:end -->", text, re.S)
-            if m and m.group(1) != make():
+            m = re.search(rf"<!-- {name}:start -->\n(?:(.*?)\n)?<!-- {name}:end -->", text, re.S)
+            if m and (m.group(1) or "") != make():
                 out.append(f"{rel}: {name}")
     return out

@@ -91,6 +91,15 @@ class TrainConfig:
                          group="precision")
     fp8_all_gather: bool = _f(False, "1: all-gather FSDP parameters in FP8 (torchao tensorwise; TE: FP8 "
                               "parameters) - half the all-gather bytes of BF16", group="precision")
+    fp8_exclude: str | None = _f(None, "comma-separated globs on module names kept in high precision with --fp8 1 "
+                                 "(e.g. model.layers.0.*,model.layers.31.*); a glob matching no layer is an error",
+                                 group="precision")
+    fp8_verify: str = _f("error", "after the warm-up step, check FP8 is really on (layers, FLOP share, all-gather "
+                         "dtypes, GEMM kernels): error stops the run naming what is off, warn logs it",
+                         choices=("error", "warn"), group="precision")
+    fp8_stats: int = _f(0, "every N steps, per-layer FP8 numerics (amax, scale, underflow, saturation, SNR) of each "
+                        "FP8 linear's input, weight and output gradient to <run_dir>/fp8_stats.jsonl (0 = off)",
+                        min=0, group="precision")
     fp8_amax_history_len: int = _f(1024, "TE delayed scaling: amax history length", min=1, group="precision")
     fp8_amax_compute_algo: str = _f("max", "TE delayed scaling: amax from the history's max or most_recent",
                                     choices=("max", "most_recent"), group="precision")

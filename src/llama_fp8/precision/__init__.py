@@ -29,6 +29,9 @@ class PrecisionChoice:
     recipe: str | None = None
     emulated: bool = False
     all_gather: bool = False  # FP8 all-gather of FSDP parameters
+    exclude: tuple[str, ...] = ()  # --fp8_exclude: module-name globs kept in high precision (precision/exclude.py)
+    verify: str = "error"  # --fp8_verify: stop (error) or warn when FP8 is asked and not on (precision/verify.py)
+    stats_every: int = 0  # --fp8_stats: per-layer FP8 numerics every N steps (precision/fp8_stats.py)
 
 
 class Fp8Runtime(Protocol):
@@ -79,6 +82,10 @@ class Plain:
     def post_step(self, model: nn.Module) -> None:
         return None
 
+    def report(self, writer, step: int) -> None:
+        """After each step, FP8 runtimes hand their check and statistics records to the metrics writer."""
+        return None
+
 
 def resolve(cfg, impl, device: torch.device | None, world_size: int = 1, others: tuple = ()) -> PrecisionChoice:
     """The one precision decision, made before any model is built: pick the backend and recipe for model
@@ -97,8 +104,11 @@ def resolve(cfg, impl, device: torch.device | None, world_size: int = 1, others:
     if device is not None:
         emulated = backend.check(cfg, recipe, device, world_size)
     check_library(backend, recipe, cfg.fp8_all_gather)
+    from llama_fp8.precision import exclude
+
     return PrecisionChoice(name=f"fp8-{backend.name}-{recipe.name}", backend=backend.name, recipe=recipe.name,
-                           emulated=emulated, all_gather=cfg.fp8_all_gather)
+                           emulated=emulated, all_gather=cfg.fp8_all_gather, exclude=exclude.parse(cfg.fp8_exclude),
+                           verify=cfg.fp8_verify, stats_every=cfg.fp8_stats)
 
 
 def choose_recipe(backend: str, asked: str, compile: bool) -> Recipe:

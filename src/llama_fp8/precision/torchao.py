@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from llama_fp8.errors import ConfigError
-from llama_fp8.precision import Plain
+from llama_fp8.precision import Plain, fp8_stats
+from llama_fp8.precision import exclude as exclude_globs
 from llama_fp8.precision import recipes as recipe_table
+from llama_fp8.precision import verify as fp8_verify
 from llama_fp8.precision.recipes import Recipe
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,8 @@ class TorchaoBackend:
         return check(cfg, recipe, device, world_size)
 
     def runtime(self, choice, cfg) -> TorchaoFp8:
-        return TorchaoFp8(choice.recipe, choice.emulated, choice.all_gather)
+        return TorchaoFp8(choice.recipe, choice.emulated, choice.all_gather, choice.exclude, choice.verify,
+                          choice.stats_every)
 
 
 def check(cfg, recipe: Recipe, device: torch.device, world_size: int) -> bool:
@@ -68,9 +71,8 @@ def check(cfg, recipe: Recipe, device: torch.device, world_size: int) -> bool:
         able = ", ".join(r.name for r in RECIPES if r.tensor_parallel)
         raise ConfigError(f"--fp8_recipe {recipe.name} with --tp_size {cfg.tp_size}: torchao's FP8 tensor-parallel "
                           f"layers scale whole tensors; use --fp8_recipe {able}")
-    if cfg.fp8_all_gather and device.type == "cpu" and world_size > 1:
-        raise ConfigError("--fp8_all_gather 1 needs NCCL: gloo (CPU) has no float8 dtype to all-gather; on CPU it "
-                          "runs with one process only")
+    # On CPU, gloo has no float8 type, but FSDP2 packs a unit's mixed-dtype all-gather inputs (FP8 weights and
+    # the block's norm weights) into one uint8 buffer, which gloo carries: emulated FP8 all-gather runs on 2+ ranks.
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     emulated = capability is None or capability < recipe.min_capability
     if emulated:
@@ -90,20 +92,36 @@ def fp8_linear_filter(module: nn.Module, fqn: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
+def why_high_precision(module: nn.Module, fqn: str, exclude: tuple[str, ...] = ()) -> str | None:
+    """Why an ``nn.Linear`` stays in high precision (None: it is converted to FP8)."""
+    if fqn == "lm_head" or fqn.endswith(".lm_head") or fqn == "output":
+        return "output head"
+    if module.in_features % 16 or module.out_features % 16:
+        return "dims not divisible by 16"
+    pattern = exclude_globs.match(fqn, exclude)
+    return f"user exception (--fp8_exclude {pattern})" if pattern else None
+
+
 class TorchaoFp8(Plain):
     """The runtime side: conversion before sharding, and the fused scale pass after each step (no autocast:
     the converted layers quantize themselves)."""
 
-    def __init__(self, recipe: str, emulated: bool, all_gather: bool):
-        self.recipe, self.emulated, self.all_gather = recipe, emulated, all_gather
+    def __init__(self, recipe: str, emulated: bool, all_gather: bool, exclude: tuple[str, ...] = (),
+                 verify: str = "error", stats_every: int = 0):
+        self.recipe, self.emulated, self.all_gather, self.exclude = recipe, emulated, all_gather, exclude
+        self.verifier = fp8_verify.Verifier(self.layers, fp8_weights, all_gather, not emulated, verify)
+        self.stats = fp8_stats.TorchaoStats(stats_every) if stats_every else None
 
     def convert(self, model: nn.Module) -> nn.Module:
         ao = torchao_import()
         config = dataclasses.replace(ao.Float8LinearConfig.from_recipe_name(self.recipe), emulate=self.emulated,
                                      enable_fsdp_float8_all_gather=self.all_gather)
         total = sum(isinstance(m, nn.Linear) for m in model.modules())
-        ao.convert_to_float8_training(model, config=config, module_filter_fn=fp8_linear_filter)
+        exclude_globs.check_all_match(self.exclude, [n for n, m in model.named_modules() if isinstance(m, nn.Linear)])
+        ao.convert_to_float8_training(model, config=config, module_filter_fn=self.convert_filter)
         converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+        if self.stats is not None:
+            self.stats.attach(model)
         log.info("torchao FP8 (%s%s): converted %d/%d linears", self.recipe, ", emulated" if self.emulated else "",
                  converted, total)
         return model
@@ -113,6 +131,32 @@ class TorchaoFp8(Plain):
         (instead of one all-reduce per layer during forward)."""
         if self.all_gather:
             torchao_import().precompute_float8_dynamic_scale_for_fsdp(model)
+        self.verifier.after_step(model)
+
+    def report(self, writer, step: int) -> None:
+        """After each step: the FP8 check's record (once) and, on --fp8_stats steps, the per-layer numerics."""
+        self.verifier.report(writer.write)
+        if self.stats is not None:
+            fp8_stats.report(self.stats, writer, step)
+
+    def convert_filter(self, module: nn.Module, fqn: str) -> bool:
+        """torchao's module filter: ``fp8_linear_filter`` minus the --fp8_exclude layers."""
+        return fp8_linear_filter(module, fqn) and not exclude_globs.match(fqn, self.exclude)
+
+    def layers(self, model: nn.Module) -> list[fp8_verify.LinearLayer]:
+        """Every linear layer: in FP8 (a Float8Linear) or not, and why not."""
+        out = []
+        for name, m in model.named_modules():
+            if isinstance(m, nn.Linear):
+                fp8 = type(m).__name__ == "Float8Linear"
+                why = None if fp8 else (why_high_precision(m, name, self.exclude) or "not converted")
+                out.append(fp8_verify.LinearLayer(name, m.in_features * m.out_features, fp8, why))
+        return out
+
+
+def fp8_weights(model: nn.Module) -> set[str]:
+    """Names of the weights FSDP2 should all-gather in FP8 (those of the Float8Linear layers)."""
+    return {f"{name}.weight" for name, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
 
 
 TORCHAO = TorchaoBackend()

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from llama_fp8.report import hardware, plots, ranks, repeats, repro
+from llama_fp8.report import fp8_view, hardware, plots, ranks, repeats, repro
 from llama_fp8.report.plots import METRICS, ratio, render_report, same_data_text
 from llama_fp8.report.runs import CompareError, Run, load_run, precision_label  # noqa: F401 - the CLI's API
 
@@ -247,7 +247,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     summary.update(verdict="PASS" if ok else "FAIL", verdict_line=line)
     images = plots.plot_all([a, b], list(w1), out, args.loss_tolerance)
     report = out / "report.md"
-    report.write_text(render_report(summary, images))
+    report.write_text(render_report(summary, images) + "\n" + fp8_view.markdown([a, b], out))
     summary.update(report=report, plots=images)
     (out / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2) + "\n")
     return summary

@@ -43,7 +43,7 @@ def _extra_field(key: str, value: str) -> tuple[str, float | None] | None:
     if "tflops" in k and ("device" in k or "gpu" in k):
         return "tflops_per_device", num
     if "mfu" in k:
-        # train.py prints "MFU(fp8 peak)" for FP8 runs and a plain "MFU" against the BF16 peak.
+        # ours prints "MFU(bf16 peak)" always and "MFU(fp8 peak)" for FP8 runs; other recipes a plain "MFU".
         name = "mfu_vs_fp8_peak" if "fp8" in k else "mfu_vs_bf16_peak"
         return name, (num / 100 if num is not None and unit == "%" else num)
     if k in ("mem", "memory", "mem_peak", "peak_mem", "max_mem"):

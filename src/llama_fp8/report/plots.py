@@ -113,8 +113,12 @@ def render_report(summary: dict[str, Any], plots: dict[str, Path]) -> str:
     lines += ["## Method", "",
               "- Throughput, TFLOPS, MFU and data-wait: medians over logged steps after the excluded "
               "ones (default: 10 % of the last step, at least the first logged window). Peak memory: max.",
-              "- MFU is shown as a percentage of the named peak; `n/a` means the run did not record it "
-              "(e.g. CPU or an unknown device) — nothing is estimated here.",
+              "- MFU is shown as a percentage of the named dense peak: always the GPU's dense BF16 peak, "
+              "and for FP8 runs also its dense FP8 peak (NVIDIA datasheets, sparsity figures halved); `n/a` "
+              "means the run did not record it (CPU, an unknown or ambiguous GPU, a MIG slice) — nothing is "
+              "estimated here.",
+              "- FLOPs per token: `6*N + 12*layers*heads*head_dim*seq`, causal attention counted in full "
+              "(not halved for the mask).",
               "- Final train loss: mean of the last k = max(5, 5 % of records) losses on steps both runs "
               "logged. Noise band: max |final-loss gap| between the baseline runs of different seeds. "
               "Verdict: PASS when the mean gap over pairs is within max(tolerance, noise band); the "

@@ -45,6 +45,7 @@ def loop(s: TrainState) -> list[float]:
         s.scheduler.step()
         s.profiler.after_step(step)
         s.meter.add_step(loss, data_wait)
+        s.precision.report(s.writer, step)  # FP8 check / statistics records, when the runtime has any
         if log_now:
             s.guard.check()
             rec = s.meter.window(step, lr, grad_norm)

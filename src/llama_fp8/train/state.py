@@ -17,6 +17,7 @@ from llama_fp8 import (
     metrics,
     models,
     parallel,
+    peaks,
     precision,
     profiling,
     stragglers,
@@ -106,13 +107,16 @@ def plan_and_build_model(cfg: TrainConfig, env: parallel.DistEnv):
 def start_metrics(cfg: TrainConfig, plan: RunPlan, env: parallel.DistEnv, size: ModelSize, start_step: int):
     from llama_fp8 import repro
     from llama_fp8.cluster import environment  # meta record: nodes, GPU/driver, versions, NCCL network
-    device_name, peak_bf16, peak_fp8 = metrics.peak_tflops(env.device, cfg.peak_tflops)
+    device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
+    peak_bf16, peak_fp8, peak_source = peaks.resolve(device_name if env.device.type == "cuda" else None,
+                                                     cfg.peak_tflops)
     meter = metrics.StepMeter(env.device, env.world_size, plan.global_batch, cfg.max_context_width,
                               size.flops_per_token, peak_bf16, peak_fp8, cfg.fp8)
     writer = metrics.MetricsWriter(Path(plan.run_dir), enabled=env.is_main, cfg=cfg)
     writer.write({"type": "meta", "precision": plan.precision.name, "model": cfg.model, "model_impl": plan.model_impl,
                   "world_size": env.world_size, "device": env.device.type, "device_name": device_name,
-                  "peak_tflops_bf16": peak_bf16, "peak_tflops_fp8": peak_fp8, "seq_len": cfg.max_context_width,
+                  "peak_tflops_bf16": peak_bf16, "peak_tflops_fp8": peak_fp8, "peak_source": peak_source,
+                  "flops_convention": metrics.FLOPS_CONVENTION, "seq_len": cfg.max_context_width,
                   "global_batch_size": plan.global_batch,
                   "flops_per_token": size.flops_per_token, "num_params": size.num_params,
                   "fp8_emulated": plan.precision.emulated, "start_step": start_step,

@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from llama_fp8.errors import ConfigError
-from llama_fp8.models.te import fp8_state
+from llama_fp8.models.te import fp8_coverage, fp8_state
 from llama_fp8.models.te import recipes as te_recipes
 from llama_fp8.precision import Plain
 from llama_fp8.precision import recipes as recipe_table
 from llama_fp8.precision.recipes import Recipe
+from llama_fp8.precision.verify import Verifier
 
 
 class TEBackend:
@@ -27,6 +28,9 @@ class TEBackend:
         return te_recipes.te_version() or "unknown"
 
     def check(self, cfg, recipe: Recipe, device: torch.device, world_size: int) -> bool:
+        if cfg.fp8_stats:  # TE's numbers would come from its debug API (nvdlfw-inspect): not wired yet
+            raise ConfigError(f"--fp8_stats {cfg.fp8_stats} is not available with --fp8_backend {self.name} yet "
+                              "(per-layer FP8 statistics exist for torchao: --model_impl hf --fp8_backend torchao)")
         try:
             te_recipes.te_import()
         except ImportError as e:
@@ -50,7 +54,8 @@ class TEBackend:
 
     def runtime(self, choice, cfg) -> TEFp8:
         recipe = te_recipes.make_recipe(choice.recipe, cfg.fp8_amax_history_len, cfg.fp8_amax_compute_algo)
-        return TEFp8(recipe, choice.all_gather, stateful=te_recipes.row(choice.recipe).stateful)
+        return TEFp8(recipe, choice.all_gather, stateful=te_recipes.row(choice.recipe).stateful,
+                     exclude=choice.exclude, verify=choice.verify)
 
 
 def check_fp8_parameters(cfg, recipe: Recipe) -> None:
@@ -78,8 +83,22 @@ def check_fp8_parameters(cfg, recipe: Recipe) -> None:
 
 
 class TEFp8(Plain):
-    def __init__(self, recipe, all_gather: bool, stateful: bool):
-        self.recipe, self.all_gather, self.stateful = recipe, all_gather, stateful
+    def __init__(self, recipe, all_gather: bool, stateful: bool, exclude: tuple[str, ...] = (),
+                 verify: str = "error"):
+        self.recipe, self.all_gather, self.stateful, self.exclude = recipe, all_gather, stateful, exclude
+        self.verifier = Verifier(lambda m: fp8_coverage.layers(m, exclude), fp8_coverage.fp8_weights, all_gather,
+                                 True, verify)
+
+    def convert(self, model: nn.Module) -> nn.Module:
+        """--fp8_exclude: the matching modules run their forward under a nested autocast(enabled=False)."""
+        fp8_coverage.apply_exclusions(model, self.exclude, lambda: te_recipes.autocast(False, self.recipe))
+        return model
+
+    def post_step(self, model: nn.Module) -> None:
+        self.verifier.after_step(model)
+
+    def report(self, writer, step: int) -> None:
+        self.verifier.report(writer.write)
 
     def autocast(self):
         """FP8 autocast for the forward pass only (TE runs backward outside it). The amax reduction group is

@@ -1,0 +1,152 @@
+"""Per-layer FP8 numerics (``--fp8_stats N``): every N steps, for every linear layer that runs in FP8, for
+its input, weight and output gradient: amax, the scale in use, the share of non-zero elements that
+underflow to zero in FP8, the share that reach the format's maximum, and the quantization SNR (dB) of
+the FP8 copy against the high-precision tensor.
+
+torchao path: hooks read the tensors ``Float8Linear`` sees (the input of its forward, its weight, the
+gradient of its output) and quantize a copy the way its cast config says (dtype, tensorwise or rowwise
+scale, power-of-2 rounding): Float8Linear's own math is not touched. One record per layer per logged step
+goes to ``{run_dir}/fp8_stats.jsonl`` (rank 0's view); a summary per step goes to metrics.jsonl (and so to
+TensorBoard / wandb when they are on).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+EPS = 1e-12  # as torchao's amax_to_scale: the amax of an all-zero tensor
+ROLES = ("input", "weight", "grad_output")
+
+
+@dataclass(frozen=True)
+class CastSpec:
+    """How one tensor is cast to FP8: its dtype, per-tensor or per-row (last dim) scale, power-of-2 scales."""
+
+    dtype: torch.dtype
+    rowwise: bool = False
+    pow2: bool = False
+
+
+def quantize(t: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(amax, scale, scaled) of ``t`` in float32: the scale maps amax to the format's max, and ``scaled``
+    is ``t * scale`` (before the saturating cast)."""
+    fmax = torch.finfo(spec.dtype).max
+    x = t.detach().float()
+    amax = x.abs().amax(dim=-1, keepdim=True) if spec.rowwise else x.abs().amax()
+    scale = fmax / amax.clamp(min=EPS)
+    if spec.pow2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return amax, scale, x * scale
+
+
+def tensor_stats(t: torch.Tensor, spec: CastSpec) -> dict:
+    """amax, scale (the smallest row scale when rowwise), underflow share, saturation share, SNR dB."""
+    fmax = torch.finfo(spec.dtype).max
+    x = t.detach().float()
+    amax, scale, scaled = quantize(x, spec)
+    deq = scaled.clamp(-fmax, fmax).to(spec.dtype).float() / scale
+    nonzero = x != 0
+    n_nonzero = int(nonzero.sum())
+    signal, noise = float((x * x).sum()), float(((x - deq) ** 2).sum())
+    return {"amax": float(amax.max()), "scale": float(scale.min()),
+            "underflow": int((nonzero & (deq == 0)).sum()) / n_nonzero if n_nonzero else 0.0,
+            "saturation": int((scaled.abs() >= fmax).sum()) / x.numel() if x.numel() else 0.0,
+            "snr_db": (10 * math.log10(signal / noise) if noise > 0 else None) if signal > 0 else None}
+
+
+def torchao_specs(module: nn.Module) -> dict[str, CastSpec]:
+    """The cast of input, weight and output gradient a ``Float8Linear`` is configured with."""
+    from torchao.float8.config import ScalingGranularity
+
+    cfg = module.config
+    pow2 = bool(getattr(cfg, "round_scales_to_power_of_2", False))
+    casts = {"input": cfg.cast_config_input, "weight": cfg.cast_config_weight,
+             "grad_output": cfg.cast_config_grad_output}
+    return {role: CastSpec(c.target_dtype, c.scaling_granularity == ScalingGranularity.AXISWISE, pow2)
+            for role, c in casts.items()}
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The high-precision tensor behind torchao's weight wrapper or an FSDP DTensor."""
+    t = getattr(t, "_tensor", t)
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class TorchaoStats:
+    """Hooks on every Float8Linear, active only on the steps being logged (every ``every`` steps)."""
+
+    def __init__(self, every: int):
+        self.every, self.active, self.step = every, False, None
+        self.records: list[dict] = []
+        self._seen: set[tuple[str, str]] = set()
+        self._handles = []
+
+    def attach(self, model: nn.Module) -> None:
+        for name, module in model.named_modules():
+            if type(module).__name__ == "Float8Linear":
+                specs = torchao_specs(module)
+                self._handles.append(module.register_forward_hook(self._forward_hook(name, specs)))
+
+    def _forward_hook(self, name: str, specs: dict[str, CastSpec]):
+        def hook(module, args, output):
+            if not self.active:
+                return
+            self._record(name, "input", args[0], specs["input"])
+            self._record(name, "weight", _plain(module.weight), specs["weight"])
+            if output.requires_grad:
+                output.register_hook(lambda g: self._record(name, "grad_output", g, specs["grad_output"]))
+
+        return hook
+
+    def _record(self, layer: str, role: str, t: torch.Tensor, spec: CastSpec) -> None:
+        if (layer, role) in self._seen:  # gradient accumulation: the first micro-batch stands for the step
+            return
+        self._seen.add((layer, role))
+        with torch.no_grad():
+            self.records.append({"step": self.step, "layer": layer, "tensor": role,
+                                 "dtype": str(spec.dtype).removeprefix("torch."), **tensor_stats(_plain(t), spec)})
+
+    def before_step(self, step: int) -> None:
+        """Arm the hooks when ``step`` is a logged one."""
+        self.step, self.active = step, step % self.every == 0
+        self._seen.clear()
+
+    def take(self) -> list[dict]:
+        out, self.records, self.active = self.records, [], False
+        return out
+
+
+def summary(records: list[dict], step: int) -> dict:
+    """One metrics.jsonl record per logged step: the worst layer by underflow and by SNR per tensor role."""
+    rec: dict = {"type": "fp8_stats", "step": step, "layers": len({r["layer"] for r in records})}
+    for role in ROLES:
+        mine = [r for r in records if r["tensor"] == role]
+        if not mine:
+            continue
+        rec[f"{role}_underflow_max"] = max(r["underflow"] for r in mine)
+        snrs = [r["snr_db"] for r in mine if r["snr_db"] is not None]
+        if snrs:
+            rec[f"{role}_snr_db_min"] = min(snrs)
+    return rec
+
+
+def write_records(run_dir: Path, records: list[dict]) -> None:
+    with open(run_dir / "fp8_stats.jsonl", "a") as fh:
+        for r in records:
+            fh.write(json.dumps(r) + "\n")
+
+
+def report(stats: TorchaoStats, writer, step: int) -> None:
+    """Write what the hooks collected during ``step`` (rank 0: fp8_stats.jsonl and a metrics.jsonl summary),
+    then arm them for the next step if it is a logged one."""
+    records = stats.take()
+    if records and writer.enabled:
+        write_records(writer.path.parent, records)
+        writer.write(summary(records, step))
+    stats.before_step(step + 1)
