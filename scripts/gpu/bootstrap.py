@@ -35,7 +35,6 @@ import and was not compiled, or the compile failed): torchao and the HF model st
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -48,6 +47,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "offline"))
+from kit import sha256  # noqa: E402 - the offline kit's own helpers (standard library only)
 
 TE_TORCH = "transformer_engine_torch"
 BUILT_DIR = "built"
@@ -75,10 +77,6 @@ class Wheel:
     abi: str
     plat: str
 
-    @property
-    def filename(self) -> str:
-        return self.path.name
-
 
 def parse_wheel(path: Path) -> Wheel:
     """Wheel file name -> its parts (PEP 427); ValueError naming the file if it is not one."""
@@ -86,10 +84,6 @@ def parse_wheel(path: Path) -> Wheel:
     if m is None:
         raise ValueError(f"{path}: not a wheel file name (name-version-python-abi-platform.whl)")
     return Wheel(path, normalize(m["name"]), m["version"], m["py"], m["abi"], m["plat"])
-
-
-def python_tag(version_info: tuple[int, int]) -> str:
-    return f"cp{version_info[0]}{version_info[1]}"
 
 
 def runs_on(wheel: Wheel, cp_tag: str, machine: str) -> bool:
@@ -102,14 +96,6 @@ def runs_on(wheel: Wheel, cp_tag: str, machine: str) -> bool:
     abi_ok = any(a in ("none", "abi3", cp_tag) for a in abis)
     plat_ok = any(p == "any" or p.endswith(machine) for p in wheel.plat.split("."))
     return py_ok and abi_ok and plat_ok
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def record_path(wheel_path: Path) -> Path:
@@ -176,13 +162,13 @@ def problems(kit: Kit, installed: set[str]) -> list[str]:
                    f"({TE_TORCH}-VERSION.tar.gz) to compile one")
     by_name: dict[str, set[str]] = {}
     for w in kit.wheels:
-        by_name.setdefault(w.name, set()).add(w.filename)
+        by_name.setdefault(w.name, set()).add(w.path.name)
     for name, files in sorted(by_name.items()):
         if len(files) > 1:
             out.append(f"{kit.root} has {len(files)} wheels of {name} ({', '.join(sorted(files))}): keep one")
     te, cores = kit.find("transformer_engine"), kit.find("transformer_engine_cu*")
     if te and cores and te[0].version != cores[0].version:
-        out.append(f"transformer_engine {te[0].version} and {cores[0].filename} differ in version: TE refuses "
+        out.append(f"transformer_engine {te[0].version} and {cores[0].path.name} differ in version: TE refuses "
                    f"to load such a pair")
     return out
 
@@ -370,7 +356,7 @@ def say(message: str) -> None:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bootstrap.py", description=__doc__.splitlines()[0])
-    p.add_argument("wheels_dir", metavar="WHEELS_DIR", help="the wheel kit (make_wheels.sh DIR)")
+    p.add_argument("wheels_dir", metavar="WHEELS_DIR", help="the offline kit (scripts/offline/make_kit.sh DIR)")
     p.add_argument("target", metavar="TARGET", nargs="?", default="/tmp/site",
                    help="folder to install into (default /tmp/site); emptied first if an earlier bootstrap made it")
     p.add_argument("--no-build", action="store_true", help="never compile transformer_engine_torch (exit 3 instead)")
@@ -406,7 +392,7 @@ def node_info() -> Node:
     except ImportError:
         torch_version = cuda = None
     names = frozenset(normalize(d.metadata["Name"] or "") for d in importlib.metadata.distributions())
-    return Node(python_tag(sys.version_info[:2]), platform.machine(), torch_version, cuda, names)
+    return Node(f"cp{sys.version_info[0]}{sys.version_info[1]}", platform.machine(), torch_version, cuda, names)
 
 
 def child_env(target: Path) -> dict[str, str]:

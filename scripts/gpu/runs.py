@@ -109,7 +109,6 @@ def timebox(cmd: list[str], timeout: float, log: Path, env: dict[str, str] | Non
 
 
 FINAL = frozenset({"passed", "failed", "skipped", "refused", "timeout", "error"})
-NOT_FINAL = frozenset({"interrupted", "unavailable"})
 RETRYABLE = frozenset({"failed", "timeout", "error"})  # what --retry runs again
 SCHEMA = 1
 

@@ -1,4 +1,4 @@
-"""Verify the package on a GPU node, in slices that each fit one device command, resumable across visits.
+"""Verify the package on a GPU node, in slices that each fit one command's time budget on the node, resumable across visits.
 
     python scripts/gpu/verify.py [--plan first|all] [--only STEP,...] [--match GLOB]... [--budget-seconds S]
                                  [--list] [--dry-run]
