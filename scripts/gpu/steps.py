@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shlex
 import shutil
 import time
@@ -35,7 +36,8 @@ def pytest_cmd(ctx: Context, args: list[str]) -> list[str]:
 
 def pytest_env(ctx: Context, current: Path) -> dict[str, str]:
     env = {"GPU_VERIFY_RESULTS": str(ctx.store.path), "GPU_VERIFY_KEY": ctx.key, "GPU_VERIFY_CURRENT": str(current),
-           "GPU_VERIFY_RETRY": "1" if ctx.retry else "0"}
+           "GPU_VERIFY_RETRY": "1" if ctx.retry else "0",  # scripts/gpu for the plugin (-p runs): pytest's alone
+           "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parent), ctx.env.get("PYTHONPATH")) if p)}
     if ctx.mirror is not None:
         env["GPU_VERIFY_MIRROR"] = str(ctx.mirror)
     return env

@@ -31,6 +31,7 @@ import bootstrap
 import runs
 import steps
 import units
+import versions
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -113,7 +114,8 @@ def options(args: argparse.Namespace) -> units.Options:
 def child_env(work: Path) -> dict[str, str]:
     env = {**os.environ, **bootstrap.OFFLINE_ENV, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_DATASETS_CACHE": str(work / "hf_datasets"), "HF_HOME": str(work / "hf_home")}
-    paths = [str(HERE), str(REPO / "src"), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    # not scripts/gpu: its plain module names (runs, units, ...) must not shadow packages; pytest adds it
+    paths = [str(REPO / "src"), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env
 
@@ -140,9 +142,9 @@ def probe_versions(args: argparse.Namespace, work: Path, env: dict[str, str]) ->
                           work / "logs" / "versions.log", env, REPO)
     if out.returncode != 0 or not path.is_file():
         raise SystemExit(f"verify: the versions probe failed ({out.returncode}):\n{out.tail()}")
-    versions = json.loads(path.read_text())
-    print(versions.format_block(versions), flush=True)
-    return versions
+    found = json.loads(path.read_text())
+    print(versions.format_block(found), flush=True)
+    return found
 
 
 def bundle_logs(work: Path, mirror: Path | None) -> None:
@@ -198,11 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     budget = runs.Budget(args.budget_seconds)
     env = child_env(work)
     try:
-        versions = probe_versions(args, work, env)
+        found = probe_versions(args, work, env)
     except SystemExit as e:
         print(e, file=sys.stderr)
         return EXIT_VERSIONS
-    key = versions["key"]
+    key = found["key"]
     stamp = {**provenance(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     opts = options(args)
     only = tuple(s for s in (args.only or "").split(",") if s) or None
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(commands_of(ctx, u)))
         return 0
     if not any(r.get("key") == key and r.get("unit") == "versions" for r in records):
-        store.append({"key": key, "unit": "versions", "kind": "versions", "status": "passed", "versions": versions,
+        store.append({"key": key, "unit": "versions", "kind": "versions", "status": "passed", "versions": found,
                       **stamp})
     print(f"[verify] key {key}: {len(pending)} of {len(selected)} selected units to run", flush=True)
     return run_units(ctx, pending, stamp)

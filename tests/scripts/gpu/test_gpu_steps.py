@@ -134,3 +134,16 @@ def test_resume_step_through_the_real_trainer_on_cpu(tmp_path):
     assert [s for s, _ in rec["losses"]["resumed"]] == [4, 5, 6] and len(rec["losses"]["uninterrupted"]) == 6
     assert set(rec["commands"]) == {"u1", "u2", "p1", "p2"} and "--checkpoint_freq 3" in rec["commands"]["p1"]
     assert not (ctx.work / "runs" / "resume_hf-fp8-tensorwise" / "ckpt").exists()  # checkpoints not kept
+
+
+def test_only_the_pytest_step_has_the_scripts_folder_on_its_path(tmp_path):
+    """scripts/gpu's module names are plain (runs, steps, units, ...): the trainer and the benchmark must not find
+    them ahead of the installed packages; pytest needs the folder for its recording plugin (-p runs)."""
+    import os
+
+    ctx = context(tmp_path)
+    here = str(Path(steps.__file__).resolve().parent)
+    assert here not in ctx.env["PYTHONPATH"].split(os.pathsep)
+    assert str(verify.REPO / "src") in ctx.env["PYTHONPATH"].split(os.pathsep)
+    env = {**ctx.env, **steps.pytest_env(ctx, tmp_path / "current")}
+    assert env["PYTHONPATH"].split(os.pathsep) == [here, *ctx.env["PYTHONPATH"].split(os.pathsep)]
