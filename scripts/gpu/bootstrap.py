@@ -498,6 +498,29 @@ def check_kit(args: argparse.Namespace) -> tuple[Kit, Node, str]:
     return kit, node, te_version
 
 
+def install_te(kit: Kit, wheels: list[Path], choice: Choice, te_version: str, node: Node, target: Path,
+               args: argparse.Namespace) -> None:
+    """Install the kit with the chosen TE extension; compile one when it does not import (unless --no-build)."""
+    ok, message = False, "no wheel chosen"
+    if choice.wheel is not None:
+        install([*wheels, choice.wheel.path], target)
+        ok, message = import_check(target)
+        say(("TE: " if ok else "TE does not import with this wheel: ") + message)
+    if ok:
+        return
+    if args.no_build:
+        raise BootstrapError("transformer_engine_torch is not usable and --no-build was given", EXIT_NO_TE)
+    if kit.sdist is None:
+        raise BootstrapError(f"no {TE_TORCH}-{te_version}.tar.gz in the kit to compile", EXIT_NO_TE)
+    install(wheels, target)  # the build finds TE's core and cudnn-frontend headers here
+    dest = build(kit, te_version, node, target, args)
+    install([*wheels, dest], target)
+    ok, message = import_check(target)
+    if not ok:
+        raise BootstrapError(f"the compiled {dest.name} does not import either:\n{message}", EXIT_NO_TE)
+    say("TE: " + message)
+
+
 def run(args: argparse.Namespace) -> int:
     kit, node, te_version = check_kit(args)
     target = Path(args.target).resolve()
@@ -515,27 +538,10 @@ def run(args: argparse.Namespace) -> int:
     wheels = [w.path for w in kit.wheels]
     if args.dry_run:
         return dry_run(kit, wheels, choice, target, args)
-    ok, message = False, "no wheel chosen"
-    if choice.wheel is not None:
-        install([*wheels, choice.wheel.path], target)
-        ok, message = import_check(target)
-        say(("TE: " if ok else "TE does not import with this wheel: ") + message)
-    if not ok and args.no_build:
+    try:
+        install_te(kit, wheels, choice, te_version, node, target, args)
+    finally:  # the versions block, also when TE is not usable: what the node has is worth knowing then too
         versions_block(target)
-        raise BootstrapError("transformer_engine_torch is not usable and --no-build was given", EXIT_NO_TE)
-    if not ok:
-        if kit.sdist is None:
-            versions_block(target)
-            raise BootstrapError(f"no {TE_TORCH}-{te_version}.tar.gz in the kit to compile", EXIT_NO_TE)
-        install(wheels, target)  # the build finds TE's core and cudnn-frontend headers here
-        dest = build(kit, te_version, node, target, args)
-        install([*wheels, dest], target)
-        ok, message = import_check(target)
-        if not ok:
-            versions_block(target)
-            raise BootstrapError(f"the compiled {dest.name} does not import either:\n{message}", EXIT_NO_TE)
-        say("TE: " + message)
-    versions_block(target)
     say(f"ready: export PYTHONPATH={target}:$REPO/src")
     return 0
 
