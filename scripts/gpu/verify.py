@@ -1,12 +1,12 @@
-"""Verify the package on a GPU node, in slices that each fit one device command, resumable across visits.
+"""Verify the package on a GPU node, in slices that each fit one command's time budget on the node, resumable across visits.
 
     python scripts/gpu/verify.py [--plan first|all] [--only STEP,...] [--match GLOB]... [--budget-seconds S]
                                  [--list] [--dry-run]
 
-Runs the units of gpu_units.py in order (pytest -m gpu, bench_linear, the training A/B matrix, save/resume,
+Runs the units of units.py in order (pytest -m gpu, bench_linear, the training A/B matrix, save/resume,
 profile) and appends one record per unit (per test for pytest) to the results file
 (default docs/gpu-results/results.jsonl) as soon as the unit ends. A unit already recorded with a final
-status for this GPU + versions (gpu_versions.key) is skipped, so running the same command again continues
+status for this GPU + versions (versions.key) is skipped, so running the same command again continues
 where the last one stopped. Each unit has its own time limit, and no unit is started with less of
 --budget-seconds left than it is expected to take.
 
@@ -27,14 +27,11 @@ import tarfile
 import time
 from pathlib import Path
 
-import gpu_checks
-import gpu_context
-import gpu_results
-import gpu_steps
-import gpu_te_build
-import gpu_timebox
-import gpu_units
-import gpu_versions
+import bootstrap
+import runs
+import steps
+import units
+import versions
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -43,9 +40,9 @@ EXIT_MORE, EXIT_VERSIONS = 10, 3
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="verify.py", description=__doc__.splitlines()[0])
-    p.add_argument("--plan", default="all", choices=gpu_units.PLANS,
+    p.add_argument("--plan", default="all", choices=units.PLANS,
                    help="first: a first visit's essentials (~25 min of node time in 3 commands); all: everything")
-    p.add_argument("--only", help=f"comma-separated steps to run, in this order: {','.join(gpu_units.STEPS)}")
+    p.add_argument("--only", help=f"comma-separated steps to run, in this order: {','.join(units.STEPS)}")
     p.add_argument("--match", action="append", metavar="GLOB",
                    help="only units whose id matches (repeatable), e.g. 'train/llama3.2-1b/synthetic/*'")
     p.add_argument("--budget-seconds", type=float, help="stop before a unit that would not fit in what is left")
@@ -58,10 +55,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--retry", action="store_true", help="run again the units whose last record failed or timed out")
     p.add_argument("--list", action="store_true", help="print each selected unit with its status and exit")
     p.add_argument("--dry-run", action="store_true", help="print the commands of the units still to run and exit")
-    d = gpu_units.Options()
+    d = units.Options()
     p.add_argument("--device", default=d.device, choices=("cuda", "cpu"), help="--device of the training runs")
     p.add_argument("--models", default=",".join(d.models),
-                   help=f"matrix models: {', '.join(gpu_units.MODELS)}, or other presets (default: all three)")
+                   help=f"matrix models: {', '.join(units.MODELS)}, or other presets (default: all three)")
     p.add_argument("--data", default=",".join(d.data), help="matrix data: synthetic, text (the demo corpus)")
     p.add_argument("--max-steps", type=int, default=d.max_steps, help="steps of a synthetic-data cell")
     p.add_argument("--text-steps", type=int, default=d.text_steps, help="steps of a real-text cell")
@@ -79,24 +76,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> str | None:
     only = [s for s in (args.only or "").split(",") if s]
-    bad = [s for s in only if s not in gpu_units.STEPS]
+    bad = [s for s in only if s not in units.STEPS]
     if bad:
-        return f"--only {','.join(bad)}: not a step; valid: {', '.join(gpu_units.STEPS)}"
+        return f"--only {','.join(bad)}: not a step; valid: {', '.join(units.STEPS)}"
     presets = {p.stem for p in (REPO / "src" / "llama_fp8" / "configs").glob("*.yaml")}
-    bad = [m for m in args.models.split(",") if m not in gpu_units.MODELS and m not in presets]
+    bad = [m for m in args.models.split(",") if m not in units.MODELS and m not in presets]
     if bad:
-        return f"--models {','.join(bad)}: valid: {', '.join(gpu_units.MODELS)} or a preset ({', '.join(sorted(presets))})"
-    bad = [d for d in args.data.split(",") if d not in gpu_units.DATA]
+        return f"--models {','.join(bad)}: valid: {', '.join(units.MODELS)} or a preset ({', '.join(sorted(presets))})"
+    bad = [d for d in args.data.split(",") if d not in units.DATA]
     if bad:
-        return f"--data {','.join(bad)}: valid: {', '.join(gpu_units.DATA)}"
+        return f"--data {','.join(bad)}: valid: {', '.join(units.DATA)}"
     for name in ("max_steps", "text_steps", "logging_freq", "resume_k"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1"
     if not 0 <= args.warmup_steps < min(args.max_steps, args.text_steps):
         return f"--warmup-steps {args.warmup_steps}: must be >= 0 and below --max-steps and --text-steps"
     parts = args.profile_cell.split("/")
-    if len(parts) != 3 or parts[1] not in gpu_units.DATA or parts[2] not in gpu_units.VARIANT:
-        return f"--profile-cell {args.profile_cell}: expected MODEL/DATA/VARIANT, e.g. {gpu_units.Options.profile_cell}"
+    if len(parts) != 3 or parts[1] not in units.DATA or parts[2] not in units.VARIANT:
+        return f"--profile-cell {args.profile_cell}: expected MODEL/DATA/VARIANT, e.g. {units.Options.profile_cell}"
     try:
         a, b = (int(x) for x in args.profile_steps.split(":"))
         assert 0 < a <= b
@@ -107,17 +104,18 @@ def check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def options(args: argparse.Namespace) -> gpu_units.Options:
-    return gpu_units.Options(device=args.device, models=tuple(args.models.split(",")), data=tuple(args.data.split(",")),
+def options(args: argparse.Namespace) -> units.Options:
+    return units.Options(device=args.device, models=tuple(args.models.split(",")), data=tuple(args.data.split(",")),
                              max_steps=args.max_steps, text_steps=args.text_steps, warmup=args.warmup_steps,
                              logging_freq=args.logging_freq, resume_k=args.resume_k, profile_cell=args.profile_cell,
                              profile_steps=args.profile_steps)
 
 
 def child_env(work: Path) -> dict[str, str]:
-    env = {**os.environ, **gpu_te_build.OFFLINE_ENV, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+    env = {**os.environ, **bootstrap.OFFLINE_ENV, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_DATASETS_CACHE": str(work / "hf_datasets"), "HF_HOME": str(work / "hf_home")}
-    paths = [str(HERE), str(REPO / "src"), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    # not scripts/gpu: its plain module names (runs, units, ...) must not shadow packages; pytest adds it
+    paths = [str(REPO / "src"), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env
 
@@ -140,13 +138,13 @@ def provenance() -> dict:
 def probe_versions(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict:
     path = work / "versions.json"
     path.unlink(missing_ok=True)
-    out = gpu_timebox.run([args.python, str(HERE / "gpu_versions.py"), "--json", str(path)], 180,
+    out = runs.timebox([args.python, str(HERE / "versions.py"), "--json", str(path)], 180,
                           work / "logs" / "versions.log", env, REPO)
     if out.returncode != 0 or not path.is_file():
         raise SystemExit(f"verify: the versions probe failed ({out.returncode}):\n{out.tail()}")
-    versions = json.loads(path.read_text())
-    print(gpu_versions.format_block(versions), flush=True)
-    return versions
+    found = json.loads(path.read_text())
+    print(versions.format_block(found), flush=True)
+    return found
 
 
 def bundle_logs(work: Path, mirror: Path | None) -> None:
@@ -162,34 +160,34 @@ def bundle_logs(work: Path, mirror: Path | None) -> None:
     tmp.replace(mirror / "logs.tar.gz")
 
 
-RUNNERS = {"pytest": gpu_steps.run_pytest, "bench": gpu_steps.run_bench, "train": gpu_steps.run_train,
-           "resume": gpu_checks.run_resume, "profile": gpu_checks.run_profile}
+RUNNERS = {"pytest": steps.run_pytest, "bench": steps.run_bench, "train": steps.run_train,
+           "resume": steps.run_resume, "profile": steps.run_profile}
 
 
-def commands_of(ctx: gpu_context.Context, unit: gpu_units.Unit) -> list[str]:
+def commands_of(ctx: runs.Context, unit: units.Unit) -> list[str]:
     """The command lines a unit runs (for --dry-run), with the paths it would use."""
     import shlex
 
-    root = ctx.work / "runs" / gpu_context.slug(unit.id)
+    root = ctx.work / "runs" / runs.slug(unit.id)
     demo = (ctx.work / "demo" / "corpus", ctx.work / "demo" / "tokenizer")
-    v = gpu_units.VARIANT.get(unit.info.get("variant", ""))
+    v = units.VARIANT.get(unit.info.get("variant", ""))
     if unit.step == "pytest":
-        cmds = [gpu_steps.pytest_cmd(ctx, ["-m", "gpu", *unit.info["args"]])]
+        cmds = [steps.pytest_cmd(ctx, ["-m", "gpu", *unit.info["args"]])]
     elif unit.step == "bench":
-        cmds = [gpu_steps.bench_cmd(ctx, unit)]
+        cmds = [steps.bench_cmd(ctx, unit)]
     elif unit.step == "train":
-        cmds = [ctx.train_cmd(gpu_units.train_flags(ctx.opts, unit.info["model"], unit.info["data"], v, root, demo))]
+        cmds = [ctx.train_cmd(units.train_flags(ctx.opts, unit.info["model"], unit.info["data"], v, root, demo))]
     elif unit.step == "resume":
-        cmds = [ctx.train_cmd(gpu_units.resume_flags(ctx.opts, v, root / p, p, root / "ckpt"))
+        cmds = [ctx.train_cmd(units.resume_flags(ctx.opts, v, root / p, p, root / "ckpt"))
                 for p in ("u1", "u2", "p1", "p2")]
     else:
-        cmds = [ctx.train_cmd(gpu_units.profile_flags(ctx.opts, root, demo))]
+        cmds = [ctx.train_cmd(units.profile_flags(ctx.opts, root, demo))]
     return [shlex.join(c) for c in cmds]
 
 
-def list_units(units: list[gpu_units.Unit], records: list[dict], key: str) -> None:
+def list_units(selected: list[units.Unit], records: list[dict], key: str) -> None:
     last = {r["unit"]: r["status"] for r in records if r.get("key") == key and "unit" in r}
-    for u in units:
+    for u in selected:
         print(f"{last.get(u.id, 'pending'):<12} ~{u.estimate_s:>4.0f}s  {u.id}")
 
 
@@ -198,38 +196,38 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work).resolve()
     (work / "logs").mkdir(parents=True, exist_ok=True)
     mirror = Path(args.mirror).resolve() if args.mirror else None
-    store = gpu_results.Store(Path(args.results).resolve(), mirror)
-    budget = gpu_timebox.Budget(args.budget_seconds)
+    store = runs.Store(Path(args.results).resolve(), mirror)
+    budget = runs.Budget(args.budget_seconds)
     env = child_env(work)
     try:
-        versions = probe_versions(args, work, env)
+        found = probe_versions(args, work, env)
     except SystemExit as e:
         print(e, file=sys.stderr)
         return EXIT_VERSIONS
-    key = versions["key"]
+    key = found["key"]
     stamp = {**provenance(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     opts = options(args)
     only = tuple(s for s in (args.only or "").split(",") if s) or None
-    units = gpu_units.select(gpu_units.plan(opts, args.plan), only, tuple(args.match) if args.match else None)
+    selected = units.select(units.plan(opts, args.plan), only, tuple(args.match) if args.match else None)
     records = store.records()
     if args.list:
-        list_units(units, records, key)
+        list_units(selected, records, key)
         return 0
-    ctx = gpu_context.Context(REPO, work, args.python, store, key, opts, env, budget, mirror, args.retry)
-    pending = [u for u in units if u.id not in gpu_results.done(records, key, args.retry)]
+    ctx = runs.Context(REPO, work, args.python, store, key, opts, env, budget, mirror, args.retry)
+    pending = [u for u in selected if u.id not in runs.done(records, key, args.retry)]
     if args.dry_run:
         for u in pending:
             print(f"# {u.id} (~{u.estimate_s:.0f} s, limit {u.timeout_s:.0f} s)")
             print("\n".join(commands_of(ctx, u)))
         return 0
     if not any(r.get("key") == key and r.get("unit") == "versions" for r in records):
-        store.append({"key": key, "unit": "versions", "kind": "versions", "status": "passed", "versions": versions,
+        store.append({"key": key, "unit": "versions", "kind": "versions", "status": "passed", "versions": found,
                       **stamp})
-    print(f"[verify] key {key}: {len(pending)} of {len(units)} selected units to run", flush=True)
+    print(f"[verify] key {key}: {len(pending)} of {len(selected)} selected units to run", flush=True)
     return run_units(ctx, pending, stamp)
 
 
-def run_units(ctx: gpu_context.Context, pending: list[gpu_units.Unit], stamp: dict) -> int:
+def run_units(ctx: runs.Context, pending: list[units.Unit], stamp: dict) -> int:
     started = 0
     for unit in pending:
         left = ctx.budget.left()

@@ -99,7 +99,7 @@ def sdist(folder: Path, build_log: Path, version: str = TE_VERSION) -> Path:
 
 def kit(folder: Path, *, prebuilt_for: str | None = None, with_sdist: bool = True,
         build_log: Path | None = None, skip: tuple[str, ...] = ()) -> Path:
-    """A wheel kit like make_wheels.sh's: torchao, TE (Python part, core), optionally a prebuilt
+    """A wheel kit like scripts/offline/make_kit.sh's: torchao, TE (Python part, core), optionally a prebuilt
     transformer_engine_torch for torch ``prebuilt_for`` and the sdist. ``skip``: names to leave out."""
     folder.mkdir(parents=True, exist_ok=True)
     wheels = {

@@ -4,10 +4,9 @@ and three runs of the same command recording everything, each continuing where t
 
 from __future__ import annotations
 
-import gpu_results
-import gpu_timebox
-import gpu_units
 import pytest
+import runs
+import units
 import verify
 from test_gpu_verify import H100, KEY
 
@@ -18,26 +17,26 @@ FIRST = ["pytest/te-values"] + [f"train/llama3.2-1b/synthetic/{v}" for v in
 
 
 def test_the_first_plan_is_the_issues_order_and_fits_25_minutes_in_3_commands():
-    units = gpu_units.plan(gpu_units.Options(), "first")
-    assert [u.id for u in units] == FIRST
-    assert units[0].info["args"] == list(gpu_units.TE_VALUE_TESTS)
-    assert all(u.estimate_s <= gpu_units.VISIT_COMMAND_S - gpu_units.BOOTSTRAP_S for u in units)
-    commands, seconds = gpu_units.first_visit_seconds()
+    plan = units.plan(units.Options(), "first")
+    assert [u.id for u in plan] == FIRST
+    assert plan[0].info["args"] == list(units.TE_VALUE_TESTS)
+    assert all(u.estimate_s <= units.VISIT_COMMAND_S - units.BOOTSTRAP_S for u in plan)
+    commands, seconds = units.first_visit_seconds()
     assert commands == 3 and seconds <= 26 * 60, (commands, seconds)
-    assert gpu_units.Options().max_steps - gpu_units.Options().warmup == 30  # 30 timed steps after warm-up
+    assert units.Options().max_steps - units.Options().warmup == 30  # 30 timed steps after warm-up
     # a plan too big for three commands says so
-    assert gpu_units.first_visit_seconds(units + units)[0] > 3
+    assert units.first_visit_seconds(plan + plan)[0] > 3
 
 
-@pytest.mark.parametrize("slow,runs", [(1.0, 3), (1.3, 3), (1.7, 4)])
-def test_three_runs_of_the_same_command_record_the_first_visit(tmp_path, monkeypatch, slow, runs):
+@pytest.mark.parametrize("slow,commands", [(1.0, 3), (1.3, 3), (1.7, 4)])
+def test_three_runs_of_the_same_command_record_the_first_visit(tmp_path, monkeypatch, slow, commands):
     """Each fake unit takes its estimate times ``slow``: every command stops before a unit that would not fit
     and the next one continues there; up to 30 % over the estimates three commands record all, and a slower
     node needs a fourth run of the same command, which records the rest (nothing is run twice)."""
     monkeypatch.setattr(verify, "probe_versions", lambda args, work, env: dict(H100))
     clock, calls = [0.0], []
-    real_budget = gpu_timebox.Budget
-    monkeypatch.setattr(verify.gpu_timebox, "Budget", lambda s: real_budget(s, clock=lambda: clock[0]))
+    real_budget = runs.Budget
+    monkeypatch.setattr(verify.runs, "Budget", lambda s: real_budget(s, clock=lambda: clock[0]))
 
     def runner(ctx, unit):
         calls.append(unit.id)
@@ -47,7 +46,7 @@ def test_three_runs_of_the_same_command_record_the_first_visit(tmp_path, monkeyp
     for step in ("pytest", "train", "bench"):
         monkeypatch.setitem(verify.RUNNERS, step, runner)
     results = tmp_path / "r.jsonl"
-    budget = gpu_units.VISIT_COMMAND_S - gpu_units.BOOTSTRAP_S
+    budget = units.VISIT_COMMAND_S - units.BOOTSTRAP_S
     argv = ["--plan", "first", "--budget-seconds", str(budget), "--results", str(results), "--work",
             str(tmp_path / "w"), "--mirror", str(tmp_path / "out")]
     codes = []
@@ -56,6 +55,6 @@ def test_three_runs_of_the_same_command_record_the_first_visit(tmp_path, monkeyp
         if codes[-1] == 0:
             break
     assert calls == FIRST  # in order, each once
-    assert codes == [verify.EXIT_MORE] * (runs - 1) + [0]
-    recorded = [r["unit"] for r in gpu_results.load(results) if r.get("key") == KEY and r["unit"] != "versions"]
+    assert codes == [verify.EXIT_MORE] * (commands - 1) + [0]
+    recorded = [r["unit"] for r in runs.load(results) if r.get("key") == KEY and r["unit"] != "versions"]
     assert recorded == FIRST

@@ -9,10 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-import gpu_records
-import gpu_results
-import gpu_timebox
 import pytest
+import runs
+import steps
 
 
 def write_metrics(run_dir: Path, losses: dict[int, float], *, start_step: int = 0, step_s: float = 0.5,
@@ -48,9 +47,9 @@ def test_throughput_is_the_reports_and_leaves_out_the_warmup(tmp_path):
     from llama_fp8.report.runs import load_run
 
     run = write_metrics(tmp_path / "r", {s: 10.0 - s / 10 for s in range(5, 51, 5)}, precision="fp8-te-delayed")
-    rec = gpu_records.summarize(run, warmup=10)
+    rec = steps.summarize(run, warmup=10)
     report = summarize_run(load_run(str(run / "metrics.jsonl"), "run"), 10)
-    for key in gpu_records.THROUGHPUT:
+    for key in steps.THROUGHPUT:
         assert rec[key] == report[key], key
     # the windows after step 10: 5 steps of 2 sequences of 4096 tokens in 2.5 s each; the first window (with
     # 30 s of warm-up) is left out
@@ -67,18 +66,20 @@ def test_throughput_is_the_reports_and_leaves_out_the_warmup(tmp_path):
 
 
 def test_bf16_runs_have_no_fp8_mfu_and_a_run_without_timed_steps_has_no_rates(tmp_path):
-    rec = gpu_records.summarize(write_metrics(tmp_path / "a", {s: 1.0 for s in range(1, 21)}), warmup=5)
+    rec = steps.summarize(write_metrics(tmp_path / "a", {s: 1.0 for s in range(1, 21)}), warmup=5)
     assert rec["mfu_vs_fp8_peak"] is None and rec["timed_steps"] == 15
-    rec = gpu_records.summarize(write_metrics(tmp_path / "b", {1: 1.0, 2: 1.0}), warmup=5)
+    rec = steps.summarize(write_metrics(tmp_path / "b", {1: 1.0, 2: 1.0}), warmup=5)
     assert rec["timed_steps"] == 0 and rec["tokens_per_sec_per_device"] is None
 
 
-def test_a_resumed_run_dir_is_read_from_its_last_start(tmp_path):
-    run = write_metrics(tmp_path / "r", {1: 3.0, 2: 2.9})
+def test_a_run_dir_with_two_starts_is_read_as_the_report_reads_it(tmp_path):
+    """One reader: a run dir that holds a restart gives one loss per step, the one written last (as
+    ``python -m llama_fp8 compare`` reads it)."""
+    run = write_metrics(tmp_path / "r", {1: 3.0, 2: 2.9, 3: 9.9})
     write_metrics(run, {3: 2.8, 4: 2.7}, start_step=2, append=True)
-    assert gpu_records.losses_by_step(run) == {3: 2.8, 4: 2.7}
-    with pytest.raises(gpu_records.MetricsError, match="no metrics file"):
-        gpu_records.summarize(tmp_path / "missing", 0)
+    assert steps.losses_by_step(run) == {1: 3.0, 2: 2.9, 3: 2.8, 4: 2.7}
+    with pytest.raises(steps.MetricsError, match="no metrics file"):
+        steps.summarize(tmp_path / "missing", 0)
 
 
 def _resume_dirs(tmp_path, u1, u2, p1, p2, p2_start=2):
@@ -88,25 +89,25 @@ def _resume_dirs(tmp_path, u1, u2, p1, p2, p2_start=2):
 
 def test_resume_verdicts(tmp_path):
     u = {1: 3.0, 2: 2.9, 3: 2.8, 4: 2.7}
-    exact = gpu_records.compare_resume(*_resume_dirs(tmp_path / "a", u, u, {1: 3.0, 2: 2.9}, {3: 2.8, 4: 2.7}), k=2)
+    exact = steps.compare_resume(*_resume_dirs(tmp_path / "a", u, u, {1: 3.0, 2: 2.9}, {3: 2.8, 4: 2.7}), k=2)
     assert exact["status"] == "passed" and exact["reason"] == "exact" and exact["gap_abs"] == 0
     noisy = {**u, 4: 2.71}
-    within = gpu_records.compare_resume(*_resume_dirs(tmp_path / "b", u, noisy, {1: 3.0, 2: 2.9}, {3: 2.8, 4: 2.705}),
+    within = steps.compare_resume(*_resume_dirs(tmp_path / "b", u, noisy, {1: 3.0, 2: 2.9}, {3: 2.8, 4: 2.705}),
                                         k=2)
     assert within["status"] == "passed" and within["noise_abs"] == pytest.approx(0.01)
     assert within["gap_abs"] == pytest.approx(0.005) and within["gap_rel"] == pytest.approx(0.005 / 2.7)
-    floor = gpu_records.compare_resume(*_resume_dirs(tmp_path / "e", u, u, {1: 3.0, 2: 2.9}, {3: 2.8, 4: 2.7027}),
+    floor = steps.compare_resume(*_resume_dirs(tmp_path / "e", u, u, {1: 3.0, 2: 2.9}, {3: 2.8, 4: 2.7027}),
                                        k=2)
     assert floor["status"] == "passed" and floor["noise_abs"] == 0  # 1e-3 relative: the floor for exact runs
-    outside = gpu_records.compare_resume(*_resume_dirs(tmp_path / "c", u, u, {1: 3.0, 2: 2.9}, {3: 2.8, 4: 2.75}), k=2)
+    outside = steps.compare_resume(*_resume_dirs(tmp_path / "c", u, u, {1: 3.0, 2: 2.9}, {3: 2.8, 4: 2.75}), k=2)
     assert outside["status"] == "failed" and "> max(2 x noise, 1e-3)" in outside["reason"]
-    restarted = gpu_records.compare_resume(*_resume_dirs(tmp_path / "d", u, u, {1: 3.0, 2: 2.9}, u, p2_start=0), k=2)
+    restarted = steps.compare_resume(*_resume_dirs(tmp_path / "d", u, u, {1: 3.0, 2: 2.9}, u, p2_start=0), k=2)
     assert restarted["status"] == "failed" and "started at step 0, not 2" in restarted["reason"]
 
 
 # --- results file ----------------------------------------------------------------------------------------
 def test_results_file_appends_survives_a_cut_line_and_mirrors(tmp_path):
-    store = gpu_results.Store(tmp_path / "r" / "results.jsonl", mirror=tmp_path / "out")
+    store = runs.Store(tmp_path / "r" / "results.jsonl", mirror=tmp_path / "out")
     store.append({"key": "k", "unit": "a", "status": "passed"})
     with open(store.path, "a") as f:
         f.write('{"key": "k", "unit": "b", "sta')  # a writer killed mid-line
@@ -119,9 +120,9 @@ def test_done_means_a_final_status_for_this_key(tmp_path):
     recs = [{"key": "k", "unit": "a", "status": "passed"}, {"key": "k", "unit": "b", "status": "interrupted"},
             {"key": "k", "unit": "c", "status": "failed"}, {"key": "other", "unit": "d", "status": "passed"},
             {"key": "k", "unit": "e", "status": "unavailable"}, {"key": "k", "unit": "f", "status": "refused"}]
-    assert gpu_results.done(recs, "k") == {"a", "c", "f"}
-    assert gpu_results.done(recs, "k", retry=True) == {"a", "f"}
-    assert gpu_results.done(recs + [{"key": "k", "unit": "c", "status": "passed"}], "k", retry=True) == {"a", "c", "f"}
+    assert runs.done(recs, "k") == {"a", "c", "f"}
+    assert runs.done(recs, "k", retry=True) == {"a", "f"}
+    assert runs.done(recs + [{"key": "k", "unit": "c", "status": "passed"}], "k", retry=True) == {"a", "c", "f"}
 
 
 # --- time box --------------------------------------------------------------------------------------------
@@ -130,7 +131,7 @@ def test_timebox_kills_the_whole_group_at_the_limit(tmp_path):
     code = (f"import subprocess, sys, time\np = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
             f"open({str(pid_file)!r}, 'w').write(str(p.pid))\nprint('started', flush=True)\ntime.sleep(60)")
     t0 = time.monotonic()
-    out = gpu_timebox.run([sys.executable, "-c", code], 2.0, tmp_path / "log.txt")
+    out = runs.timebox([sys.executable, "-c", code], 2.0, tmp_path / "log.txt")
     assert out.timed_out and out.returncode is None and time.monotonic() - t0 < 20
     assert "started" in out.tail() and "killed after 2 s" in out.tail()
     grandchild = int(pid_file.read_text())
@@ -145,10 +146,10 @@ def test_timebox_kills_the_whole_group_at_the_limit(tmp_path):
 
 
 def test_timebox_returns_the_exit_code_and_the_budget_cuts_long_limits(tmp_path):
-    out = gpu_timebox.run([sys.executable, "-c", "import sys; print('hi'); sys.exit(3)"], 60, tmp_path / "log")
+    out = runs.timebox([sys.executable, "-c", "import sys; print('hi'); sys.exit(3)"], 60, tmp_path / "log")
     assert (out.returncode, out.timed_out) == (3, False) and "hi" in out.tail()
     now = [100.0]
-    budget = gpu_timebox.Budget(50, clock=lambda: now[0])
+    budget = runs.Budget(50, clock=lambda: now[0])
     assert budget.limit(480) == (50, True) and budget.limit(30) == (30, False)
     now[0] = 140.0
-    assert budget.left() == 10 and gpu_timebox.Budget(None).limit(480) == (480, False)
+    assert budget.left() == 10 and runs.Budget(None).limit(480) == (480, False)

@@ -8,11 +8,10 @@ import shlex
 import tarfile
 from pathlib import Path
 
-import gpu_results
-import gpu_steps
-import gpu_timebox
-import gpu_units
 import pytest
+import runs
+import steps
+import units
 import verify
 
 from llama_fp8.config import parse_args
@@ -31,14 +30,14 @@ def train_argv(cmd: list[str]) -> list[str]:
 
 
 def test_every_matrix_cell_is_accepted_by_the_trainers_parser(tmp_path):
-    opts = gpu_units.Options()
-    cells = [u for u in gpu_units.plan(opts) if u.step == "train"]
+    opts = units.Options()
+    cells = [u for u in units.plan(opts) if u.step == "train"]
     assert len(cells) == 3 * 2 * 9
     for unit in cells:
-        v = gpu_units.VARIANT[unit.info["variant"]]
-        flags = gpu_units.train_flags(opts, unit.info["model"], unit.info["data"], v, tmp_path / "run", DEMO)
+        v = units.VARIANT[unit.info["variant"]]
+        flags = units.train_flags(opts, unit.info["model"], unit.info["data"], v, tmp_path / "run", DEMO)
         cfg = parse_args(flags)
-        assert (cfg.seed, cfg.device, cfg.max_context_width) == (gpu_units.SEED, "cuda", 4096), unit.id
+        assert (cfg.seed, cfg.device, cfg.max_context_width) == (units.SEED, "cuda", 4096), unit.id
         assert cfg.max_steps == (100 if unit.info["data"] == "text" else 40) and cfg.logging_freq == 5
         assert cfg.model_impl == v.impl and cfg.fp8 == v.fp8 and cfg.compile == v.compile
         assert cfg.dataset == ("synthetic" if unit.info["data"] == "synthetic" else "/demo/corpus")
@@ -47,15 +46,15 @@ def test_every_matrix_cell_is_accepted_by_the_trainers_parser(tmp_path):
         assert cfg.activation_checkpointing == ("1" if unit.info["model"] == "llama3.2-3b" else "0")
         if unit.info["model"] == "llama2-7b-8l":
             assert (cfg.model, cfg.num_layers, cfg.hidden_width) == ("llama2-7b", 8, 4096)
-    hf_fp8 = [gpu_units.VARIANT[n] for n in ("hf-fp8-tensorwise", "hf-fp8-rowwise")]
+    hf_fp8 = [units.VARIANT[n] for n in ("hf-fp8-tensorwise", "hf-fp8-rowwise")]
     assert all(v.compile and v.backend == "torchao" for v in hf_fp8)  # torchao FP8 is measured compiled
-    assert not any(v.compile for v in gpu_units.VARIANTS if v.impl == "te")  # TE delayed refuses compile
+    assert not any(v.compile for v in units.VARIANTS if v.impl == "te")  # TE delayed refuses compile
 
 
 def test_resume_and_profile_commands(tmp_path):
-    opts = gpu_units.Options(resume_k=7)
-    v = gpu_units.VARIANT["hf-fp8-tensorwise"]
-    phases = {p: parse_args(gpu_units.resume_flags(opts, v, tmp_path / p, p, tmp_path / "ckpt"))
+    opts = units.Options(resume_k=7)
+    v = units.VARIANT["hf-fp8-tensorwise"]
+    phases = {p: parse_args(units.resume_flags(opts, v, tmp_path / p, p, tmp_path / "ckpt"))
               for p in ("u1", "u2", "p1", "p2")}
     assert {c.lr_decay_iters for c in phases.values()} == {14}  # one LR schedule for all four
     assert (phases["u1"].max_steps, phases["p1"].max_steps, phases["p2"].max_steps) == (14, 7, 14)
@@ -63,22 +62,22 @@ def test_resume_and_profile_commands(tmp_path):
     assert phases["u1"].checkpoint_freq == 0 and not any(c.compile for c in phases.values())
     assert all(c.fp8 and c.fp8_recipe == "tensorwise" and c.logging_freq == 1 for c in phases.values())
     with pytest.raises(ValueError, match="phase"):
-        gpu_units.resume_flags(opts, v, tmp_path, "p3", tmp_path)
-    flags = gpu_units.profile_flags(opts, tmp_path / "p", None)
+        units.resume_flags(opts, v, tmp_path, "p3", tmp_path)
+    flags = units.profile_flags(opts, tmp_path / "p", None)
     assert flags[-4:] == ["--profile_steps", "21:23", "--memory_snapshot", "1"]
     assert parse_args(flags[:-4]).max_steps == 25 and parse_args(flags[:-4]).fp8_recipe == "current"
 
 
 def test_units_run_in_the_issues_order_and_select_by_step_and_glob():
-    units = gpu_units.plan(gpu_units.Options())
-    steps = [u.step for u in units]
-    assert [s for i, s in enumerate(steps) if i == 0 or steps[i - 1] != s] == list(gpu_units.STEPS)
-    assert [u.id for u in units[:2]] == ["pytest/te", "pytest/other"]  # the TE path first
-    picked = gpu_units.select(units, ("train", "resume"), ("train/llama3.2-1b/synthetic/te-*", "resume/te-*"))
+    plan = units.plan(units.Options())
+    steps = [u.step for u in plan]
+    assert [s for i, s in enumerate(steps) if i == 0 or steps[i - 1] != s] == list(units.STEPS)
+    assert [u.id for u in plan[:2]] == ["pytest/te", "pytest/other"]  # the TE path first
+    picked = units.select(plan, ("train", "resume"), ("train/llama3.2-1b/synthetic/te-*", "resume/te-*"))
     assert [u.id for u in picked] == [f"train/llama3.2-1b/synthetic/te-{x}" for x in
                                       ("bf16", "fp8-delayed", "fp8-current", "fp8-block", "fp8-mxfp8")] + [
         "resume/te-fp8-delayed", "resume/te-fp8-current", "resume/te-fp8-block", "resume/te-bf16"]
-    assert gpu_units.select(units, ("bench",), None) == [u for u in units if u.step == "bench"]
+    assert units.select(plan, ("bench",), None) == [u for u in plan if u.step == "bench"]
 
 
 @pytest.fixture
@@ -146,8 +145,8 @@ def fake_runner(clock: list[float], statuses: dict[str, list[str]], calls: list[
 def test_budget_stops_before_a_unit_that_does_not_fit_and_the_next_run_goes_on(tmp_path, monkeypatch, capsys,
                                                                                 fake_gpu):
     clock, calls = [0.0], []
-    real_budget = gpu_timebox.Budget
-    monkeypatch.setattr(verify.gpu_timebox, "Budget", lambda s: real_budget(s, clock=lambda: clock[0]))
+    real_budget = runs.Budget
+    monkeypatch.setattr(verify.runs, "Budget", lambda s: real_budget(s, clock=lambda: clock[0]))
     statuses = {"bench/te-delayed+torchao-rowwise": ["interrupted", "failed", "passed"]}
     monkeypatch.setitem(verify.RUNNERS, "bench", fake_runner(clock, statuses, calls))
     results, mirror = tmp_path / "r.jsonl", tmp_path / "out"
@@ -165,8 +164,8 @@ def test_budget_stops_before_a_unit_that_does_not_fit_and_the_next_run_goes_on(t
     other = tmp_path / "r2.jsonl"
     assert verify.main([*argv[:3], "150", "--results", str(other), *argv[6:]]) == verify.EXIT_MORE
     assert "stopping here" in capsys.readouterr().out
-    assert [r["unit"] for r in gpu_results.load(other)] == ["versions", "bench/te-current+torchao-tensorwise"]
-    records = gpu_results.load(results)
+    assert [r["unit"] for r in runs.load(other)] == ["versions", "bench/te-current+torchao-tensorwise"]
+    records = runs.load(results)
     assert [r["unit"] for r in records if r["unit"] == "versions"] == ["versions"]  # once per key
     assert all(r["key"] == KEY and r.get("src_sha") for r in records)
     assert (mirror / "r.jsonl").read_text() == results.read_text()
@@ -183,20 +182,20 @@ def test_train_outcomes_are_classified(tmp_path):
 
     def outcome(rc, text, timed_out=False):
         log.write_text(text)
-        return gpu_timebox.Outcome(rc, timed_out, 1.0, log)
+        return runs.Outcome(rc, timed_out, 1.0, log)
 
-    v = gpu_units.VARIANT
+    v = units.VARIANT
     refusal = "llama-fp8 train: error: --fp8_recipe mxfp8 needs compute capability >= 10.0 (this GPU: 9.0)\n"
-    assert gpu_steps.train_outcome(outcome(2, refusal), None, v["te-fp8-mxfp8"], tmp_path, 0)["status"] == "refused"
-    assert gpu_steps.train_outcome(outcome(2, refusal), None, v["te-fp8-block"], tmp_path, 0)["status"] == "refused"
-    assert gpu_steps.train_outcome(outcome(2, refusal), None, v["te-fp8-delayed"], tmp_path, 0)["status"] == "failed"
+    assert steps.train_outcome(outcome(2, refusal), None, v["te-fp8-mxfp8"], tmp_path, 0)["status"] == "refused"
+    assert steps.train_outcome(outcome(2, refusal), None, v["te-fp8-block"], tmp_path, 0)["status"] == "refused"
+    assert steps.train_outcome(outcome(2, refusal), None, v["te-fp8-delayed"], tmp_path, 0)["status"] == "failed"
     crash = "Traceback (most recent call last):\nRuntimeError: CUDA error\n"
-    assert gpu_steps.train_outcome(outcome(2, crash), None, v["te-fp8-mxfp8"], tmp_path, 0)["status"] == "failed"
-    ran = gpu_steps.train_outcome(outcome(0, ""), None, v["te-fp8-mxfp8"], tmp_path, 0)
+    assert steps.train_outcome(outcome(2, crash), None, v["te-fp8-mxfp8"], tmp_path, 0)["status"] == "failed"
+    ran = steps.train_outcome(outcome(0, ""), None, v["te-fp8-mxfp8"], tmp_path, 0)
     assert ran["status"] == "failed" and "must be refused" in ran["message"]
-    assert gpu_steps.train_outcome(outcome(0, ""), None, v["te-bf16"], tmp_path, 0)["status"] == "error"  # no metrics
+    assert steps.train_outcome(outcome(0, ""), None, v["te-bf16"], tmp_path, 0)["status"] == "error"  # no metrics
     for killed in ("timeout", "interrupted"):
-        assert gpu_steps.train_outcome(outcome(None, "", True), killed, v["te-bf16"], tmp_path, 0)["status"] == killed
+        assert steps.train_outcome(outcome(None, "", True), killed, v["te-bf16"], tmp_path, 0)["status"] == killed
 
 
 @pytest.mark.slow
@@ -208,7 +207,7 @@ def test_a_real_cpu_cell_is_recorded_once(tmp_path, capsys):
             "train/tiny/synthetic/hf-bf16", "--max-steps", "6", "--warmup-steps", "2", "--logging-freq", "2",
             "--results", str(results), "--work", str(tmp_path / "w"), "--mirror", str(tmp_path / "out")]
     assert verify.main(argv) == 0
-    [versions, cell] = gpu_results.load(results)
+    [versions, cell] = runs.load(results)
     assert versions["versions"]["gpu"] == "no GPU" and cell["key"] == versions["key"]
     assert cell["status"] == "passed" and cell["timed_steps"] == 4 and cell["warmup_steps"] == 2
     assert [s for s, _ in cell["losses"]] == [2, 4, 6] and cell["tokens_per_sec_per_device"] > 0
@@ -218,4 +217,4 @@ def test_a_real_cpu_cell_is_recorded_once(tmp_path, capsys):
     assert "runs/train_tiny_synthetic_hf-bf16/metrics.jsonl" in names and "logs/versions.log" in names
     capsys.readouterr()
     assert verify.main(argv) == 0
-    assert "0 of 1 selected units to run" in capsys.readouterr().out and len(gpu_results.load(results)) == 2
+    assert "0 of 1 selected units to run" in capsys.readouterr().out and len(runs.load(results)) == 2

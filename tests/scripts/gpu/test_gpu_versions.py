@@ -7,29 +7,29 @@ import json
 import subprocess
 import sys
 
-import gpu_versions
+import versions
 
 
 def test_block_without_a_gpu_prints_every_field(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, gpu_versions.__file__, "--json", str(tmp_path / "v.json")], env=env,
+    proc = subprocess.run([sys.executable, versions.__file__, "--json", str(tmp_path / "v.json")], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0] == "== versions" and len(lines) == 2 + len(gpu_versions.FIELDS)
+    assert lines[0] == "== versions" and len(lines) == 2 + len(versions.FIELDS)
     for label in ("GPU", "driver", "compute capability", "CUDA (torch)", "torch", "Transformer Engine", "torchao",
                   "transformers", "cuDNN", "NCCL"):
         assert any(line.startswith(label + " ") for line in lines), label
     v = json.loads((tmp_path / "v.json").read_text())
     assert (v["gpu"], v["driver"], v["capability"]) == ("no GPU", "no GPU", "no GPU")
-    assert v["nvcc"] == "not installed" and v["key"] == gpu_versions.key(v) and v["key"].startswith("no-gpu-")
+    assert v["nvcc"] == "not installed" and v["key"] == versions.key(v) and v["key"].startswith("no-gpu-")
 
 
 def test_without_torch_the_block_still_prints(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
-    v = gpu_versions.collect()
+    v = versions.collect()
     assert v["torch"] == "not installed" and v["cudnn"] == "n/a" and v["gpu"] == "no GPU"
-    assert "torch               not installed" in gpu_versions.format_block(v)
+    assert "torch               not installed" in versions.format_block(v)
 
 
 def test_gpu_fields_come_from_nvidia_smi(tmp_path, monkeypatch):
@@ -37,14 +37,14 @@ def test_gpu_fields_come_from_nvidia_smi(tmp_path, monkeypatch):
     smi.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB'\n")
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
-    v = gpu_versions.collect()
+    v = versions.collect()
     assert (v["gpu"], v["driver"], v["gpu_memory"]) == ("NVIDIA H100 80GB HBM3", "580.159.04", "81559 MiB")
-    assert gpu_versions.key(v).startswith("nvidia-h100-80gb-hbm3-")
+    assert versions.key(v).startswith("nvidia-h100-80gb-hbm3-")
 
 
 def test_the_key_follows_gpu_and_versions_only():
-    v = {name: "x" for name, _ in gpu_versions.FIELDS}
-    k = gpu_versions.key(v)
-    assert gpu_versions.key({**v, "python": "3.13", "gpu_memory": "1 MiB", "nvcc": "12.9"}) == k
-    for name in gpu_versions.KEY_FIELDS:
-        assert gpu_versions.key({**v, name: "y"}) != k, name
+    v = {name: "x" for name, _ in versions.FIELDS}
+    k = versions.key(v)
+    assert versions.key({**v, "python": "3.13", "gpu_memory": "1 MiB", "nvcc": "12.9"}) == k
+    for name in versions.KEY_FIELDS:
+        assert versions.key({**v, name: "y"}) != k, name

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import gpu_fakes as fakes
-import gpu_results
 import pytest
+import runs
 
 VISIT = Path(__file__).resolve().parents[3] / "scripts" / "gpu" / "visit.sh"
 
@@ -28,7 +28,7 @@ def test_visit_bootstraps_then_runs_a_slice_and_leaves_the_results_in_out(tmp_pa
     proc = subprocess.run(["bash", str(VISIT), *argv], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "TE: transformer_engine.pytorch imports" in (out / "bootstrap.log").read_text()
-    records = gpu_results.load(out / "results.jsonl")
+    records = runs.load(out / "results.jsonl")
     assert [r["unit"] for r in records] == ["versions", "train/tiny/synthetic/hf-bf16"]
     assert records[0]["versions"]["transformer_engine"] == fakes.TE_VERSION  # verify saw the installed kit
     assert records[1]["status"] == "passed" and (out / "logs.tar.gz").is_file()

@@ -1,6 +1,6 @@
 """The versions block of a GPU node, and the key that names "this GPU with these versions" in results files.
 
-    python scripts/gpu/gpu_versions.py [--json PATH]
+    python scripts/gpu/versions.py [--json PATH]
 
 Prints one block (GPU name, driver, CUDA, compute capability, torch, TE, torchao, transformers, cuDNN,
 NCCL, ...). Each probe fails on its own: on a machine without a GPU, or without torch, the block is still

@@ -1,12 +1,12 @@
-"""docs/gpu-results.md is what scripts/gpu/results_md.py makes of the committed results, and the generator's
+"""docs/gpu-results.md is what scripts/gpu/results.py makes of the committed results, and the generator's
 tables hold the right ratios, gaps and outcomes for a made-up visit (numbers chosen so each is easy to check)."""
 
 from __future__ import annotations
 
 import json
 
-import gpu_units
-import results_md
+import results
+import units
 
 KEY = "nvidia-h100-80gb-hbm3-0123456789"
 VERSIONS = {"gpu": "NVIDIA H100 80GB HBM3", "driver": "580.159.04", "capability": "9.0", "torch": "2.11.0+cu130",
@@ -14,7 +14,7 @@ VERSIONS = {"gpu": "NVIDIA H100 80GB HBM3", "driver": "580.159.04", "capability"
 
 
 def cell(model, data, variant, tokens, loss=5.0, status="passed", **extra):
-    v = gpu_units.VARIANT[variant]
+    v = units.VARIANT[variant]
     rec = {"key": KEY, "unit": f"train/{model}/{data}/{variant}", "kind": "train", "status": status, "model": model,
            "data": data, **v.fields(), "date": "2026-12-01T10:00:00+00:00"}
     if status == "passed":
@@ -46,21 +46,21 @@ def visit() -> list[dict]:
 def render(tmp_path, records) -> str:
     path = tmp_path / "visit.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return results_md.render([path])
+    return results.render([path])
 
 
 def test_the_committed_page_is_current():
-    paths = sorted((results_md.REPO / "docs" / "gpu-results").glob("*.jsonl"))
-    committed = (results_md.REPO / "docs" / "gpu-results.md").read_text()
-    assert committed == results_md.render(paths), "run: python scripts/gpu/results_md.py"
-    assert results_md.main(["--check"]) == 0
+    paths = sorted((results.REPO / "docs" / "gpu-results").glob("*.jsonl"))
+    committed = (results.REPO / "docs" / "gpu-results.md").read_text()
+    assert committed == results.render(paths), "run: python scripts/gpu/results.py"
+    assert results.main(["--check"]) == 0
 
 
 def test_no_results_says_no_visit_happened(tmp_path):
-    assert "No GPU visit has happened yet" in results_md.render([])
+    assert "No GPU visit has happened yet" in results.render([])
     out = tmp_path / "page.md"
-    assert results_md.main(["--results-dir", str(tmp_path), "--out", str(out), "--check"]) == 1  # no page yet
-    assert results_md.main(["--results-dir", str(tmp_path), "--out", str(out)]) == 0
+    assert results.main(["--results-dir", str(tmp_path), "--out", str(out), "--check"]) == 1  # no page yet
+    assert results.main(["--results-dir", str(tmp_path), "--out", str(out)]) == 0
     assert "No GPU visit has happened yet" in out.read_text()
 
 
@@ -90,9 +90,17 @@ def test_a_visit_renders_ratios_gaps_and_failures(tmp_path):
     assert "## Needs more than one GPU" in page and "cross-rank amax reduction" in page
 
 
-def test_take_back_appends_the_new_records_keeps_the_wheel_and_regenerates_the_page(tmp_path, capsys):
-    import take_back
+def test_take_back_and_check_contradict(tmp_path, capsys):
+    import pytest
 
+    with pytest.raises(SystemExit) as e:
+        results.main(["--take-back", str(tmp_path), "--check"])
+    assert e.value.code == 2 and "give one" in capsys.readouterr().err
+    assert results.main(["--take-back", str(tmp_path / "nowhere"), "--results-dir", str(tmp_path)]) == 2
+    assert "--take-back" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_take_back_appends_the_new_records_keeps_the_wheel_and_regenerates_the_page(tmp_path, capsys):
     local = tmp_path / "docs" / "results.jsonl"
     local.parent.mkdir()
     old = visit()[:2]
@@ -104,12 +112,12 @@ def test_take_back_appends_the_new_records_keeps_the_wheel_and_regenerates_the_p
     returned = [json.dumps(r, sort_keys=True) for r in visit()[:5]] + ['{"key": "x", "unit": "y", "sta']
     (files_at / "results.jsonl").write_text("\n".join(returned) + "\n")
     page = tmp_path / "page.md"
-    assert take_back.main([str(files_at), "--results", str(local), "--wheels", str(tmp_path / "kit"),
-                           "--page", str(page)]) == 0
+    argv = ["--take-back", str(files_at), "--results-dir", str(local.parent), "--wheels", str(tmp_path / "kit"),
+            "--out", str(page)]
+    assert results.main(argv) == 0
     assert [json.loads(x)["unit"] for x in local.read_text().splitlines()] == [r["unit"] for r in visit()[:5]]
     assert (tmp_path / "kit" / "built" / "te2.20.2-torch2.11.0_cu130-cp312" / "w.whl").read_bytes() == b"wheel"
     assert "| `tests/a.py::test_mx` | skipped |" in page.read_text()
     out = capsys.readouterr().out
     assert "3 new records" in out and "failed       test:tests/a.py::test_bad" in out
-    assert take_back.main([str(files_at), "--results", str(local), "--wheels", str(tmp_path / "kit"),
-                           "--page", str(page)]) == 0 and len(local.read_text().splitlines()) == 5  # idempotent
+    assert results.main(argv) == 0 and len(local.read_text().splitlines()) == 5  # idempotent

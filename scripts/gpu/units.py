@@ -29,7 +29,6 @@ MODELS: dict[str, tuple[tuple[str, ...], int]] = {
                     150),
     "llama2-7b-8l": (("--model", "llama2-7b", "--num_layers", "8"), 150),
 }
-DEFAULT_MODELS = tuple(MODELS)
 DATA = ("synthetic", "text")
 
 
@@ -103,7 +102,7 @@ class Options:
     """What the verify flags decide (and a few shapes that only tests change)."""
 
     device: str = "cuda"
-    models: tuple[str, ...] = DEFAULT_MODELS
+    models: tuple[str, ...] = tuple(MODELS)
     data: tuple[str, ...] = DATA
     max_steps: int = 40  # synthetic cells: 10 warm-up + 30 timed steps
     text_steps: int = 100  # real-text cells: the loss goal is stated after 100 steps

@@ -9,13 +9,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-import gpu_checks
-import gpu_context
-import gpu_results
-import gpu_steps
-import gpu_timebox
-import gpu_units
 import pytest
+import runs
+import steps
+import units
 import verify
 
 from report.test_trace import EVENTS
@@ -23,12 +20,12 @@ from report.test_trace import EVENTS
 KEY = "test-gpu-0000"
 
 
-def context(tmp_path: Path, python: str = sys.executable, opts: gpu_units.Options | None = None,
-            mirror: Path | None = None) -> gpu_context.Context:
+def context(tmp_path: Path, python: str = sys.executable, opts: units.Options | None = None,
+            mirror: Path | None = None) -> runs.Context:
     work = tmp_path / "work"
     (work / "logs").mkdir(parents=True, exist_ok=True)
-    return gpu_context.Context(verify.REPO, work, python, gpu_results.Store(tmp_path / "results.jsonl", mirror), KEY,
-                             opts or gpu_units.Options(), verify.child_env(work), gpu_timebox.Budget(None), mirror)
+    return runs.Context(verify.REPO, work, python, runs.Store(tmp_path / "results.jsonl", mirror), KEY,
+                             opts or units.Options(), verify.child_env(work), runs.Budget(None), mirror)
 
 
 def fake_program(tmp_path: Path, body: str) -> str:
@@ -54,14 +51,14 @@ def test_pytest_step_records_each_test_and_goes_on_after_one_that_hangs(tmp_path
         """))
     (tests / "test_plain.py").write_text("def test_plain():\n    pass\n")  # no gpu marker: deselected by -m gpu
     ctx = context(tmp_path)
-    unit = gpu_units.Unit("pytest/fake", "pytest", 10, 12, {"args": [str(tests)]})
-    first = gpu_steps.run_pytest(ctx, unit)
+    unit = units.Unit("pytest/fake", "pytest", 10, 12, {"args": [str(tests)]})
+    first = steps.run_pytest(ctx, unit)
     assert first["status"] == "timeout" or first["status"] == "interrupted"
     by_test = {r["nodeid"].split("::")[1]: r for r in ctx.store.records()}
     assert {k: r["status"] for k, r in by_test.items()} == {"test_a": "passed", "test_b": "failed",
                                                             "test_c": "skipped", "test_d": "timeout"}
     assert "wrong" in by_test["test_b"]["message"] and by_test["test_c"]["message"] == "Skipped: needs Blackwell"
-    second = gpu_steps.run_pytest(ctx, gpu_units.Unit("pytest/fake", "pytest", 10, 120, {"args": [str(tests)]}))
+    second = steps.run_pytest(ctx, units.Unit("pytest/fake", "pytest", 10, 120, {"args": [str(tests)]}))
     records = ctx.store.records()
     assert [r["nodeid"].split("::")[1] for r in records[4:]] == ["test_e"]  # only what was left
     assert second["status"] == "failed" and second["counts"] == {"passed": 2, "failed": 1, "skipped": 1,
@@ -73,7 +70,7 @@ def test_a_test_file_that_does_not_import_is_an_error_record(tmp_path):
     tests.mkdir()
     (tests / "test_broken.py").write_text("import no_such_module_here\n")
     ctx = context(tmp_path)
-    result = gpu_steps.run_pytest(ctx, gpu_units.Unit("pytest/broken", "pytest", 10, 120, {"args": [str(tests)]}))
+    result = steps.run_pytest(ctx, units.Unit("pytest/broken", "pytest", 10, 120, {"args": [str(tests)]}))
     [rec] = ctx.store.records()
     assert rec["status"] == "error" and rec["phase"] == "collect" and "no_such_module_here" in rec["message"]
     assert result["status"] in ("error", "failed")
@@ -84,7 +81,7 @@ def test_bench_step_keeps_the_json_line(tmp_path):
     line = {"type": "bench_linear", "device": "NVIDIA H100 80GB HBM3", "tokens": 8192,
             "results": [{"model": "llama3.1-8b", "gemm": "o", "m": 8192, "k": 4096, "n": 4096, "bf16": 610.5,
                          "te-current": 1010.2, "torchao-tensorwise": 905.0}]}
-    models = ",".join(gpu_steps.bench_models(verify.REPO))
+    models = ",".join(steps.bench_models(verify.REPO))
     assert {"llama3.1-8b", "llama3.1-70b", "llama3.2-1b", "llama2-7b"} <= set(models.split(","))
     python = fake_program(tmp_path, f"""\
         assert argv[0] == "benchmarks/bench_linear.py" and argv[argv.index("--tokens") + 1] == "8192", argv
@@ -93,22 +90,17 @@ def test_bench_step_keeps_the_json_line(tmp_path):
         print({json.dumps(json.dumps(line))})
         """)
     ctx = context(tmp_path, python)
-    [unit] = [u for u in gpu_units.plan(ctx.opts) if u.id == "bench/te-current+torchao-tensorwise"]
-    rec = gpu_steps.run_bench(ctx, unit)
+    [unit] = [u for u in units.plan(ctx.opts) if u.id == "bench/te-current+torchao-tensorwise"]
+    rec = steps.run_bench(ctx, unit)
     assert rec["status"] == "passed" and rec["bench"] == line and rec["te_recipe"] == "current"
     python = fake_program(tmp_path, "print('bench_linear: no CUDA GPU visible')\n")
-    assert gpu_steps.run_bench(context(tmp_path, python), unit)["status"] == "failed"
+    assert steps.run_bench(context(tmp_path, python), unit)["status"] == "failed"
 
 
-def test_profile_waits_for_the_trainer_flags_then_summarizes_the_trace(tmp_path):
-    """Fake trainer run: writes metrics, a Chrome trace (the synthetic one of test_gpu_trace) and a memory
-    snapshot into its run dir, as `--profile_steps`/`--memory_snapshot` will."""
-    ctx = context(tmp_path, mirror=tmp_path / "out")
-    [unit] = [u for u in gpu_units.plan(ctx.opts) if u.step == "profile"]
-    ctx.cache["help"] = "usage: llama-fp8 train [--model STR] [--profile_steps A:B]"
-    rec = gpu_checks.run_profile(ctx, unit)
-    assert rec["status"] == "unavailable" and rec["message"] == "the trainer lacks --memory_snapshot"
-    assert "unavailable" in gpu_results.NOT_FINAL
+def test_profile_summarizes_the_trace(tmp_path):
+    """Fake trainer run: writes metrics, a Chrome trace (the synthetic one of tests/report/test_trace.py) and a
+    memory snapshot into its run dir, as `--profile_steps`/`--memory_snapshot` do."""
+    [unit] = [u for u in units.plan(units.Options()) if u.step == "profile"]
     python = fake_program(tmp_path, f"""\
         run = pathlib.Path(argv[argv.index("--run_dir") + 1])
         assert argv[argv.index("--profile_steps") + 1] == "21:23" and argv[argv.index("--memory_snapshot") + 1] == "1"
@@ -122,8 +114,7 @@ def test_profile_waits_for_the_trainer_flags_then_summarizes_the_trace(tmp_path)
         (run / "memory_snapshot.pickle").write_bytes(b"x")
         """)
     ctx = context(tmp_path, python, mirror=tmp_path / "out")
-    ctx.cache["help"] = "--profile_steps A:B ... --memory_snapshot 0|1"
-    rec = gpu_checks.run_profile(ctx, unit)
+    rec = steps.run_profile(ctx, unit)
     assert rec["status"] == "passed", rec
     assert rec["summary"]["share"]["gemm"] == pytest.approx(0.49) and rec["snapshots"] == ["memory_snapshot.pickle (0.0 MiB)"]
     assert rec["trace"] == "profile/rank0.trace.json" and rec["timed_steps"] == 15
@@ -133,13 +124,26 @@ def test_profile_waits_for_the_trainer_flags_then_summarizes_the_trace(tmp_path)
 @pytest.mark.slow
 def test_resume_step_through_the_real_trainer_on_cpu(tmp_path):
     """Four real CPU runs of a small model with torchao FP8 (emulated): the second half resumes from step k."""
-    opts = gpu_units.Options(device="cpu", resume_k=3, resume_model=("--model", "tiny", "--num_layers", "2",
+    opts = units.Options(device="cpu", resume_k=3, resume_model=("--model", "tiny", "--num_layers", "2",
                                                                        "--max_context_width", "64"))
     ctx = context(tmp_path, opts=opts)
-    unit = gpu_units.Unit("resume/hf-fp8-tensorwise", "resume", 10, 600, gpu_units.VARIANT["hf-fp8-tensorwise"].fields())
-    rec = gpu_checks.run_resume(ctx, unit)
+    unit = units.Unit("resume/hf-fp8-tensorwise", "resume", 10, 600, units.VARIANT["hf-fp8-tensorwise"].fields())
+    rec = steps.run_resume(ctx, unit)
     assert rec["resumed_from_step"] == 3 and rec["k"] == 3, rec
     assert rec["status"] == "passed", rec
     assert [s for s, _ in rec["losses"]["resumed"]] == [4, 5, 6] and len(rec["losses"]["uninterrupted"]) == 6
     assert set(rec["commands"]) == {"u1", "u2", "p1", "p2"} and "--checkpoint_freq 3" in rec["commands"]["p1"]
     assert not (ctx.work / "runs" / "resume_hf-fp8-tensorwise" / "ckpt").exists()  # checkpoints not kept
+
+
+def test_only_the_pytest_step_has_the_scripts_folder_on_its_path(tmp_path):
+    """scripts/gpu's module names are plain (runs, steps, units, ...): the trainer and the benchmark must not find
+    them ahead of the installed packages; pytest needs the folder for its recording plugin (-p runs)."""
+    import os
+
+    ctx = context(tmp_path)
+    here = str(Path(steps.__file__).resolve().parent)
+    assert here not in ctx.env["PYTHONPATH"].split(os.pathsep)
+    assert str(verify.REPO / "src") in ctx.env["PYTHONPATH"].split(os.pathsep)
+    env = {**ctx.env, **steps.pytest_env(ctx, tmp_path / "current")}
+    assert env["PYTHONPATH"].split(os.pathsep) == [here, *ctx.env["PYTHONPATH"].split(os.pathsep)]
