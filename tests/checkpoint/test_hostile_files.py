@@ -18,6 +18,7 @@ from llama_fp8 import config as C
 from llama_fp8 import train as T
 from llama_fp8.checkpoint import files as F
 from llama_fp8.checkpoint import manifest as M
+from llama_fp8.checkpoint import resume as R
 
 BASE = ["--model", "tiny", "--device", "cpu", "--num_layers", "2", "--max_context_width", "32",
         "--train_batch_size", "2", "--logging_freq", "1", "--lr_decay_iters", "8", "--seed", "3"]
@@ -169,3 +170,50 @@ def test_oversized_json_files_are_refused_without_reading_them(saved, name):
         (folder / "COMPLETE").write_text(json.dumps(man))
     problems = verify_in_time(folder)
     assert any(name in p and "more than" in p for p in problems), problems
+
+
+# --- 3. what is checked is what is loaded ------------------------------------------------------------------
+def _flip_last_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _flip_middle_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name,change", [("__0_0.distcp", _flip_middle_byte), ("rank0.safetensors", _flip_last_byte),
+                                         ("train_state.json", lambda p: p.write_text(
+                                             p.read_text().replace('"step": 4', '"step": 3')))])
+def test_bytes_changed_between_the_check_and_the_load_are_refused(saved, monkeypatch, capsys, name, change):
+    real = R.check_compatible
+
+    def check_then_change(path, *a, **kw):  # runs after the checksum pass, before the model is loaded
+        real(path, *a, **kw)
+        change(path / name)
+
+    monkeypatch.setattr(R, "check_compatible", check_then_change)
+    capsys.readouterr()
+    assert run(saved, "--max_steps", "6", "--checkpoint_freq", "2") == 2
+    err = capsys.readouterr().err
+    assert f"step_4/{name}" in err and "changed since it was checked" in err, err[-2000:]
+    assert [s for s, _ in K.complete_checkpoints(saved / "checkpoints")] == [2, 4]  # nothing deleted
+
+
+# --- 5. forged fields: a clear error naming the file and the field ---------------------------------------
+@pytest.mark.parametrize("field,value", [("world_size", "two"), ("step", -3), ("scheduler", [1, 2]),
+                                         ("config", "not a mapping")])
+def test_forged_train_state_field_is_named(saved, capsys, field, value):
+    for step in (2, 4):  # every checkpoint forged: auto has nothing to fall back to
+        folder = ck(saved, step)
+        state = json.loads((folder / "train_state.json").read_text())
+        state[field] = value
+        (folder / "train_state.json").write_text(json.dumps(state))
+        reseal(folder, "train_state.json")
+    capsys.readouterr()
+    assert run(saved, "--max_steps", "6") == 2
+    err = capsys.readouterr().err
+    assert "train_state.json" in err and f"field {field!r}" in err and "Traceback" not in err, err[-2000:]

@@ -188,32 +188,65 @@ class Checkpointer:
     # --- load ----------------------------------------------------------------------------------
     def load(self, path: Path, model, optimizer, scheduler, loader, batch_size: int | None = None) -> int:
         """Restore model, optimizer, scheduler, data position and RNG from ``path``; returns its step.
-        (``batch_size`` is not needed any more: a synthetic loader rescales its position itself.)"""
-        meta = json.loads((path / M.TRAIN_STATE).read_text())
+        (``batch_size`` is not needed any more: a synthetic loader rescales its position itself.)
+
+        Every file is verified against the manifest on the bytes that are loaded (a file changed after the
+        start-up check is refused, not loaded), and every failure is agreed on: all ranks raise the same
+        AgreedError together (a rank-local error would leave the others in DCP's collectives)."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        check_fits(path, state)
-        try:  # reshards to this world size
-            dcp.load(state, storage_reader=F.SafeFileSystemReader(str(path)), planner=F.SafeLoadPlanner(),
+        got: dict = {}
+
+        def first() -> None:
+            got["files"] = _manifest_files(path)
+            got["meta"] = M.read_train_state(path, _entry(got["files"], M.TRAIN_STATE))
+            check_fits(path, state, _entry(got["files"], ".metadata"))
+
+        self._agreed_load(path, first)
+        files, meta = got["files"], got["meta"]
+        try:  # reshards to this world size; DCP raises on every rank if a read failed on any
+            dcp.load(state, storage_reader=F.SafeFileSystemReader(str(path), files), planner=F.SafeLoadPlanner(),
                      process_group=self._pg)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line naming the checkpoint
-            raise ConfigError(f"cannot load {path}: {_describe(e)}") from None
+            raise AgreedError(f"cannot load {path}: {_describe(e)}") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        _load_scheduler(scheduler, optimizer, meta["scheduler"])
-        if meta["world_size"] == self.world:
-            extra = read_rank_file(path, self.rank)
-            loader.load_state_dict(extra["loader"])
-            _set_rng_state(extra["rng"])
-        else:
-            self._load_other_world(path, meta, loader)
+        same = int(meta["world_size"]) == self.world
+
+        def last() -> None:  # per-rank state, schedule, data position, RNG: any of them may be forged
+            extra = read_rank_file(path, self.rank if same else 0, files)
+            try:
+                _load_scheduler(scheduler, optimizer, meta["scheduler"])
+            except (TypeError, ValueError, KeyError, AttributeError) as e:
+                raise ConfigError(f"{path / M.TRAIN_STATE}: field 'scheduler' cannot be loaded "
+                                  f"({type(e).__name__}: {e})") from None
+            if same:
+                loader.load_state_dict(extra["loader"])
+                _set_rng_state(extra["rng"])
+            else:
+                self._load_other_world(path, meta, loader, extra)
+
+        self._agreed_load(path, last)
         log.info("resumed from %s (step %d, saved by %d ranks, now %d)", path, meta["step"], meta["world_size"],
                  self.world)
         return int(meta["step"])
 
-    def _load_other_world(self, path: Path, meta: dict, loader) -> None:
+    def _agreed_load(self, path: Path, fn) -> None:
+        """Run a step of a load on every rank; if it failed on any, every rank raises the same AgreedError."""
+        try:
+            fn()
+            error = None
+        except (ValueError, OSError) as e:  # ConfigError, UnsafeCheckpointFile, the loader's DataStateError
+            error = str(e).removeprefix(f"cannot resume from {path}: ")
+        except Exception as e:  # noqa: BLE001 - a forged value deep in a state: named, agreed, no traceback
+            error = f"{type(e).__name__}: {e}"
+        errors = self._gather(error)
+        if any(errors):
+            raise AgreedError(f"cannot resume from {path}: {_merge(errors)}")
+
+    def _load_other_world(self, path: Path, meta: dict, loader, extra: dict) -> None:
         """Different world size: model and optimizer reshard; the data position carries over only when it
         does not depend on the rank split (synthetic data); otherwise the stream restarts, said loudly."""
-        state = read_rank_file(path, 0)["loader"]
+        state = extra["loader"]
         if state.get("kind") == "synthetic":
             # Synthetic batches are indexed by global sample: the loader rescales its batch counter to this
             # layout. States of the previous version lack the layout; it was all data-parallel then.
@@ -233,16 +266,34 @@ def _stager():
                                         use_async_staging=False, use_non_blocking_copy=False))
 
 
-def read_rank_file(path: Path, rank: int) -> dict:
-    """Rank ``rank``'s saved state: ``rank{r}.safetensors``, or ``rank{r}.pt`` in older checkpoints."""
+def _manifest_files(path: Path) -> dict | None:
+    """The manifest's files (None for a version-1 checkpoint without one)."""
+    man = M.read_manifest(path)
+    return None if man is None else man["files"]
+
+
+def _entry(files: dict | None, name: str) -> dict | None:
+    """The manifest entry of ``name`` (None without a manifest); a file the manifest lacks is refused."""
+    if files is None:
+        return None
+    if name not in files:
+        raise F.UnsafeCheckpointFile(Path(name), "is not in the checkpoint's manifest; refused")
+    return files[name]
+
+
+def read_rank_file(path: Path, rank: int, files: dict | None = None) -> dict:
+    """Rank ``rank``'s saved state: ``rank{r}.safetensors``, or ``rank{r}.pt`` in older checkpoints;
+    verified against the manifest's ``files`` on the bytes parsed, when given."""
     new, old = path / F.RANK_FILE.format(rank), path / F.LEGACY_RANK_FILE.format(rank)
     try:
-        return F.read_rank_state(new) if new.exists() or not old.exists() else F.read_legacy_rank_state(old)
+        if new.exists() or not old.exists():
+            return F.read_rank_state(new, _entry(files, new.name))
+        return F.read_legacy_rank_state(old)
     except F.UnsafeCheckpointFile as e:
         raise ConfigError(f"cannot resume from {path}: {e}") from None
 
 
-def check_fits(path: Path, state: dict) -> None:
+def check_fits(path: Path, state: dict, want: dict | None = None) -> None:
     """Every tensor this model and optimizer need is in the checkpoint with the same global shape;
     otherwise a ConfigError naming them (instead of DCP's error from deep inside its planner)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -252,7 +303,7 @@ def check_fits(path: Path, state: dict) -> None:
     except ImportError:  # another torch: DCP's own error stands in for this check
         return
     try:
-        saved = F.read_dcp_metadata(path).state_dict_metadata
+        saved = F.read_dcp_metadata(path, want).state_dict_metadata
     except F.UnsafeCheckpointFile as e:
         raise ConfigError(f"cannot resume from {path}: {e}") from None
     flat, _ = flatten_state_dict(state)

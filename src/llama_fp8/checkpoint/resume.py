@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from pathlib import Path
@@ -24,7 +23,8 @@ import torch.distributed as dist
 from llama_fp8 import parallel
 from llama_fp8.checkpoint import layout as L
 from llama_fp8.checkpoint import manifest as M
-from llama_fp8.errors import ConfigError
+from llama_fp8.checkpoint.safe_io import UnsafeCheckpointFile
+from llama_fp8.errors import AgreedError, ConfigError
 
 log = logging.getLogger("llama_fp8.checkpoint")
 
@@ -95,11 +95,11 @@ def _first_sound(candidates: list[Path], env, explicit: bool, ckpt_dir: Path) ->
                             path, len(damaged))
             return path
         if explicit:
-            raise ConfigError(f"--resume_from_checkpoint {path}: the checkpoint is damaged: {'; '.join(problems)}. "
+            raise AgreedError(f"--resume_from_checkpoint {path}: the checkpoint is damaged: {'; '.join(problems)}. "
                               f"Nothing was changed; resume from another one, or use auto (the latest sound one)")
         damaged.append(path)
         _set_aside(path, problems, env.is_main)
-    raise ConfigError(f"no sound checkpoint to resume from in {ckpt_dir}: every complete one is damaged "
+    raise AgreedError(f"no sound checkpoint to resume from in {ckpt_dir}: every complete one is damaged "
                       f"({', '.join(p.name for p in damaged)}; renamed *.broken, see the warnings). Start over in a "
                       f"new --run_dir, or repair them (nothing was deleted)")
 
@@ -117,7 +117,10 @@ def _set_aside(path: Path, problems: list[str], is_main: bool) -> None:
 
 def check_compatible(path: Path, cfg, plan, is_main: bool = True) -> None:
     """ConfigError naming every flag that makes ``path`` unusable for this run; logs what else changed."""
-    saved = json.loads((path / M.TRAIN_STATE).read_text())
+    try:
+        saved = M.read_train_state(path)
+    except UnsafeCheckpointFile as e:
+        raise ConfigError(f"cannot resume from {path}: {e}") from None
     asked, ran = saved.get("config") or {}, saved.get("plan") or {}
     bad = []
     impl = ran.get("model_impl") or asked.get("model_impl")
@@ -135,7 +138,8 @@ def check_compatible(path: Path, cfg, plan, is_main: bool = True) -> None:
     if changed:
         log.info("resuming from %s with changed settings: %s", path,
                  ", ".join(f"--{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
-    before = (ran.get("precision") or {}).get("name")
+    precision = ran.get("precision")
+    before = precision.get("name") if isinstance(precision, dict) else None
     if before and before != plan.precision.name:
         log.warning("resuming a %s checkpoint as %s: master weights and optimizer states are FP32 in both and load "
                     "as saved; from step %s on the run is %s", before, plan.precision.name, saved["step"],

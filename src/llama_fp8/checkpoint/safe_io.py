@@ -45,6 +45,9 @@ class UnsafeCheckpointFile(ValueError):
         super().__init__(f"{path}: {reason}")
         self.path, self.reason = Path(path), reason
 
+    def __reduce__(self):  # DCP sends a rank's read error to every rank (pickled)
+        return type(self), (self.path, self.reason)
+
 
 def confined(folder: Path, name: Any) -> Path:
     """``folder/name`` if ``name`` is a plain file name; UnsafeCheckpointFile if it could leave the folder."""
