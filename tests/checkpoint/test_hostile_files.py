@@ -8,43 +8,15 @@ import json
 import os
 import pathlib
 import pickle
-import shutil
 import threading
 
 import pytest
+from ckpt_kit import ck, run
 
 from llama_fp8 import checkpoint as K
-from llama_fp8 import config as C
-from llama_fp8 import train as T
 from llama_fp8.checkpoint import files as F
 from llama_fp8.checkpoint import manifest as M
 from llama_fp8.checkpoint import resume as R
-
-BASE = ["--model", "tiny", "--device", "cpu", "--num_layers", "2", "--max_context_width", "32",
-        "--train_batch_size", "2", "--logging_freq", "1", "--lr_decay_iters", "8", "--seed", "3"]
-
-
-def run(run_dir, *args: str) -> int:
-    return T.run(C.parse_args([*BASE, "--run_dir", str(run_dir), *args]))
-
-
-@pytest.fixture(scope="module")
-def saved_once(tmp_path_factory):
-    b = tmp_path_factory.mktemp("saved") / "b"
-    assert run(b, "--max_steps", "4", "--checkpoint_freq", "2") == 0
-    return b
-
-
-@pytest.fixture
-def saved(saved_once, tmp_path):
-    """A fresh copy of a run stopped after step 4: complete checkpoints step_2 and step_4."""
-    b = tmp_path / "b"
-    shutil.copytree(saved_once, b, symlinks=True)
-    return b
-
-
-def ck(b, step: int):
-    return b / "checkpoints" / f"step_{step}"
 
 
 def add_to_manifest(folder, name: str, data: bytes) -> None:

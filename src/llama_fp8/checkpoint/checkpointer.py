@@ -67,8 +67,8 @@ class Checkpointer:
         state = {"model": model_sd, "optim": optim_sd}
         if not self.async_save:
             try:
-                dcp.save(state, checkpoint_id=str(tmp), process_group=self._pg)
-                sums, error = self._my_sums(tmp), None
+                written = dcp.save(state, checkpoint_id=str(tmp), process_group=self._pg)
+                sums, error = self._my_sums(tmp, written), None
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported on every rank below
                 sums, error = None, _describe(e)
             self._finalize(tmp, final, step, sums, error)
@@ -119,11 +119,17 @@ class Checkpointer:
         result = fut.result()
         if hasattr(result, "upload_completion"):  # AsyncSaveResponse in newer torch
             result.upload_completion.result()
-        return self._my_sums(tmp)
+        return self._my_sums(tmp, result)
 
-    def _my_sums(self, tmp: Path) -> dict:
-        """Size and checksum of the files this rank wrote (read back from the page cache)."""
-        names = sorted(p.name for p in tmp.glob(f"__{self.rank}_*.distcp")) + [F.RANK_FILE.format(self.rank)]
+    def _my_sums(self, tmp: Path, written) -> dict:
+        """Size and checksum of the files this rank wrote (read back from the page cache). The shard names
+        come from what DCP reports it wrote (its Metadata, on every rank), not from a directory listing,
+        which a network file system may show incomplete for a while."""
+        from torch.distributed.checkpoint.metadata import Metadata
+
+        if not isinstance(written, Metadata):  # another torch's return value: DCP's own record of the save
+            written = F.read_dcp_metadata(tmp)
+        names = sorted(M.owned_files(written, self.rank, self.world)) + [F.RANK_FILE.format(self.rank)]
         if self.rank == 0:
             names += [".metadata", M.TRAIN_STATE]
         return M.sums(tmp, names)
@@ -139,9 +145,16 @@ class Checkpointer:
             if self.rank != 0:
                 faults.at("save.marker_written", step)
                 return
-            M.write_manifest(tmp, step, self.world, {k: v for s, _ in gathered for k, v in s.items()})
+            files = {k: v for s, _ in gathered for k, v in s.items()}
+            M.check_against_metadata(tmp, files)  # nothing DCP wrote is missing from the manifest
+            M.write_manifest(tmp, step, self.world, files)
             faults.at("save.marker_written", step)
-            old = L.retire(final) if final.exists() else None  # the same step from an earlier attempt
+            old = None
+            if final.exists() and not (final / M.MARKER).is_file():  # not ours: kept, named
+                log.warning("%s has no COMPLETE marker (not a checkpoint of this run); renamed to %s before "
+                            "saving step %d there, not deleted", final, L.set_aside(final, L.INCOMPLETE).name, step)
+            elif final.exists():
+                old = L.retire(final)  # the same step from an earlier attempt
             tmp.rename(final)
             L.fsync_dir(self.dir)
             faults.at("save.renamed", step)

@@ -87,6 +87,29 @@ def sums(folder: Path, names: list[str], threads: int = 4) -> dict[str, dict[str
     return {n: {"bytes": b, ALGORITHM: c} for n, (b, c) in zip(names, results)}
 
 
+def owned_files(meta, rank: int, world: int) -> set[str]:
+    """The files of DCP's ``meta`` that rank ``rank`` wrote (``__{rank}_{n}.distcp``); rank 0 also owns
+    any file no rank of this world claims, so that every file DCP wrote is checksummed by someone."""
+    names = {info.relative_path for info in meta.storage_data.values()}
+    mine = {n for n in names if n.startswith(f"__{rank}_")}
+    if rank == 0:
+        mine |= {n for n in names if not any(n.startswith(f"__{r}_") for r in range(world))}
+    return mine
+
+
+def check_against_metadata(folder: Path, files: dict[str, dict]) -> None:
+    """Before COMPLETE is written: every byte range of DCP's metadata lies in a file of the manifest;
+    ValueError naming what is missing otherwise (the save then fails on every rank)."""
+    meta = F.read_dcp_metadata(folder, files.get(".metadata"))
+    short = sorted({f"{info.relative_path} (needs {info.offset + info.length} bytes, "
+                    f"{'not in the manifest' if info.relative_path not in files else files[info.relative_path]['bytes']})"
+                    for info in meta.storage_data.values()
+                    if info.offset + info.length > int(files.get(info.relative_path, {}).get("bytes", -1))})
+    if short or TRAIN_STATE not in files:
+        raise ValueError(f"the manifest of {folder} does not cover what DCP wrote: "
+                         f"{'; '.join(short[:5]) or f'{TRAIN_STATE} not in the manifest'}")
+
+
 def write_manifest(folder: Path, step: int, world_size: int, files: dict[str, dict]) -> None:
     """Write COMPLETE (fsynced): the one file whose presence makes a checkpoint complete."""
     body = json.dumps({"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size,

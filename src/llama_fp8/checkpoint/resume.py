@@ -57,6 +57,11 @@ def probe_writable(folder: Path, rank: int = 0) -> None:
 def check_resume(cfg, env, plan):
     """The plan with the checkpoint to resume from checked (or replaced by the previous sound one)."""
     parallel.on_every_rank(env, lambda: probe_writable(Path(plan.checkpoint_dir), env.rank))
+    if env.is_main:
+        for stray in L.incomplete_folders(Path(plan.checkpoint_dir)):
+            log.warning("%s has no COMPLETE marker: not a checkpoint this run can resume from (copied by hand or "
+                        "left by another tool?); kept as it is, and renamed %s%s if this run saves that step",
+                        stray, stray.name, L.INCOMPLETE)
     if plan.resume_from is None:
         return plan
     explicit = cfg.resume_from_checkpoint != "auto"

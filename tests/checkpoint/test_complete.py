@@ -1,0 +1,88 @@
+""""Saved" means complete: the manifest comes from what DCP wrote and is checked against DCP's metadata
+before COMPLETE is written; a step folder without COMPLETE is named (never skipped or deleted without a
+word); a transient I/O error during the check is retried; a checkpoint folder that cannot be listed stops
+the run instead of starting it over."""
+
+from __future__ import annotations
+
+import errno
+import pathlib
+
+from ckpt_kit import ck, run
+
+from llama_fp8 import checkpoint as K
+from llama_fp8.checkpoint import manifest as M
+from llama_fp8.checkpoint import safe_io  # noqa: F401 - K.safe_io in tests
+
+
+def test_manifest_lists_every_file_dcp_wrote_even_if_the_listing_misses_one(tmp_path, monkeypatch):
+    real_glob = pathlib.Path.glob
+    monkeypatch.setattr(pathlib.Path, "glob", lambda self, pattern: [p for p in real_glob(self, pattern)
+                                                                     if not p.name.endswith(".distcp")])
+    b = tmp_path / "b"
+    assert run(b, "--max_steps", "2", "--checkpoint_freq", "2") == 0
+    monkeypatch.undo()
+    folder = ck(b, 2)
+    assert "__0_0.distcp" in M.read_manifest(folder)["files"]
+    assert K.verify(folder) == []
+
+
+def test_a_manifest_that_misses_a_file_of_the_metadata_fails_the_save(tmp_path, monkeypatch, capsys):
+    real = M.sums
+    monkeypatch.setattr(M, "sums", lambda folder, names, *a, **kw: {
+        k: v for k, v in real(folder, names, *a, **kw).items() if not k.endswith(".distcp")})
+    b = tmp_path / "b"
+    assert run(b, "--max_steps", "2", "--checkpoint_freq", "2") == 2
+    err = capsys.readouterr().err
+    assert "__0_0.distcp" in err and "not in the manifest" in err, err[-2000:]
+    assert K.complete_checkpoints(b / "checkpoints") == []
+
+
+def test_step_folder_without_complete_is_named_and_kept(saved, capsys):
+    stray = ck(saved, 6)
+    stray.mkdir()
+    (stray / "notes.txt").write_text("copied by hand, half done")
+    capsys.readouterr()
+    assert run(saved, "--max_steps", "6", "--checkpoint_freq", "2") == 0
+    err = capsys.readouterr().err
+    assert "step_6" in err and "no COMPLETE" in err, err[-2000:]
+    kept = saved / "checkpoints" / "step_6.incomplete"
+    assert (kept / "notes.txt").read_text() == "copied by hand, half done"  # set aside, not deleted
+    assert [s for s, _ in K.complete_checkpoints(saved / "checkpoints")] == [4, 6]  # --keep_last_k 2
+
+
+def test_transient_io_error_during_the_check_is_retried(saved, monkeypatch, capsys):
+    real, failures = M.digest_file, []
+
+    def flaky(path, *a, **kw):
+        if path.name.endswith(".distcp") and len(failures) < 2:
+            failures.append(path)
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(M, "digest_file", flaky)
+    monkeypatch.setattr(K.safe_io, "RETRIES", (0.01, 0.01, 0.01))
+    capsys.readouterr()
+    assert run(saved, "--max_steps", "6", "--checkpoint_freq", "2") == 0
+    err = capsys.readouterr().err
+    assert len(failures) == 2 and "retrying" in err and "IS DAMAGED" not in err, err[-2000:]
+    assert not (saved / "checkpoints" / "step_4.broken").exists()
+    assert [s for s, _ in K.complete_checkpoints(saved / "checkpoints")] == [4, 6]  # --keep_last_k 2
+
+
+def test_checkpoint_dir_that_cannot_be_listed_stops_instead_of_starting_over(saved, monkeypatch, capsys):
+    ckpts, real = saved / "checkpoints", pathlib.Path.iterdir
+
+    def hidden(self):
+        if self == ckpts:
+            raise OSError(errno.EIO, "Input/output error", str(self))
+        return real(self)
+
+    monkeypatch.setattr(pathlib.Path, "iterdir", hidden)
+    monkeypatch.setattr(K.safe_io, "RETRIES", (0.01,))
+    capsys.readouterr()
+    assert run(saved, "--max_steps", "6", "--checkpoint_freq", "2") == 2
+    err = capsys.readouterr().err
+    assert str(ckpts) in err and "cannot be listed" in err, err[-2000:]
+    monkeypatch.undo()
+    assert [s for s, _ in K.complete_checkpoints(ckpts)] == [2, 4]
