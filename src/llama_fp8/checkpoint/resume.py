@@ -1,7 +1,7 @@
 """Start-up checks of the checkpoint side of a run, on every rank, before anything is built:
 
 1. ``--checkpoint_dir`` is writable from every rank (a probe file), or the run stops now, not at its
-   first save hours later.
+   first save hours later; rank 0 takes its lock (one job per folder, ``lock.py``).
 2. The checkpoint to resume from is sound: every file has its manifest size and checksum and parses (the
    ranks split the files and check in parallel). With ``--resume_from_checkpoint auto`` a damaged one
    is renamed ``step_N.broken``, named loudly with its broken files, and the previous complete
@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from llama_fp8 import parallel
 from llama_fp8.checkpoint import layout as L
+from llama_fp8.checkpoint import lock
 from llama_fp8.checkpoint import manifest as M
 from llama_fp8.checkpoint.safe_io import UnsafeCheckpointFile
 from llama_fp8.errors import AgreedError, ConfigError
@@ -57,6 +58,8 @@ def probe_writable(folder: Path, rank: int = 0) -> None:
 def check_resume(cfg, env, plan):
     """The plan with the checkpoint to resume from checked (or replaced by the previous sound one)."""
     parallel.on_every_rank(env, lambda: probe_writable(Path(plan.checkpoint_dir), env.rank))
+    # one job per checkpoint folder, taken before anything in it is renamed or deleted (lock.py)
+    parallel.on_every_rank(env, lambda: lock.acquire(Path(plan.checkpoint_dir)) if env.is_main else None)
     if env.is_main:
         for stray in L.incomplete_folders(Path(plan.checkpoint_dir)):
             log.warning("%s has no COMPLETE marker: not a checkpoint this run can resume from (copied by hand or "
