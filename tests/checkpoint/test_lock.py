@@ -57,8 +57,9 @@ def test_the_same_slurm_job_requeued_takes_its_lock_back(saved, capsys, monkeypa
 
 
 def test_lock_is_released_at_the_end_of_the_process(tmp_path):
-    from helpers import run_cli
     from ckpt_kit import BASE
+
+    from helpers import run_cli
 
     r = run_cli(["train", *BASE, "--run_dir", str(tmp_path / "b"), "--max_steps", "1", "--checkpoint_freq", "1"])
     assert r.returncode == 0, r.stderr[-2000:]
