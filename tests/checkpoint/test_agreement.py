@@ -23,7 +23,7 @@ def flip(path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("damaged", ["__1_0.distcp", "rank1.safetensors", "COMPLETE"])
-def test_every_checkpoint_damaged_on_two_ranks_ends_in_the_agreed_exit(tmp_path, damaged):
+def test_every_checkpoint_damaged_on_two_ranks_ends_in_the_agreed_exit(tmp_path, damaged, hostile):
     b = tmp_path / "b"
     args = ["train", *BASE, "--run_dir", str(b), "--checkpoint_freq", "2"]
     r = run_cli([*args, "--max_steps", "4"], nproc=2)
@@ -40,3 +40,5 @@ def test_every_checkpoint_damaged_on_two_ranks_ends_in_the_agreed_exit(tmp_path,
     assert "no sound checkpoint to resume from" in r.stderr and r.stderr.count("llama-fp8 train: error") == 1
     assert sorted(p.name for p in (b / "checkpoints").iterdir() if p.name.startswith("step_")) == \
         ["step_2.broken", "step_4.broken"]  # set aside, nothing deleted
+    hostile(f"launcher exit {r.returncode}, worker exit codes {codes}; one \"no sound checkpoint to resume from\" "
+            f"message; step_2.broken, step_4.broken kept")

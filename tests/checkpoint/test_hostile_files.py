@@ -63,13 +63,14 @@ _SHARED = {
 
 
 @pytest.mark.parametrize("attack", list(_SHARED))
-def test_metadata_pickle_cannot_change_a_shared_object(tmp_path, attack):
+def test_metadata_pickle_cannot_change_a_shared_object(tmp_path, attack, hostile):
     blob, target, attr = _SHARED[attack]
     (tmp_path / ".metadata").write_bytes(blob)
     try:
-        with pytest.raises(K.UnsafeCheckpointFile, match=r"\.metadata: "):
+        with pytest.raises(K.UnsafeCheckpointFile, match=r"\.metadata: ") as e:
             F.read_dcp_metadata(tmp_path)
         assert not hasattr(target(), attr), f"{attack}: the refused load changed {target()!r} for the process"
+        hostile(f"\"{e.value.reason}\"; {attr!r} not set afterwards")
     finally:
         for obj in (target(),):
             try:
@@ -105,7 +106,7 @@ HOSTILE_NAMES = {
 
 
 @pytest.mark.parametrize("attack", list(HOSTILE_NAMES))
-def test_manifest_entries_outside_the_folder_or_not_regular_files_are_refused(saved, attack):
+def test_manifest_entries_outside_the_folder_or_not_regular_files_are_refused(saved, attack, hostile):
     folder = ck(saved, 4)
     name, data = HOSTILE_NAMES[attack](folder)
     add_to_manifest(folder, name, data)
@@ -113,10 +114,11 @@ def test_manifest_entries_outside_the_folder_or_not_regular_files_are_refused(sa
     assert problems and any(name in p or name.split("/")[-1] in p for p in problems), problems
     assert any(w in " ".join(problems) for w in ("not a plain file name", "symbolic link", "not a regular file")), \
         problems
+    hostile(f"\"{problems[0][problems[0].find('step_4/'):][:200]}\"")
 
 
 @pytest.mark.parametrize("where", ["../outside.distcp", "/etc/hostname", "sub/__0_0.distcp"])
-def test_dcp_storage_paths_outside_the_folder_are_refused(saved, where):
+def test_dcp_storage_paths_outside_the_folder_are_refused(saved, where, hostile):
     folder = ck(saved, 4)
     with open(folder / ".metadata", "rb") as f:
         meta = pickle.load(f)
@@ -125,13 +127,14 @@ def test_dcp_storage_paths_outside_the_folder_are_refused(saved, where):
     with open(folder / ".metadata", "wb") as f:
         pickle.dump(meta, f)
     reseal(folder, ".metadata")
-    with pytest.raises(K.UnsafeCheckpointFile, match="points outside the checkpoint folder"):
+    with pytest.raises(K.UnsafeCheckpointFile, match="points outside the checkpoint folder") as e:
         F.read_dcp_metadata(folder)
     assert any("outside the checkpoint folder" in p for p in verify_in_time(folder))
+    hostile(f"\"{e.value.reason[:200]}\"")
 
 
 @pytest.mark.parametrize("name", ["COMPLETE", "train_state.json"])
-def test_oversized_json_files_are_refused_without_reading_them(saved, name):
+def test_oversized_json_files_are_refused_without_reading_them(saved, name, hostile):
     folder = ck(saved, 4)
     huge = 2 << 30 if name == "COMPLETE" else 80 << 20
     with open(folder / name, "r+b") as f:
@@ -142,6 +145,7 @@ def test_oversized_json_files_are_refused_without_reading_them(saved, name):
         (folder / "COMPLETE").write_text(json.dumps(man))
     problems = verify_in_time(folder)
     assert any(name in p and "more than" in p for p in problems), problems
+    hostile(f"\"{next(p for p in problems if 'more than' in p).split('step_4/')[-1][:200]}\"")
 
 
 # --- 3. what is checked is what is loaded ------------------------------------------------------------------
@@ -157,10 +161,12 @@ def _flip_middle_byte(path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("name,change", [("__0_0.distcp", _flip_middle_byte), ("rank0.safetensors", _flip_last_byte),
-                                         ("train_state.json", lambda p: p.write_text(
-                                             p.read_text().replace('"step": 4', '"step": 3')))])
-def test_bytes_changed_between_the_check_and_the_load_are_refused(saved, monkeypatch, capsys, name, change):
+@pytest.mark.parametrize("name,change", [
+    pytest.param("__0_0.distcp", _flip_middle_byte, id="shard"),
+    pytest.param("rank0.safetensors", _flip_last_byte, id="rank file"),
+    pytest.param("train_state.json", lambda p: p.write_text(p.read_text().replace('"step": 4', '"step": 3')),
+                 id="train_state.json")])
+def test_bytes_changed_between_the_check_and_the_load_are_refused(saved, monkeypatch, capsys, name, change, hostile):
     real = R.check_compatible
 
     def check_then_change(path, *a, **kw):  # runs after the checksum pass, before the model is loaded
@@ -173,12 +179,16 @@ def test_bytes_changed_between_the_check_and_the_load_are_refused(saved, monkeyp
     err = capsys.readouterr().err
     assert f"step_4/{name}" in err and "changed since it was checked" in err, err[-2000:]
     assert [s for s, _ in K.complete_checkpoints(saved / "checkpoints")] == [2, 4]  # nothing deleted
+    line = next(ln for ln in err.splitlines() if "changed since it was checked" in ln)
+    hostile(f"exit 2: \"{line[line.find('step_4/' + name):][:220]}\"")
 
 
 # --- 5. forged fields: a clear error naming the file and the field ---------------------------------------
-@pytest.mark.parametrize("field,value", [("world_size", "two"), ("step", -3), ("scheduler", [1, 2]),
-                                         ("config", "not a mapping")])
-def test_forged_train_state_field_is_named(saved, capsys, field, value):
+@pytest.mark.parametrize("field,value", [pytest.param("world_size", "two", id="world_size"),
+                                         pytest.param("step", -3, id="step"),
+                                         pytest.param("scheduler", [1, 2], id="scheduler"),
+                                         pytest.param("config", "not a mapping", id="config")])
+def test_forged_train_state_field_is_named(saved, capsys, field, value, hostile):
     for step in (2, 4):  # every checkpoint forged: auto has nothing to fall back to
         folder = ck(saved, step)
         state = json.loads((folder / "train_state.json").read_text())
@@ -189,3 +199,4 @@ def test_forged_train_state_field_is_named(saved, capsys, field, value):
     assert run(saved, "--max_steps", "6") == 2
     err = capsys.readouterr().err
     assert "train_state.json" in err and f"field {field!r}" in err and "Traceback" not in err, err[-2000:]
+    hostile(f"exit 2: \"...{err[err.find(f'field {field!r}'):][:160]}\"")

@@ -20,7 +20,7 @@ def plant(ckpts, **holder) -> None:
                                                **holder}))
 
 
-def test_second_job_on_the_same_checkpoint_dir_is_refused_naming_the_holder(saved, capsys, monkeypatch):
+def test_second_job_on_the_same_checkpoint_dir_is_refused_naming_the_holder(saved, capsys, monkeypatch, hostile):
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         plant(saved / "checkpoints", job_id="4242", pid=other.pid)
@@ -29,6 +29,7 @@ def test_second_job_on_the_same_checkpoint_dir_is_refused_naming_the_holder(save
         assert run(saved, "--max_steps", "6", "--checkpoint_freq", "2") == 2
         err = capsys.readouterr().err
         assert "Slurm job 4242" in err and socket.gethostname() in err and f"pid {other.pid}" in err, err[-2000:]
+        refused = err[err.find("is in use by"):][:90]
         assert [s for s, _ in K.complete_checkpoints(saved / "checkpoints")] == [2, 4]  # nothing touched
     finally:
         other.kill()
@@ -39,21 +40,25 @@ def test_second_job_on_the_same_checkpoint_dir_is_refused_naming_the_holder(save
     err = capsys.readouterr().err
     assert "taking over the lock" in err and "no longer running" in err, err[-2000:]
     assert [s for s, _ in K.complete_checkpoints(saved / "checkpoints")] == [4, 6]
+    hostile(f"exit 2: \"...{refused}...\"; after the holder died: \"taking over the lock\", resumed")
 
 
-def test_lock_of_another_host_is_not_judged_stale_and_says_how_to_remove_it(saved, capsys):
+def test_lock_of_another_host_is_not_judged_stale_and_says_how_to_remove_it(saved, capsys, hostile):
     plant(saved / "checkpoints", job_id="99", host="node-elsewhere", pid=1)
     capsys.readouterr()
     assert run(saved, "--max_steps", "6") == 2
     err = capsys.readouterr().err
     assert "node-elsewhere" in err and f"remove {saved / 'checkpoints' / 'LOCK'}" in err, err[-2000:]
+    hostile("exit 2: \"... Slurm job 99 on host node-elsewhere ... if it is gone (its node died), remove "
+            ".../LOCK and rerun\"")
 
 
-def test_the_same_slurm_job_requeued_takes_its_lock_back(saved, capsys, monkeypatch):
+def test_the_same_slurm_job_requeued_takes_its_lock_back(saved, capsys, monkeypatch, hostile):
     plant(saved / "checkpoints", job_id="555", host="node-before-requeue", pid=12345)
     monkeypatch.setenv("SLURM_JOB_ID", "555")
     assert run(saved, "--max_steps", "6", "--checkpoint_freq", "2") == 0
     assert "same job 555" in capsys.readouterr().err
+    hostile("\"taking over the lock ...: held by this same job 555 before a requeue or restart\"; exit 0")
 
 
 def test_lock_is_released_at_the_end_of_the_process(tmp_path):
