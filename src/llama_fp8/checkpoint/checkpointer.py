@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from llama_fp8 import faults
 from llama_fp8.checkpoint import files as F
 from llama_fp8.checkpoint import layout as L
 from llama_fp8.checkpoint import manifest as M
+from llama_fp8.checkpoint import writer as W
 from llama_fp8.errors import AgreedError, ConfigError
 
 log = logging.getLogger("llama_fp8.checkpoint")
@@ -52,6 +54,7 @@ class Checkpointer:
         # copy costs host memory the size of this rank's shards, for the whole run.
         self._stager = _stager() if async_save else None
         self._pending: tuple[Future, Path, Path, int] | None = None  # (this rank's sums, tmp, final, step)
+        self._own_digests: dict[str, tuple[int, str]] = {}  # the per-rank file and train_state.json, as written
         self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ckpt-delete")  # retired checkpoints
 
     # --- save ----------------------------------------------------------------------------------
@@ -67,19 +70,22 @@ class Checkpointer:
         state = {"model": model_sd, "optim": optim_sd}
         if not self.async_save:
             try:
-                written = dcp.save(state, checkpoint_id=str(tmp), process_group=self._pg)
-                sums, error = self._my_sums(tmp, written), None
+                writer = W.HashingFileSystemWriter(str(tmp), M.HASHERS[M.ALGORITHM])
+                with _no_torch_crc32():
+                    written = dcp.save(state, storage_writer=writer, process_group=self._pg)
+                sums, error = self._my_sums(tmp, written, writer.digests), None
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported on every rank below
                 sums, error = None, _describe(e)
             self._finalize(tmp, final, step, sums, error)
             log.info("checkpoint saved: %s (%.2f s)", final, time.perf_counter() - t0)
             return
         try:
-            fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg, async_stager=self._stager)
+            writer = W.HashingFileSystemWriter(str(tmp), M.HASHERS[M.ALGORITHM])
+            fut = dcp.async_save(state, storage_writer=writer, process_group=self._pg, async_stager=self._stager)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - a staging error: agreed on in wait()
             fut = Future()
             fut.set_exception(e)
-        self._pending = (self._pool.submit(self._sums_after, fut, tmp), tmp, final, step)
+        self._pending = (self._pool.submit(self._sums_after, fut, tmp, writer.digests), tmp, final, step)
         log.info("checkpoint step_%d staged in %.2f s; writing in the background", step, time.perf_counter() - t0)
         faults.at("save.async_in_flight", step)
 
@@ -103,25 +109,29 @@ class Checkpointer:
 
     def _write_own(self, tmp: Path, step: int, scheduler, loader, cfg, plan) -> None:
         """This rank's data position and RNG states; on rank 0 also train_state.json."""
-        F.write_rank_state(tmp / F.RANK_FILE.format(self.rank), {"loader": loader.state_dict(), "rng": _rng_state()})
+        self._own_digests = {}
+        blob = F.write_rank_state(tmp / F.RANK_FILE.format(self.rank), {"loader": loader.state_dict(),
+                                                                         "rng": _rng_state()})
+        self._own_digests[F.RANK_FILE.format(self.rank)] = M.digest_bytes(blob)
         if self.rank == 0:
             body = json.dumps({
                 "step": step, "world_size": self.world, "scheduler": _jsonable(scheduler.state_dict()),
                 "config": {k: v for k, v in asdict(cfg).items() if k != "config"},
                 "plan": None if plan is None else plan.to_dict()}, default=str, indent=1)
-            with open(tmp / M.TRAIN_STATE, "w") as f:
-                f.write(body)
+            with open(tmp / M.TRAIN_STATE, "wb") as f:
+                f.write(body.encode())
                 f.flush()
                 os.fsync(f.fileno())
+            self._own_digests[M.TRAIN_STATE] = M.digest_bytes(body.encode())
 
-    def _sums_after(self, fut, tmp: Path) -> dict:
+    def _sums_after(self, fut, tmp: Path, digests: dict) -> dict:
         """Background thread of an async save: wait for DCP's write, then checksum this rank's files."""
         result = fut.result()
         if hasattr(result, "upload_completion"):  # AsyncSaveResponse in newer torch
             result.upload_completion.result()
-        return self._my_sums(tmp, result)
+        return self._my_sums(tmp, result, digests)
 
-    def _my_sums(self, tmp: Path, written) -> dict:
+    def _my_sums(self, tmp: Path, written, digests: dict[str, tuple[int, str]]) -> dict:
         """Size and checksum of the files this rank wrote (read back from the page cache). The shard names
         come from what DCP reports it wrote (its Metadata, on every rank), not from a directory listing,
         which a network file system may show incomplete for a while."""
@@ -132,7 +142,9 @@ class Checkpointer:
         names = sorted(M.owned_files(written, self.rank, self.world)) + [F.RANK_FILE.format(self.rank)]
         if self.rank == 0:
             names += [".metadata", M.TRAIN_STATE]
-        return M.sums(tmp, names)
+        known = {**digests, **self._own_digests}  # hashed while written: no second pass over the bytes
+        out = {n: {"bytes": known[n][0], M.ALGORITHM: known[n][1]} for n in names if n in known}
+        return {**out, **M.sums(tmp, [n for n in names if n not in known])}
 
     def _finalize(self, tmp: Path, final: Path, step: int, sums: dict | None, error: str | None) -> None:
         """Every rank: agree that all wrote their files. Rank 0: manifest, rename, retention."""
@@ -269,6 +281,19 @@ class Checkpointer:
         log.warning("checkpoint %s was saved by %d ranks, this run has %d: model and optimizer are resharded, "
                     "but the data stream restarts from its beginning (per-rank reader positions do not map "
                     "to a new world size)", path, meta["world_size"], self.world)
+
+
+@contextlib.contextmanager
+def _no_torch_crc32():
+    """torch.save's CRC32 of every record of a shard, off for our sync save: every file already gets the
+    manifest's checksum, computed while it is written (``writer.py``), and verified on every load. (An
+    async save's background write keeps torch's default: the switch is process-wide.)"""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
 
 
 def _stager():

@@ -80,8 +80,9 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
-def write_rank_state(path: Path, state: dict) -> None:
-    """Write this rank's state (and fsync it: a checkpoint is complete only once its bytes are on disk)."""
+def write_rank_state(path: Path, state: dict) -> bytes:
+    """Write this rank's state (and fsync it: a checkpoint is complete only once its bytes are on disk);
+    returns the bytes written (the caller hashes them for the manifest)."""
     from safetensors.torch import save as st_save
 
     tensors: dict[str, torch.Tensor] = {}
@@ -91,6 +92,7 @@ def write_rank_state(path: Path, state: dict) -> None:
         f.write(blob)
         f.flush()
         os.fsync(f.fileno())
+    return blob
 
 
 def read_rank_state(path: Path, want: dict | None = None) -> dict:

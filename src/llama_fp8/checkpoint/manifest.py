@@ -80,6 +80,13 @@ def digest_file(path: Path, algorithm: str = ALGORITHM, limit: int | None = None
     return n, h.hexdigest()
 
 
+def digest_bytes(data: bytes, algorithm: str = ALGORITHM) -> tuple[int, str]:
+    """(bytes, hex digest) of ``data`` (what was just written to a file)."""
+    h = HASHERS[algorithm]()
+    h.update(data)
+    return len(data), h.hexdigest()
+
+
 def sums(folder: Path, names: list[str], threads: int = 4) -> dict[str, dict[str, Any]]:
     """{name: {"bytes", ALGORITHM}} of files in ``folder``, several files at a time."""
     with ThreadPoolExecutor(max(1, min(threads, len(names)))) as pool:
