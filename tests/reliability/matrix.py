@@ -169,8 +169,8 @@ MATRIX: dict[str, tuple[str, str, str]] = {
 # --- hostile inputs: checkpoint files written by an attacker or left by a flaky file system --------------------
 NAMES, PICKLE, TOCTOU, COMPLETE, AGREE = ("names and file kinds", "metadata pickle", "checked = loaded",
                                           "saved = complete", "agreement and lock")
-_NAME = "refused naming the entry, before any byte of it is read; the checkpoint is set aside as broken, " \
-        "nothing is deleted"
+_NAME = "the check refuses it naming the entry, before any byte of it is read (a resume then treats the " \
+        "checkpoint as damaged: set aside, nothing deleted)"
 # test id (tests/checkpoint/) -> (class, attack, what the trainer does); every one leaves every file in place
 HOSTILE: dict[str, tuple[str, str, str]] = {
     **{f"test_metadata_pickle_cannot_change_a_shared_object[{k}]": (PICKLE, attack, "refused by the .metadata "
@@ -352,8 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hostile_only", action="store_true",
                    help="replace only the hostile-inputs section of --out (from tests/checkpoint/ results)")
     args = p.parse_args(argv)
-    if args.hostile_only:
-        Path(args.out).write_text(with_hostile(Path(args.out).read_text()))
+    if args.hostile_only:  # the hostile-inputs table and the decisions after it; the fault rows stay as they are
+        doc = with_hostile(Path(args.out).read_text())
+        cut = doc.index("## What was decided") if "## What was decided" in doc else len(doc)
+        Path(args.out).write_text(doc[:cut] + (DECISIONS.read_text() if DECISIONS.is_file() else ""))
         print(f"wrote the hostile-inputs section of {args.out}: {len(HOSTILE)} rows")
         return 0
     Path(args.out).write_text(render(load_rows()))
