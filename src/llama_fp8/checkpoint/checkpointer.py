@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -79,8 +78,7 @@ class Checkpointer:
         if not self.async_save:
             try:
                 writer = W.HashingFileSystemWriter(str(tmp), M.HASHERS[M.ALGORITHM])
-                with _no_torch_crc32():
-                    written = dcp.save(state, storage_writer=writer, process_group=self._pg)
+                written = dcp.save(state, storage_writer=writer, process_group=self._pg)
                 sums, error = self._my_sums(tmp, written, writer.digests), None
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported on every rank below
                 sums, error = None, _describe(e)
@@ -289,19 +287,6 @@ class Checkpointer:
         log.warning("checkpoint %s was saved by %d ranks, this run has %d: model and optimizer are resharded, "
                     "but the data stream restarts from its beginning (per-rank reader positions do not map "
                     "to a new world size)", path, meta["world_size"], self.world)
-
-
-@contextlib.contextmanager
-def _no_torch_crc32():
-    """torch.save's CRC32 of every record of a shard, off for our sync save: every file already gets the
-    manifest's checksum, computed while it is written (``writer.py``), and verified on every load. (An
-    async save's background write keeps torch's default: the switch is process-wide.)"""
-    before = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(before)
 
 
 def _stager():
