@@ -79,14 +79,19 @@ def test_bench_checkpoint_prints_table_and_ratio(tmp_path):
     out, rec = run_bench("bench_checkpoint.py", "--hidden_width", "64", "--num_layers", "1", "--vocab_size", "512",
                          "--intermediate_size", "128", "--rounds", "2", "--dir", str(tmp_path))
     rows = [ln.split()[0] + " " + ln.split()[1] for ln in out.splitlines() if ln.startswith(("raw ", "ours ", "async "))]
-    assert rows == ["raw write", "ours save", "async blocked", "async total", "raw read", "ours load",
+    assert rows == ["raw write", "ours save", "async blocked", "async total", "raw read", "ours load", "ours load",
                     "ours verify"], out
     assert rec["bench"] == "checkpoint" and rec["world_size"] == 2 and rec["rounds"] == 2
     # What is timed is the real state: FP32 weights + two AdamW moments (+ a step counter per tensor) = 12 bytes
     # per parameter, summed over both ranks' shards.
     assert rec["state_bytes"] >= 12 * 60_000, rec
     assert all(v > 0 for v in rec["gbps"].values()) and rec["ratio"] == min(rec["save_ratio"], rec["load_ratio"])
-    assert rec["async_blocked_ratio"] > 0
+    assert rec["async_blocked_ratio"] > 0 and rec["verify_cost_ratio"] > 0
+    # median and spread of the repeats; where a sync save's time goes, as shares of it
+    lo, hi = rec["spread_s"]["ours save (sync)"]
+    assert lo <= rec["median_s"]["ours save (sync)"] <= hi, rec
+    assert set(rec["save_share"]) == {"per-rank file", "DCP serialization", "fsync", "checksum pass"}, rec
+    assert all(v > 0 for v in rec["save_share"].values()) and sum(rec["save_share"].values()) < 1.0, rec
     assert (tmp_path / "ckpt").is_dir() and (tmp_path / "raw" / "rank1.bin").is_file()  # both wrote to --dir
 
 

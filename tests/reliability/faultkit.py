@@ -83,9 +83,11 @@ def complete(run_dir: Path) -> list[int]:
 
 
 def leftovers(run_dir: Path) -> list[str]:
+    """What a checkpoint folder holds besides complete checkpoints (not the LOCK a killed job leaves behind:
+    the next run takes that over, see tests/checkpoint/test_lock.py)."""
     d = run_dir / "checkpoints"
     return sorted(p.name for p in d.iterdir() if not p.name.startswith(".") and p.name not in
-                  {f"step_{s}" for s in complete(run_dir)}) if d.is_dir() else []
+                  {f"step_{s}" for s in complete(run_dir)} | {"LOCK"}) if d.is_dir() else []
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -3,6 +3,8 @@ test when it passes), and the table docs/reliability.md rendered from both.
 
     LLAMA_FP8_RELIABILITY_DOC=docs/reliability.md .venv/bin/python -m pytest tests/reliability   # + the doc
     .venv/bin/python tests/reliability/matrix.py --out docs/reliability.md      # render the recorded rows
+    .venv/bin/python -m pytest tests/checkpoint && \
+        .venv/bin/python tests/reliability/matrix.py --hostile_only    # only the hostile-inputs section
 
 A passing matrix test records its row (observed outcome, optimizer steps lost) in ROWS_FILE, replacing
 the row of an earlier run of the same test; the Slurm row (tests/cluster/test_faults_slurm.py) is
@@ -164,6 +166,124 @@ MATRIX: dict[str, tuple[str, str, str]] = {
 }
 
 
+# --- hostile inputs: checkpoint files written by an attacker or left by a flaky file system --------------------
+NAMES, PICKLE, TOCTOU, COMPLETE, AGREE = ("names and file kinds", "metadata pickle", "checked = loaded",
+                                          "saved = complete", "agreement and lock")
+_NAME = "the check refuses it naming the entry, before any byte of it is read (a resume then treats the " \
+        "checkpoint as damaged: set aside, nothing deleted)"
+# test id (tests/checkpoint/) -> (class, attack, what the trainer does); every one leaves every file in place
+HOSTILE: dict[str, tuple[str, str, str]] = {
+    **{f"test_metadata_pickle_cannot_change_a_shared_object[{k}]": (PICKLE, attack, "refused by the .metadata "
+       "unpickler (BUILD only on objects the load created, SETITEM/APPEND only on plain containers); the object "
+       "is unchanged after the refusal") for k, attack in (
+        ("class attribute", "a .metadata whose BUILD sets an attribute on an allowed class (PosixPath)"),
+        ("function attribute", "BUILD on an allowed function (torch.serialization._get_layout)"),
+        ("enum member", "BUILD on an enum member (a process-wide singleton) made by REDUCE"),
+        ("change then refused global", "BUILD on an allowed class, then a refused global (the change made "
+         "before the refusal)"),
+        ("setitem on a class", "SETITEM on an allowed class"))},
+    **{f"test_manifest_entries_outside_the_folder_or_not_regular_files_are_refused[{k}]": (NAMES, attack, _NAME)
+       for k, attack in (
+        ("absolute path", "a manifest entry with an absolute path to a file outside (size and checksum forged to "
+         "match)"),
+        ("dot-dot", "a manifest entry ../../outside.bin (size and checksum match)"),
+        ("symlink out", "a manifest entry that is a symlink to a file outside the folder (checksum matches)"),
+        ("/dev/zero", "a manifest entry naming /dev/zero (size 0: the old check read it forever)"),
+        ("symlink to /dev/zero", "a symlink in the folder to /dev/zero"),
+        ("FIFO", "a FIFO in the folder named by the manifest (the old check blocked in open)"),
+        ("directory", "a manifest entry naming a directory"))},
+    **{f"test_dcp_storage_paths_outside_the_folder_are_refused[{k}]": (
+        NAMES, f"DCP's .metadata pointing a shard at {k} (manifest forged to match)",
+        "refused: the metadata points outside the checkpoint folder; set aside, nothing read outside")
+       for k in ("../outside.distcp", "/etc/hostname", "sub/__0_0.distcp")},
+    "test_oversized_json_files_are_refused_without_reading_them[COMPLETE]": (
+        NAMES, "a 2 GiB COMPLETE manifest (sparse)", "refused by its size cap (64 MiB) without reading it"),
+    "test_oversized_json_files_are_refused_without_reading_them[train_state.json]": (
+        NAMES, "an 80 MiB train_state.json listed in the manifest", "refused by its size cap without parsing it"),
+    **{f"test_bytes_changed_between_the_check_and_the_load_are_refused[{k}]": (
+        TOCTOU, f"{what} changed after the start-up check passed, before the load",
+        "the load hashes the bytes it uses: refused (exit 2) naming the file, nothing of it loaded; "
+        "no checkpoint deleted") for k, what in (
+        ("shard", "one byte of the model/optimizer shard"), ("rank file", "one byte of the per-rank state"),
+        ("train_state.json", "the step in train_state.json"))},
+    **{f"test_forged_train_state_field_is_named[{k}]": (
+        AGREE, f"train_state.json with a forged {k} (manifest forged to match), in every checkpoint",
+        "exit 2 naming the file and the field; no traceback; nothing deleted") for k in (
+        "world_size", "step", "scheduler", "config")},
+    "test_manifest_lists_every_file_dcp_wrote_even_if_the_listing_misses_one": (
+        COMPLETE, "the directory listing misses the shard while the save is checksummed",
+        "the manifest lists what DCP reports it wrote: complete, and the next check passes"),
+    "test_a_manifest_that_misses_a_file_of_the_metadata_fails_the_save": (
+        COMPLETE, "the manifest lacks a shard that .metadata points into",
+        "the save fails on every rank (exit 2) naming the shard; no COMPLETE is written"),
+    "test_step_folder_without_complete_is_named_and_kept": (
+        COMPLETE, "a step_6 folder without COMPLETE (copied by hand) where the run will save step 6",
+        "named at start-up; renamed step_6.incomplete before the save, its files kept"),
+    "test_transient_io_error_during_the_check_is_retried": (
+        COMPLETE, "EIO twice while checksumming the latest shard",
+        "retried (logged), the sound checkpoint is used, nothing set aside"),
+    "test_checkpoint_dir_that_cannot_be_listed_stops_instead_of_starting_over": (
+        COMPLETE, "the checkpoint folder cannot be listed (EIO)",
+        "exit 2 naming the folder instead of starting over from step 0; nothing changed"),
+    "test_second_job_on_the_same_checkpoint_dir_is_refused_naming_the_holder": (
+        AGREE, "a second job on a checkpoint folder held by a live job; then that job dies",
+        "exit 2 naming the holder's Slurm job id, host and pid; once the holder is dead the stale lock is "
+        "taken over with a warning"),
+    "test_lock_of_another_host_is_not_judged_stale_and_says_how_to_remove_it": (
+        AGREE, "a lock held by a job on another host", "exit 2 naming that host and the file to remove by hand "
+        "if the job is gone"),
+    "test_the_same_slurm_job_requeued_takes_its_lock_back": (
+        AGREE, "the lock of this same Slurm job before a requeue (another host, dead pid)",
+        "taken back with a warning; the run resumes"),
+    **{f"test_every_checkpoint_damaged_on_two_ranks_ends_in_the_agreed_exit[{k}]": (
+        AGREE, f"2 ranks, every checkpoint damaged ({what})",
+        "every rank exits 2 together (no SIGABRT); one message; checkpoints renamed *.broken, none deleted")
+       for k, what in (("__1_0.distcp", "rank 1's shard"), ("rank1.safetensors", "rank 1's state file"),
+                       ("COMPLETE", "the manifest"))},
+}
+HOSTILE_ROWS_FILE = ROWS_FILE.with_name("llama-fp8-hostile.json")
+BEGIN, END = "<!-- hostile inputs: generated from tests/checkpoint/ -->", "<!-- end of hostile inputs -->"
+
+
+def record_hostile(test_id: str, observed: str) -> None:
+    """Store a passing hostile-input test's observation (replacing that test's earlier row)."""
+    assert test_id in HOSTILE, f"{test_id} is not in tests/reliability/matrix.py HOSTILE"
+    rows = json.loads(HOSTILE_ROWS_FILE.read_text()) if HOSTILE_ROWS_FILE.is_file() else {}
+    observed = re.sub(r"/tmp/pytest-of-[^/\s]+/pytest-\d+/[^/\s]+/", "", observed).replace("|", "/")
+    rows[test_id] = {"observed": " ".join(observed.split())[:300],
+                     "when": datetime.datetime.now().isoformat(timespec="seconds")}
+    HOSTILE_ROWS_FILE.parent.mkdir(parents=True, exist_ok=True)
+    tmp = HOSTILE_ROWS_FILE.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rows, indent=1, sort_keys=True))
+    tmp.replace(HOSTILE_ROWS_FILE)
+
+
+def render_hostile() -> str:
+    rows = json.loads(HOSTILE_ROWS_FILE.read_text()) if HOSTILE_ROWS_FILE.is_file() else {}
+    missing = [k for k in HOSTILE if k not in rows]
+    if missing:
+        raise SystemExit(f"no recorded result for {len(missing)} hostile-input rows (run tests/checkpoint first): "
+                         f"{missing[:5]}")
+    lines = [BEGIN, "## Hostile inputs", "",
+             f"Checkpoint files written by an attacker or left by a flaky file system: every row is a test in "
+             f"tests/checkpoint/ that plants the file (or the fault) and asserts the outcome. {len(HOSTILE)} "
+             f"attacks, all refused or handled with a message naming the file; in none was a checkpoint deleted "
+             f"or overwritten. Results as of {max(r['when'] for r in rows.values())[:10]}.", "",
+             "| class | attack | what the trainer does | observed | test |", "|---|---|---|---|---|"]
+    for key, (kind, attack, expected) in HOSTILE.items():
+        lines.append(f"| {kind} | {attack} | {expected} | {rows[key]['observed']} | `{key}` |".replace("\n", " "))
+    return "\n".join([*lines, "", END]) + "\n"
+
+
+def with_hostile(doc: str) -> str:
+    """``doc`` with its hostile-inputs section replaced (or put before the decisions)."""
+    section = render_hostile()
+    if BEGIN in doc and END in doc:
+        return doc[:doc.index(BEGIN)] + section + doc[doc.index(END) + len(END) + 1:]
+    cut = doc.index("## What was decided") if "## What was decided" in doc else len(doc)
+    return doc[:cut] + section + "\n" + doc[cut:]
+
+
 def record(test_id: str, observed: str, steps_lost: int | None) -> None:
     """Store a passing test's row (replacing that test's earlier row)."""
     assert test_id in MATRIX, f"{test_id} is not in tests/reliability/matrix.py MATRIX"
@@ -219,7 +339,7 @@ def render(rows: dict[str, dict]) -> str:
                 lost = "-" if r["steps_lost"] is None else str(r["steps_lost"])
                 lines.append(f"| {fault} | {expected} | {r['observed']} | {lost} | `{key}` |".replace("\n", " "))
         lines.append("")
-    return "\n".join(lines) + "\n" + (DECISIONS.read_text() if DECISIONS.is_file() else "")
+    return with_hostile("\n".join(lines) + "\n" + (DECISIONS.read_text() if DECISIONS.is_file() else ""))
 
 
 DECISIONS = Path(__file__).with_name("decisions.md")
@@ -229,7 +349,15 @@ DECISIONS = Path(__file__).with_name("decisions.md")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Render docs/reliability.md from the recorded matrix rows.")
     p.add_argument("--out", default=str(REPO / "docs" / "reliability.md"))
+    p.add_argument("--hostile_only", action="store_true",
+                   help="replace only the hostile-inputs section of --out (from tests/checkpoint/ results)")
     args = p.parse_args(argv)
+    if args.hostile_only:  # the hostile-inputs table and the decisions after it; the fault rows stay as they are
+        doc = with_hostile(Path(args.out).read_text())
+        cut = doc.index("## What was decided") if "## What was decided" in doc else len(doc)
+        Path(args.out).write_text(doc[:cut] + (DECISIONS.read_text() if DECISIONS.is_file() else ""))
+        print(f"wrote the hostile-inputs section of {args.out}: {len(HOSTILE)} rows")
+        return 0
     Path(args.out).write_text(render(load_rows()))
     print(f"wrote {args.out}: {headline(summary(load_rows()))}")
     return 0

@@ -37,3 +37,19 @@ def test_readme_quotes_the_headline_figures():
     readme = REPO / "README.md"
     text = " ".join(readme.read_text().split())
     assert headline.group(1) in text and "(docs/reliability.md)" in text
+
+
+HOSTILE_ROW = re.compile(r"^\| (.+?) \| (.+?) \| (.+?) \| (.+?) \| `(.+?)` \|$", re.M)
+
+
+def test_doc_hostile_inputs_are_the_hostile_matrix():
+    text = DOC.read_text()
+    assert matrix.BEGIN in text and matrix.END in text, "docs/reliability.md lost its hostile-inputs section"
+    section = text[text.index(matrix.BEGIN):text.index(matrix.END)]
+    rows = HOSTILE_ROW.findall(section)
+    assert sorted((test, kind, attack, expected) for kind, attack, expected, _, test in rows) == sorted(
+        (k, *v) for k, v in matrix.HOSTILE.items()), \
+        "stale: run tests/checkpoint, then .venv/bin/python tests/reliability/matrix.py --hostile_only"
+    assert all(observed.strip() for _, _, _, observed, _ in rows)
+    sources = "".join(p.read_text() for p in (REPO / "tests" / "checkpoint").glob("test_*.py"))
+    assert all(f"def {k.split('[')[0]}(" in sources for k in matrix.HOSTILE)

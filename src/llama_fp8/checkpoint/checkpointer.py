@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -13,7 +12,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -24,6 +22,17 @@ from llama_fp8 import faults
 from llama_fp8.checkpoint import files as F
 from llama_fp8.checkpoint import layout as L
 from llama_fp8.checkpoint import manifest as M
+from llama_fp8.checkpoint import writer as W
+from llama_fp8.checkpoint.restore import (
+    _entry,
+    _jsonable,
+    _load_scheduler,
+    _manifest_files,
+    _rng_state,
+    _set_rng_state,
+    check_fits,
+    read_rank_file,
+)
 from llama_fp8.errors import AgreedError, ConfigError
 
 log = logging.getLogger("llama_fp8.checkpoint")
@@ -52,6 +61,7 @@ class Checkpointer:
         # copy costs host memory the size of this rank's shards, for the whole run.
         self._stager = _stager() if async_save else None
         self._pending: tuple[Future, Path, Path, int] | None = None  # (this rank's sums, tmp, final, step)
+        self._own_digests: dict[str, tuple[int, str]] = {}  # the per-rank file and train_state.json, as written
         self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ckpt-delete")  # retired checkpoints
 
     # --- save ----------------------------------------------------------------------------------
@@ -67,19 +77,21 @@ class Checkpointer:
         state = {"model": model_sd, "optim": optim_sd}
         if not self.async_save:
             try:
-                dcp.save(state, checkpoint_id=str(tmp), process_group=self._pg)
-                sums, error = self._my_sums(tmp), None
+                writer = W.HashingFileSystemWriter(str(tmp), M.HASHERS[M.ALGORITHM])
+                written = dcp.save(state, storage_writer=writer, process_group=self._pg)
+                sums, error = self._my_sums(tmp, written, writer.digests), None
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported on every rank below
                 sums, error = None, _describe(e)
             self._finalize(tmp, final, step, sums, error)
             log.info("checkpoint saved: %s (%.2f s)", final, time.perf_counter() - t0)
             return
         try:
-            fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg, async_stager=self._stager)
+            writer = W.HashingFileSystemWriter(str(tmp), M.HASHERS[M.ALGORITHM])
+            fut = dcp.async_save(state, storage_writer=writer, process_group=self._pg, async_stager=self._stager)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - a staging error: agreed on in wait()
             fut = Future()
             fut.set_exception(e)
-        self._pending = (self._pool.submit(self._sums_after, fut, tmp), tmp, final, step)
+        self._pending = (self._pool.submit(self._sums_after, fut, tmp, writer.digests), tmp, final, step)
         log.info("checkpoint step_%d staged in %.2f s; writing in the background", step, time.perf_counter() - t0)
         faults.at("save.async_in_flight", step)
 
@@ -103,30 +115,42 @@ class Checkpointer:
 
     def _write_own(self, tmp: Path, step: int, scheduler, loader, cfg, plan) -> None:
         """This rank's data position and RNG states; on rank 0 also train_state.json."""
-        F.write_rank_state(tmp / F.RANK_FILE.format(self.rank), {"loader": loader.state_dict(), "rng": _rng_state()})
+        self._own_digests = {}
+        blob = F.write_rank_state(tmp / F.RANK_FILE.format(self.rank), {"loader": loader.state_dict(),
+                                                                         "rng": _rng_state()})
+        self._own_digests[F.RANK_FILE.format(self.rank)] = M.digest_bytes(blob)
         if self.rank == 0:
             body = json.dumps({
                 "step": step, "world_size": self.world, "scheduler": _jsonable(scheduler.state_dict()),
                 "config": {k: v for k, v in asdict(cfg).items() if k != "config"},
                 "plan": None if plan is None else plan.to_dict()}, default=str, indent=1)
-            with open(tmp / M.TRAIN_STATE, "w") as f:
-                f.write(body)
+            with open(tmp / M.TRAIN_STATE, "wb") as f:
+                f.write(body.encode())
                 f.flush()
                 os.fsync(f.fileno())
+            self._own_digests[M.TRAIN_STATE] = M.digest_bytes(body.encode())
 
-    def _sums_after(self, fut, tmp: Path) -> dict:
+    def _sums_after(self, fut, tmp: Path, digests: dict) -> dict:
         """Background thread of an async save: wait for DCP's write, then checksum this rank's files."""
         result = fut.result()
         if hasattr(result, "upload_completion"):  # AsyncSaveResponse in newer torch
             result.upload_completion.result()
-        return self._my_sums(tmp)
+        return self._my_sums(tmp, result, digests)
 
-    def _my_sums(self, tmp: Path) -> dict:
-        """Size and checksum of the files this rank wrote (read back from the page cache)."""
-        names = sorted(p.name for p in tmp.glob(f"__{self.rank}_*.distcp")) + [F.RANK_FILE.format(self.rank)]
+    def _my_sums(self, tmp: Path, written, digests: dict[str, tuple[int, str]]) -> dict:
+        """Size and checksum of the files this rank wrote (read back from the page cache). The shard names
+        come from what DCP reports it wrote (its Metadata, on every rank), not from a directory listing,
+        which a network file system may show incomplete for a while."""
+        from torch.distributed.checkpoint.metadata import Metadata
+
+        if not isinstance(written, Metadata):  # another torch's return value: DCP's own record of the save
+            written = F.read_dcp_metadata(tmp)
+        names = sorted(M.owned_files(written, self.rank, self.world)) + [F.RANK_FILE.format(self.rank)]
         if self.rank == 0:
             names += [".metadata", M.TRAIN_STATE]
-        return M.sums(tmp, names)
+        known = {**digests, **self._own_digests}  # hashed while written: no second pass over the bytes
+        out = {n: {"bytes": known[n][0], M.ALGORITHM: known[n][1]} for n in names if n in known}
+        return {**out, **M.sums(tmp, [n for n in names if n not in known])}
 
     def _finalize(self, tmp: Path, final: Path, step: int, sums: dict | None, error: str | None) -> None:
         """Every rank: agree that all wrote their files. Rank 0: manifest, rename, retention."""
@@ -139,9 +163,16 @@ class Checkpointer:
             if self.rank != 0:
                 faults.at("save.marker_written", step)
                 return
-            M.write_manifest(tmp, step, self.world, {k: v for s, _ in gathered for k, v in s.items()})
+            files = {k: v for s, _ in gathered for k, v in s.items()}
+            M.check_against_metadata(tmp, files)  # nothing DCP wrote is missing from the manifest
+            M.write_manifest(tmp, step, self.world, files)
             faults.at("save.marker_written", step)
-            old = L.retire(final) if final.exists() else None  # the same step from an earlier attempt
+            old = None
+            if final.exists() and not (final / M.MARKER).is_file():  # not ours: kept, named
+                log.warning("%s has no COMPLETE marker (not a checkpoint of this run); renamed to %s before "
+                            "saving step %d there, not deleted", final, L.set_aside(final, L.INCOMPLETE).name, step)
+            elif final.exists():
+                old = L.retire(final)  # the same step from an earlier attempt
             tmp.rename(final)
             L.fsync_dir(self.dir)
             faults.at("save.renamed", step)
@@ -188,32 +219,65 @@ class Checkpointer:
     # --- load ----------------------------------------------------------------------------------
     def load(self, path: Path, model, optimizer, scheduler, loader, batch_size: int | None = None) -> int:
         """Restore model, optimizer, scheduler, data position and RNG from ``path``; returns its step.
-        (``batch_size`` is not needed any more: a synthetic loader rescales its position itself.)"""
-        meta = json.loads((path / M.TRAIN_STATE).read_text())
+        (``batch_size`` is not needed any more: a synthetic loader rescales its position itself.)
+
+        Every file is verified against the manifest on the bytes that are loaded (a file changed after the
+        start-up check is refused, not loaded), and every failure is agreed on: all ranks raise the same
+        AgreedError together (a rank-local error would leave the others in DCP's collectives)."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        check_fits(path, state)
-        try:  # reshards to this world size
-            dcp.load(state, storage_reader=F.SafeFileSystemReader(str(path)), planner=F.SafeLoadPlanner(),
+        got: dict = {}
+
+        def first() -> None:
+            got["files"] = _manifest_files(path)
+            got["meta"] = M.read_train_state(path, _entry(got["files"], M.TRAIN_STATE))
+            check_fits(path, state, _entry(got["files"], ".metadata"))
+
+        self._agreed_load(path, first)
+        files, meta = got["files"], got["meta"]
+        try:  # reshards to this world size; DCP raises on every rank if a read failed on any
+            dcp.load(state, storage_reader=F.SafeFileSystemReader(str(path), files), planner=F.SafeLoadPlanner(),
                      process_group=self._pg)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line naming the checkpoint
-            raise ConfigError(f"cannot load {path}: {_describe(e)}") from None
+            raise AgreedError(f"cannot load {path}: {_describe(e)}") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        _load_scheduler(scheduler, optimizer, meta["scheduler"])
-        if meta["world_size"] == self.world:
-            extra = read_rank_file(path, self.rank)
-            loader.load_state_dict(extra["loader"])
-            _set_rng_state(extra["rng"])
-        else:
-            self._load_other_world(path, meta, loader)
+        same = int(meta["world_size"]) == self.world
+
+        def last() -> None:  # per-rank state, schedule, data position, RNG: any of them may be forged
+            extra = read_rank_file(path, self.rank if same else 0, files)
+            try:
+                _load_scheduler(scheduler, optimizer, meta["scheduler"])
+            except (TypeError, ValueError, KeyError, AttributeError) as e:
+                raise ConfigError(f"{path / M.TRAIN_STATE}: field 'scheduler' cannot be loaded "
+                                  f"({type(e).__name__}: {e})") from None
+            if same:
+                loader.load_state_dict(extra["loader"])
+                _set_rng_state(extra["rng"])
+            else:
+                self._load_other_world(path, meta, loader, extra)
+
+        self._agreed_load(path, last)
         log.info("resumed from %s (step %d, saved by %d ranks, now %d)", path, meta["step"], meta["world_size"],
                  self.world)
         return int(meta["step"])
 
-    def _load_other_world(self, path: Path, meta: dict, loader) -> None:
+    def _agreed_load(self, path: Path, fn) -> None:
+        """Run a step of a load on every rank; if it failed on any, every rank raises the same AgreedError."""
+        try:
+            fn()
+            error = None
+        except (ValueError, OSError) as e:  # ConfigError, UnsafeCheckpointFile, the loader's DataStateError
+            error = str(e).removeprefix(f"cannot resume from {path}: ")
+        except Exception as e:  # noqa: BLE001 - a forged value deep in a state: named, agreed, no traceback
+            error = f"{type(e).__name__}: {e}"
+        errors = self._gather(error)
+        if any(errors):
+            raise AgreedError(f"cannot resume from {path}: {_merge(errors)}")
+
+    def _load_other_world(self, path: Path, meta: dict, loader, extra: dict) -> None:
         """Different world size: model and optimizer reshard; the data position carries over only when it
         does not depend on the rank split (synthetic data); otherwise the stream restarts, said loudly."""
-        state = read_rank_file(path, 0)["loader"]
+        state = extra["loader"]
         if state.get("kind") == "synthetic":
             # Synthetic batches are indexed by global sample: the loader rescales its batch counter to this
             # layout. States of the previous version lack the layout; it was all data-parallel then.
@@ -231,82 +295,6 @@ def _stager():
 
     return DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
                                         use_async_staging=False, use_non_blocking_copy=False))
-
-
-def read_rank_file(path: Path, rank: int) -> dict:
-    """Rank ``rank``'s saved state: ``rank{r}.safetensors``, or ``rank{r}.pt`` in older checkpoints."""
-    new, old = path / F.RANK_FILE.format(rank), path / F.LEGACY_RANK_FILE.format(rank)
-    try:
-        return F.read_rank_state(new) if new.exists() or not old.exists() else F.read_legacy_rank_state(old)
-    except F.UnsafeCheckpointFile as e:
-        raise ConfigError(f"cannot resume from {path}: {e}") from None
-
-
-def check_fits(path: Path, state: dict) -> None:
-    """Every tensor this model and optimizer need is in the checkpoint with the same global shape;
-    otherwise a ConfigError naming them (instead of DCP's error from deep inside its planner)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    try:  # DCP's own flattening (private), so that the keys are exactly the ones it looks up
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    except ImportError:  # another torch: DCP's own error stands in for this check
-        return
-    try:
-        saved = F.read_dcp_metadata(path).state_dict_metadata
-    except F.UnsafeCheckpointFile as e:
-        raise ConfigError(f"cannot resume from {path}: {e}") from None
-    flat, _ = flatten_state_dict(state)
-    missing = [k for k in flat if k not in saved]
-    wrong = [f"{k} saved {tuple(saved[k].size)}, this run {tuple(v.shape)}" for k, v in flat.items()
-             if isinstance(v, torch.Tensor) and isinstance(saved.get(k), TensorStorageMetadata)
-             and tuple(saved[k].size) != tuple(v.shape)]
-    if missing or wrong:
-        listed = wrong[:4] + [f"{k} not in the checkpoint" for k in missing[:4]]
-        more = len(missing) + len(wrong) - len(listed)
-        raise ConfigError(f"cannot resume from {path}: it does not fit this model and optimizer: "
-                          f"{'; '.join(listed)}{f' (and {more} more)' if more else ''}. Resume with the settings "
-                          f"it was saved with (its train_state.json), or start a new --run_dir")
-
-
-def _load_scheduler(scheduler, optimizer, saved: dict) -> None:
-    """The saved schedule position, with this run's LR settings: ``base_lrs`` (the peak LR) and each
-    group's current LR come from this run's --lr and schedule, so a changed --lr/--lr_decay_iters
-    takes effect at the resumed step; unchanged ones give exactly the saved values."""
-    fresh = list(scheduler.base_lrs)
-    scheduler.load_state_dict(saved)
-    scheduler.base_lrs = fresh
-    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(fresh, scheduler.lr_lambdas)]
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
-    scheduler._last_lr = lrs
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _jsonable(obj: Any) -> Any:
-    """Scheduler state as JSON: tensors (torchao.optim keeps LRs as tensors) become numbers."""
-    if isinstance(obj, torch.Tensor):
-        return obj.item() if obj.numel() == 1 else obj.tolist()
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return obj
 
 
 def _merge(errors: list[str | None]) -> str:

@@ -18,6 +18,8 @@ import io
 import json
 import os
 import pickle
+from collections import OrderedDict
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,20 +27,16 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
+
+from llama_fp8.checkpoint import safe_io as S
+from llama_fp8.checkpoint.safe_io import UnsafeCheckpointFile
 
 RANK_FILE = "rank{}.safetensors"
 LEGACY_RANK_FILE = "rank{}.pt"
 _META_KEY = "llama_fp8.state"
 _FORMAT = "llama-fp8 rank state v2"
-
-
-class UnsafeCheckpointFile(ValueError):
-    """A checkpoint file that is unreadable, malformed, or holds something that could execute code."""
-
-    def __init__(self, path: Path, reason: str):
-        super().__init__(f"{path}: {reason}")
-        self.path, self.reason = Path(path), reason
 
 
 # --- per-rank state: JSON + safetensors ----------------------------------------------------------
@@ -82,8 +80,9 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
-def write_rank_state(path: Path, state: dict) -> None:
-    """Write this rank's state (and fsync it: a checkpoint is complete only once its bytes are on disk)."""
+def write_rank_state(path: Path, state: dict) -> bytes:
+    """Write this rank's state (and fsync it: a checkpoint is complete only once its bytes are on disk);
+    returns the bytes written (the caller hashes them for the manifest)."""
     from safetensors.torch import save as st_save
 
     tensors: dict[str, torch.Tensor] = {}
@@ -93,20 +92,26 @@ def write_rank_state(path: Path, state: dict) -> None:
         f.write(blob)
         f.flush()
         os.fsync(f.fileno())
+    return blob
 
 
-def read_rank_state(path: Path) -> dict:
-    """This rank's state from ``rank{r}.safetensors``; UnsafeCheckpointFile if it is not one."""
+def read_rank_state(path: Path, want: dict | None = None) -> dict:
+    """This rank's state from ``rank{r}.safetensors`` (verified against its manifest entry ``want`` on the
+    bytes that are parsed); UnsafeCheckpointFile if it is not one."""
     from safetensors.torch import load as st_load
 
+    from llama_fp8.checkpoint.manifest import HASHERS
+
     try:
-        blob = Path(path).read_bytes()
+        blob = S.read_checked(Path(path), want, S.MAX_RANK_FILE, HASHERS)
         tensors = st_load(blob)
         n = int.from_bytes(blob[:8], "little")  # safetensors: 8-byte header length, then the JSON header
         meta = json.loads(blob[8:8 + n]).get("__metadata__") or {}
         if meta.get("format") != _FORMAT:
             raise ValueError(f"header format {meta.get('format')!r}, expected {_FORMAT!r}")
         return _decode(json.loads(meta[_META_KEY]), tensors)
+    except UnsafeCheckpointFile:
+        raise
     except OSError as e:
         raise UnsafeCheckpointFile(path, f"cannot be read: {e}") from None
     except Exception as e:  # noqa: BLE001 - any parse error: the file is not what we wrote
@@ -124,7 +129,10 @@ def read_legacy_rank_state(path: Path) -> dict:
     """A ``rank{r}.pt`` of an earlier version, without executing anything it may hold."""
     try:
         with torch.serialization.safe_globals(_numpy_globals()):
-            state = torch.load(path, weights_only=True, map_location="cpu")
+            state = torch.load(io.BytesIO(S.read_capped(Path(path), S.MAX_RANK_FILE)), weights_only=True,
+                               map_location="cpu")
+    except UnsafeCheckpointFile:
+        raise
     except pickle.UnpicklingError as e:
         first = str(e).split("\n")
         why = next((ln.strip() for ln in first if "GLOBAL" in ln or "Unsupported" in ln), first[0])
@@ -147,45 +155,149 @@ _ALLOWED = {
 } | {(f"{_DCP}.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
      ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
      ("collections", "OrderedDict")}
+_CONTAINERS = {pickle.SETITEM[0]: (dict, OrderedDict), pickle.SETITEMS[0]: (dict, OrderedDict),
+               pickle.APPEND[0]: (list,), pickle.APPENDS[0]: (list,), pickle.ADDITEMS[0]: (set,)}
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):
     """Resolves only the classes DCP metadata is made of (the "restricting globals" recipe of the pickle
-    docs); anything else - ``os.system``, ``builtins.eval``, a class with a ``__reduce__`` payload - is
-    refused before it can be called."""
+    docs): ``os.system``, ``builtins.eval``, a class with a ``__reduce__`` payload are refused before they
+    can be called. Restricting globals is not enough: pickle's BUILD sets attributes on whatever object is
+    on the stack, and an allowed *class* (or an enum member, or a function) is one object shared by the
+    whole process - a BUILD on it would rebind a method of, say, ``PosixPath`` for the rest of the run. So,
+    like torch's weights-only unpickler, BUILD is allowed only on an instance this load created itself
+    (NEWOBJ), and SETITEM/APPEND only on a plain container of the exact builtin type. A refused load has
+    changed nothing outside the objects it created. (torch's own unpickler cannot be used: it reads only
+    pickle protocol 2, DCP writes the default protocol.) Pure-Python pickle, so that these opcodes can be
+    intercepted; the metadata is small (about 100 bytes per shard)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, file) -> None:
+        super().__init__(file)
+        self._made: dict[int, Any] = {}  # id -> object created by this load (kept alive, so ids stay unique)
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
 
+    def _load_newobj(self) -> None:
+        pickle._Unpickler.load_newobj(self)
+        self._made[id(self.stack[-1])] = self.stack[-1]
 
-def read_dcp_metadata(path: Path) -> Metadata:
-    """``path/.metadata`` of a DCP checkpoint; UnsafeCheckpointFile if it is unreadable or unsafe."""
+    def _load_newobj_ex(self) -> None:
+        pickle._Unpickler.load_newobj_ex(self)
+        self._made[id(self.stack[-1])] = self.stack[-1]
+
+    def _load_build(self) -> None:
+        target = self.stack[-2]
+        if id(target) not in self._made:
+            raise pickle.UnpicklingError(f"BUILD on {target!r} ({type(target).__name__}), an object this load did "
+                                         f"not create: it would change it for the whole process")
+        pickle._Unpickler.load_build(self)
+
+    def _container_op(self, opcode: int, method) -> None:
+        target = {pickle.APPEND[0]: lambda: self.stack[-2], pickle.SETITEM[0]: lambda: self.stack[-3]}.get(
+            opcode, lambda: self.metastack[-1][-1])()
+        if type(target) not in _CONTAINERS[opcode]:
+            raise pickle.UnpicklingError(f"opcode {bytes([opcode])!r} on a {type(target).__name__}: only plain "
+                                         f"containers may be filled")
+        method(self)
+
+    dispatch[pickle.NEWOBJ[0]] = _load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex
+    dispatch[pickle.BUILD[0]] = _load_build
+    dispatch[pickle.SETITEM[0]] = lambda self: self._container_op(pickle.SETITEM[0], pickle._Unpickler.load_setitem)
+    dispatch[pickle.SETITEMS[0]] = lambda self: self._container_op(pickle.SETITEMS[0],
+                                                                   pickle._Unpickler.load_setitems)
+    dispatch[pickle.APPEND[0]] = lambda self: self._container_op(pickle.APPEND[0], pickle._Unpickler.load_append)
+    dispatch[pickle.APPENDS[0]] = lambda self: self._container_op(pickle.APPENDS[0], pickle._Unpickler.load_appends)
+    dispatch[pickle.ADDITEMS[0]] = lambda self: self._container_op(pickle.ADDITEMS[0],
+                                                                   pickle._Unpickler.load_additems)
+
+
+def read_dcp_metadata(path: Path, want: dict | None = None) -> Metadata:
+    """``path/.metadata`` of a DCP checkpoint (verified against its manifest entry ``want`` on the bytes that
+    are unpickled); UnsafeCheckpointFile if it is unreadable, unsafe, or names files outside ``path``."""
+    from llama_fp8.checkpoint.manifest import HASHERS
+
     file = Path(path) / ".metadata"
     try:
-        with open(file, "rb") as f:
-            meta = _MetadataUnpickler(f).load()
+        blob = S.read_checked(file, want, S.MAX_METADATA, HASHERS)
+        meta = _MetadataUnpickler(io.BytesIO(blob)).load()
     except OSError as e:
         raise UnsafeCheckpointFile(file, f"cannot be read: {e}") from None
     except pickle.UnpicklingError as e:
-        raise UnsafeCheckpointFile(file, f"refused: {e}; nothing in it was executed") from None
+        raise UnsafeCheckpointFile(file, f"refused: {e}; nothing in it was executed or changed") from None
+    except UnsafeCheckpointFile:
+        raise
     except Exception as e:  # noqa: BLE001 - truncated or garbled pickle
         raise UnsafeCheckpointFile(file, f"is not valid DCP metadata ({type(e).__name__}: {e})") from None
     if not isinstance(meta, Metadata):
         raise UnsafeCheckpointFile(file, f"holds a {type(meta).__name__}, not DCP Metadata")
+    _check_storage(file, meta)
     return meta
 
 
+def _check_storage(file: Path, meta: Metadata) -> None:
+    """Every storage entry names a plain file of the folder and a non-negative byte range."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    if not isinstance(meta.storage_data, dict) or not isinstance(meta.state_dict_metadata, dict):
+        raise UnsafeCheckpointFile(file, "is not valid DCP metadata (storage_data or state_dict_metadata missing)")
+    for info in meta.storage_data.values():
+        if not (isinstance(info, _StorageInfo) and isinstance(info.offset, int) and isinstance(info.length, int)
+                and info.offset >= 0 and info.length >= 0):
+            raise UnsafeCheckpointFile(file, f"holds a malformed storage entry {info!r}")
+        try:
+            S.confined(file.parent, info.relative_path)
+        except UnsafeCheckpointFile as e:
+            raise UnsafeCheckpointFile(file, f"points outside the checkpoint folder: {e.reason}") from None
+
+
+class _CheckedFileSystem(FileSystem):
+    """DCP's file system for reading, where a file is read once, whole, and its bytes are hashed and compared
+    with the manifest before DCP sees any of them (then DCP reads from memory): bytes changed after the
+    start-up check cannot load unchecked. Names stay inside the checkpoint folder; only regular files."""
+
+    def __init__(self, folder: Path, files: dict[str, dict] | None) -> None:
+        super().__init__()
+        self.folder, self.files = Path(folder), files
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        from llama_fp8.checkpoint.manifest import HASHERS
+
+        if mode != "rb":
+            raise UnsafeCheckpointFile(Path(path), "a checkpoint being loaded is never written")
+        name = Path(path).name
+        file = S.confined(self.folder, name)
+        if Path(path) != file:
+            raise UnsafeCheckpointFile(Path(path), "is not a file of the checkpoint folder")
+        want = None
+        if self.files is not None:
+            want = self.files.get(name)
+            if want is None:
+                raise UnsafeCheckpointFile(file, "is not in the checkpoint's manifest; refused")
+        yield io.BytesIO(S.read_checked(file, want, 1 << 62, HASHERS))
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with the metadata read through the allow-list unpickler."""
+    """DCP's file reader with the metadata read through the allow-list unpickler and every file verified
+    against the manifest ``files`` on the bytes that are loaded (``files`` None: no checksums, version 1)."""
+
+    def __init__(self, path: str, files: dict[str, dict] | None = None) -> None:
+        super().__init__(path)
+        self.files = files
+        self.fs = _CheckedFileSystem(Path(path), files)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:  # per-rank metadata files: not used by our checkpoints
             raise UnsafeCheckpointFile(Path(self.path), "per-rank DCP metadata is not supported")
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        meta = read_dcp_metadata(Path(self.path))
+        meta = read_dcp_metadata(Path(self.path), None if self.files is None else self.files.get(".metadata"))
         if getattr(meta, "storage_meta", None) is None:
             meta.storage_meta = StorageMeta()
         meta.storage_meta.load_id = self.load_id

@@ -3,7 +3,10 @@
 Only ``step_N`` folders that hold the ``COMPLETE`` marker count. Everything else is ignored when
 resuming: ``step_N.tmp`` (a save in progress or interrupted), ``step_N.old`` (a checkpoint being
 deleted by ``--keep_last_k`` or replaced by a newer save of the same step) and ``step_N.broken`` (set
-aside because it failed its check at start-up; kept for inspection, never deleted by us).
+aside because it failed its check at start-up; kept for inspection, never deleted by us). A ``step_N``
+folder without ``COMPLETE`` (not ours: copied by hand, or left by another tool) is named at start-up and,
+if this run saves step N, renamed ``step_N.incomplete`` first: never deleted. A checkpoint folder that
+exists but cannot be listed stops the run: an empty listing would silently start the run over.
 """
 
 from __future__ import annotations
@@ -13,21 +16,41 @@ import re
 import shutil
 from pathlib import Path
 
+from llama_fp8.checkpoint import safe_io as S
 from llama_fp8.checkpoint.manifest import MARKER
+from llama_fp8.errors import ConfigError
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
-TMP, OLD, BROKEN = ".tmp", ".old", ".broken"
+TMP, OLD, BROKEN, INCOMPLETE = ".tmp", ".old", ".broken", ".incomplete"
+
+
+def step_folders(ckpt_dir: Path) -> list[tuple[int, Path, bool]]:
+    """(step, path, complete) of every ``step_N`` folder, oldest first; ConfigError if ``ckpt_dir`` exists
+    but cannot be listed (after retrying a transient error)."""
+    try:
+        entries = S.retry(lambda: list(Path(ckpt_dir).iterdir()), Path(ckpt_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as e:
+        raise ConfigError(f"--checkpoint_dir {ckpt_dir} cannot be listed ({e.strerror or e}): its checkpoints "
+                          f"cannot be found, and starting over could overwrite them. Fix the mount or the "
+                          f"permissions and rerun (nothing was changed)") from None
+    out = []
+    for p in entries:
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir() and not p.is_symlink():
+            out.append((int(m.group(1)), p, (p / MARKER).is_file()))
+    return sorted(out)
 
 
 def complete_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
     """(step, path) of every complete checkpoint, oldest first."""
-    out = []
-    if ckpt_dir.is_dir():
-        for p in ckpt_dir.iterdir():
-            m = _STEP_RE.match(p.name)
-            if m and (p / MARKER).is_file():
-                out.append((int(m.group(1)), p))
-    return sorted(out)
+    return [(s, p) for s, p, done in step_folders(ckpt_dir) if done]
+
+
+def incomplete_folders(ckpt_dir: Path) -> list[Path]:
+    """``step_N`` folders without the COMPLETE marker (not resume candidates; named, never deleted)."""
+    return [p for _, p, done in step_folders(ckpt_dir) if not done]
 
 
 def find_resume(resume: str, ckpt_dir: Path) -> Path | None:
@@ -69,12 +92,12 @@ def retire(path: Path) -> Path:
     return old
 
 
-def set_aside(path: Path) -> Path:
+def set_aside(path: Path, suffix: str = BROKEN) -> Path:
     """Rename a checkpoint that failed its check to ``step_N.broken`` (``.broken.2``, ... if taken)."""
-    target, n = path.with_name(path.name + BROKEN), 1
+    target, n = path.with_name(path.name + suffix), 1
     while target.exists():
         n += 1
-        target = path.with_name(f"{path.name}{BROKEN}.{n}")
+        target = path.with_name(f"{path.name}{suffix}.{n}")
     path.rename(target)
     fsync_dir(path.parent)
     return target

@@ -22,6 +22,7 @@ case is covered by the readers in ``files.py``, which never execute what they re
 from __future__ import annotations
 
 import json
+import logging
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from llama_fp8.checkpoint import files as F
+from llama_fp8.checkpoint import safe_io as S
+
+log = logging.getLogger("llama_fp8.checkpoint")
 
 MARKER = "COMPLETE"
 FORMAT = "llama-fp8 checkpoint"
@@ -63,14 +67,24 @@ HASHERS = _hashers()
 ALGORITHM = "xxh3_64" if "xxh3_64" in HASHERS else "crc32"
 
 
-def digest_file(path: Path, algorithm: str = ALGORITHM) -> tuple[int, str]:
-    """(bytes, hex digest) of a file, read in 16 MiB chunks (both hashes release the GIL on large chunks)."""
+def digest_file(path: Path, algorithm: str = ALGORITHM, limit: int | None = None) -> tuple[int, str]:
+    """(bytes, hex digest) of a regular file (never a link, a device or a FIFO), read in 16 MiB chunks (both
+    hashes release the GIL on large chunks); reads at most ``limit`` + 1 bytes when given."""
     h, n = HASHERS[algorithm](), 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_CHUNK):
+    with S.open_regular(path) as f:
+        while chunk := f.read(_CHUNK if limit is None else max(1, min(_CHUNK, limit + 1 - n))):
             h.update(chunk)
             n += len(chunk)
+            if limit is not None and n > limit:
+                break
     return n, h.hexdigest()
+
+
+def digest_bytes(data: bytes, algorithm: str = ALGORITHM) -> tuple[int, str]:
+    """(bytes, hex digest) of ``data`` (what was just written to a file)."""
+    h = HASHERS[algorithm]()
+    h.update(data)
+    return len(data), h.hexdigest()
 
 
 def sums(folder: Path, names: list[str], threads: int = 4) -> dict[str, dict[str, Any]]:
@@ -78,6 +92,29 @@ def sums(folder: Path, names: list[str], threads: int = 4) -> dict[str, dict[str
     with ThreadPoolExecutor(max(1, min(threads, len(names)))) as pool:
         results = list(pool.map(lambda n: digest_file(folder / n), names))
     return {n: {"bytes": b, ALGORITHM: c} for n, (b, c) in zip(names, results)}
+
+
+def owned_files(meta, rank: int, world: int) -> set[str]:
+    """The files of DCP's ``meta`` that rank ``rank`` wrote (``__{rank}_{n}.distcp``); rank 0 also owns
+    any file no rank of this world claims, so that every file DCP wrote is checksummed by someone."""
+    names = {info.relative_path for info in meta.storage_data.values()}
+    mine = {n for n in names if n.startswith(f"__{rank}_")}
+    if rank == 0:
+        mine |= {n for n in names if not any(n.startswith(f"__{r}_") for r in range(world))}
+    return mine
+
+
+def check_against_metadata(folder: Path, files: dict[str, dict]) -> None:
+    """Before COMPLETE is written: every byte range of DCP's metadata lies in a file of the manifest;
+    ValueError naming what is missing otherwise (the save then fails on every rank)."""
+    meta = F.read_dcp_metadata(folder, files.get(".metadata"))
+    short = sorted({f"{info.relative_path} (needs {info.offset + info.length} bytes, "
+                    f"{'not in the manifest' if info.relative_path not in files else files[info.relative_path]['bytes']})"
+                    for info in meta.storage_data.values()
+                    if info.offset + info.length > int(files.get(info.relative_path, {}).get("bytes", -1))})
+    if short or TRAIN_STATE not in files:
+        raise ValueError(f"the manifest of {folder} does not cover what DCP wrote: "
+                         f"{'; '.join(short[:5]) or f'{TRAIN_STATE} not in the manifest'}")
 
 
 def write_manifest(folder: Path, step: int, world_size: int, files: dict[str, dict]) -> None:
@@ -92,15 +129,19 @@ def write_manifest(folder: Path, step: int, world_size: int, files: dict[str, di
 
 def read_manifest(folder: Path) -> dict | None:
     """The manifest; None for a version-1 marker (no file list). ValueError if it is neither."""
-    text = (folder / MARKER).read_text(errors="replace")
+    text = S.read_capped(folder / MARKER, S.MAX_JSON).decode(errors="replace")
     if text.strip() == "ok":
         return None
     try:
         man = json.loads(text)
         assert man["format"] == FORMAT and isinstance(man["files"], dict)
-        return man
+        assert all(isinstance(v, dict) and isinstance(v.get("bytes"), int) and v["bytes"] >= 0
+                   for v in man["files"].values())
     except (ValueError, KeyError, AssertionError, TypeError):
         raise ValueError(f"{folder / MARKER}: not a checkpoint manifest (truncated or overwritten)") from None
+    for name in man["files"]:
+        S.confined(folder, name)  # UnsafeCheckpointFile (a ValueError) naming the entry
+    return man
 
 
 def listing(folder: Path) -> dict[str, dict[str, Any]]:
@@ -108,7 +149,8 @@ def listing(folder: Path) -> dict[str, dict[str, Any]]:
     man = read_manifest(folder)
     if man is not None:
         return man["files"]
-    return {p.name: {"bytes": p.stat().st_size} for p in sorted(folder.iterdir()) if p.name != MARKER and p.is_file()}
+    return {p.name: {"bytes": p.stat().st_size} for p in sorted(folder.iterdir())
+            if p.name != MARKER and p.is_file() and not p.is_symlink()}
 
 
 def share(files: dict[str, dict], rank: int, world: int) -> list[str]:
@@ -124,27 +166,31 @@ def share(files: dict[str, dict], rank: int, world: int) -> list[str]:
 
 
 def check_files(folder: Path, files: dict[str, dict], names: list[str]) -> list[str]:
-    """Problems of ``names`` (sizes, checksums, structure); [] when they are sound."""
-    problems: list[str] = []
+    """Problems of ``names`` (sizes, checksums, structure); [] when they are sound. A transient I/O error
+    is retried (``safe_io.retry``) before a file counts as unreadable."""
 
     def one(name: str) -> str | None:
-        path, want = folder / name, files[name]
         try:
-            size = path.stat().st_size
+            path = S.confined(folder, name)
+            return S.retry(lambda: _check_one(folder, path, files[name]), path, log.warning) or \
+                _check_structure(folder, name, files)
+        except S.UnsafeCheckpointFile as e:
+            return str(e)
         except OSError as e:
-            return f"{path}: missing or unreadable ({e.strerror})"
-        if size != int(want["bytes"]):
-            return f"{path}: {size} bytes, the manifest says {want['bytes']} (truncated or overwritten)"
-        algorithm = next((a for a in HASHERS if a in want), None)
-        if algorithm is not None:
-            got = digest_file(path, algorithm)[1]
-            if got != want[algorithm]:
-                return f"{path}: checksum ({algorithm}) {got}, the manifest says {want[algorithm]} (corrupted)"
-        return _check_structure(folder, name, files)
+            return f"{folder / name}: missing or unreadable ({e.strerror or e})"
 
     with ThreadPoolExecutor(max(1, min(4, len(names)))) as pool:
-        problems = [p for p in pool.map(one, names) if p]
-    return problems
+        return [p for p in pool.map(one, names) if p]
+
+
+def _check_one(folder: Path, path: Path, want: dict) -> str | None:
+    algorithm = next((a for a in HASHERS if a in want), ALGORITHM)
+    size, got = digest_file(path, algorithm, limit=int(want["bytes"]))
+    if size != int(want["bytes"]):
+        return f"{path}: {size} bytes, the manifest says {want['bytes']} (truncated or overwritten)"
+    if algorithm in want and got != want[algorithm]:
+        return f"{path}: checksum ({algorithm}) {got}, the manifest says {want[algorithm]} (corrupted)"
+    return None
 
 
 def _check_structure(folder: Path, name: str, files: dict[str, dict]) -> str | None:
@@ -152,10 +198,7 @@ def _check_structure(folder: Path, name: str, files: dict[str, dict]) -> str | N
     path = folder / name
     try:
         if name == TRAIN_STATE:
-            state = json.loads(path.read_text())
-            missing = {"step", "world_size", "scheduler"} - set(state)
-            if missing:
-                return f"{path}: no {sorted(missing)} (truncated or not ours)"
+            read_train_state(folder)
         elif name == ".metadata":
             meta = F.read_dcp_metadata(folder)
             for info in meta.storage_data.values():
@@ -174,10 +217,39 @@ def _check_structure(folder: Path, name: str, files: dict[str, dict]) -> str | N
     return None
 
 
+_STATE_FIELDS = {"step": int, "world_size": int, "scheduler": dict, "config": (dict, type(None)),
+                 "plan": (dict, type(None))}
+
+
+def read_train_state(folder: Path, want: dict | None = None) -> dict:
+    """``train_state.json`` (capped; verified against ``want`` on the bytes parsed), with its fields checked:
+    UnsafeCheckpointFile naming the file and the field that is missing or of the wrong type."""
+    path = folder / TRAIN_STATE
+    try:
+        state = json.loads(S.read_checked(path, want, S.MAX_JSON, HASHERS))
+    except (UnicodeDecodeError, ValueError) as e:
+        if isinstance(e, S.UnsafeCheckpointFile):
+            raise
+        raise S.UnsafeCheckpointFile(path, f"is not valid JSON ({e}); truncated or not ours") from None
+    if not isinstance(state, dict):
+        raise S.UnsafeCheckpointFile(path, f"holds a {type(state).__name__}, not an object")
+    for field, kind in _STATE_FIELDS.items():
+        if field not in state and field in ("step", "world_size", "scheduler"):
+            raise S.UnsafeCheckpointFile(path, f"field {field!r} is missing (truncated or not ours)")
+        value = state.get(field)
+        if field in state and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise S.UnsafeCheckpointFile(path, f"field {field!r} is {value!r}, which is not a "
+                                               f"{getattr(kind, '__name__', 'object or null')}; refused")
+    if state["step"] < 0 or state["world_size"] < 1:
+        bad = "step" if state["step"] < 0 else "world_size"
+        raise S.UnsafeCheckpointFile(path, f"field {bad!r} is {state[bad]!r}, out of range; refused")
+    return state
+
+
 def verify(folder: Path, rank: int = 0, world: int = 1) -> list[str]:
     """Problems found in this rank's share of a checkpoint (all of it with the defaults); [] if sound."""
     try:
-        files = listing(folder)
+        files = S.retry(lambda: listing(folder), folder / MARKER, log.warning)
     except (OSError, ValueError) as e:
         return [str(e)]
     if TRAIN_STATE not in files or ".metadata" not in files:

@@ -1,7 +1,7 @@
 """Start-up checks of the checkpoint side of a run, on every rank, before anything is built:
 
 1. ``--checkpoint_dir`` is writable from every rank (a probe file), or the run stops now, not at its
-   first save hours later.
+   first save hours later; rank 0 takes its lock (one job per folder, ``lock.py``).
 2. The checkpoint to resume from is sound: every file has its manifest size and checksum and parses (the
    ranks split the files and check in parallel). With ``--resume_from_checkpoint auto`` a damaged one
    is renamed ``step_N.broken``, named loudly with its broken files, and the previous complete
@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from pathlib import Path
@@ -23,8 +22,10 @@ import torch.distributed as dist
 
 from llama_fp8 import parallel
 from llama_fp8.checkpoint import layout as L
+from llama_fp8.checkpoint import lock
 from llama_fp8.checkpoint import manifest as M
-from llama_fp8.errors import ConfigError
+from llama_fp8.checkpoint.safe_io import UnsafeCheckpointFile
+from llama_fp8.errors import AgreedError, ConfigError
 
 log = logging.getLogger("llama_fp8.checkpoint")
 
@@ -57,6 +58,13 @@ def probe_writable(folder: Path, rank: int = 0) -> None:
 def check_resume(cfg, env, plan):
     """The plan with the checkpoint to resume from checked (or replaced by the previous sound one)."""
     parallel.on_every_rank(env, lambda: probe_writable(Path(plan.checkpoint_dir), env.rank))
+    # one job per checkpoint folder, taken before anything in it is renamed or deleted (lock.py)
+    parallel.on_every_rank(env, lambda: lock.acquire(Path(plan.checkpoint_dir)) if env.is_main else None)
+    if env.is_main:
+        for stray in L.incomplete_folders(Path(plan.checkpoint_dir)):
+            log.warning("%s has no COMPLETE marker: not a checkpoint this run can resume from (copied by hand or "
+                        "left by another tool?); kept as it is, and renamed %s%s if this run saves that step",
+                        stray, stray.name, L.INCOMPLETE)
     if plan.resume_from is None:
         return plan
     explicit = cfg.resume_from_checkpoint != "auto"
@@ -95,11 +103,11 @@ def _first_sound(candidates: list[Path], env, explicit: bool, ckpt_dir: Path) ->
                             path, len(damaged))
             return path
         if explicit:
-            raise ConfigError(f"--resume_from_checkpoint {path}: the checkpoint is damaged: {'; '.join(problems)}. "
+            raise AgreedError(f"--resume_from_checkpoint {path}: the checkpoint is damaged: {'; '.join(problems)}. "
                               f"Nothing was changed; resume from another one, or use auto (the latest sound one)")
         damaged.append(path)
         _set_aside(path, problems, env.is_main)
-    raise ConfigError(f"no sound checkpoint to resume from in {ckpt_dir}: every complete one is damaged "
+    raise AgreedError(f"no sound checkpoint to resume from in {ckpt_dir}: every complete one is damaged "
                       f"({', '.join(p.name for p in damaged)}; renamed *.broken, see the warnings). Start over in a "
                       f"new --run_dir, or repair them (nothing was deleted)")
 
@@ -117,7 +125,10 @@ def _set_aside(path: Path, problems: list[str], is_main: bool) -> None:
 
 def check_compatible(path: Path, cfg, plan, is_main: bool = True) -> None:
     """ConfigError naming every flag that makes ``path`` unusable for this run; logs what else changed."""
-    saved = json.loads((path / M.TRAIN_STATE).read_text())
+    try:
+        saved = M.read_train_state(path)
+    except UnsafeCheckpointFile as e:
+        raise ConfigError(f"cannot resume from {path}: {e}") from None
     asked, ran = saved.get("config") or {}, saved.get("plan") or {}
     bad = []
     impl = ran.get("model_impl") or asked.get("model_impl")
@@ -135,7 +146,8 @@ def check_compatible(path: Path, cfg, plan, is_main: bool = True) -> None:
     if changed:
         log.info("resuming from %s with changed settings: %s", path,
                  ", ".join(f"--{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
-    before = (ran.get("precision") or {}).get("name")
+    precision = ran.get("precision")
+    before = precision.get("name") if isinstance(precision, dict) else None
     if before and before != plan.precision.name:
         log.warning("resuming a %s checkpoint as %s: master weights and optimizer states are FP32 in both and load "
                     "as saved; from step %s on the run is %s", before, plan.precision.name, saved["step"],

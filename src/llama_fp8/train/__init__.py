@@ -5,12 +5,14 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 import torch
 
+from llama_fp8 import checkpoint, faults, metrics, parallel
 from llama_fp8 import config as config_mod
-from llama_fp8 import faults, metrics, parallel
 from llama_fp8.config import TrainConfig
 from llama_fp8.errors import EXIT_BAD_CONFIG, EXIT_NONFINITE, EXIT_REQUEUE, AgreedError, ConfigError
 
@@ -21,7 +23,16 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"llama-fp8 train: error: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    return run(cfg)
+    code = run(cfg)
+    if code == EXIT_BAD_CONFIG and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Every rank has left its process groups (together, after an agreed error). Leave now, skipping
+        # C++ static destructors: there gloo's threads were seen to abort ("terminate called without an
+        # active exception", SIGABRT), turning the agreed exit 2 into a signal death on some ranks.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 def run(cfg: TrainConfig) -> int:
@@ -61,6 +72,7 @@ def run(cfg: TrainConfig) -> int:
         # After an agreed error every rank is here: leave together, so that no rank closes its connections
         # while another still has a message in flight (seen once as an abort at exit under load).
         parallel.destroy_distributed(barrier=agreed)
+        checkpoint.lock.release_all()  # this job's checkpoint folder lock, if this rank holds it
 
 
 def train(cfg: TrainConfig, env: parallel.DistEnv) -> dict:

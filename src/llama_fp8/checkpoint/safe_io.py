@@ -1,0 +1,140 @@
+"""Reading the files of a checkpoint folder as if each could be hostile or half-written.
+
+- Names are confined to the folder: a name from a manifest or from DCP's metadata must be a plain file
+  name (no ``/``, no ``..``, not absolute), and it is opened with ``O_NOFOLLOW`` (a symbolic link is
+  refused, wherever it points) and ``O_NONBLOCK`` (opening a FIFO cannot block); only a regular file is
+  read. A device file (``/dev/zero``), a FIFO or a socket is refused by its type, before any byte is read.
+- Every file read whole has a cap (``MAX_JSON`` for the manifest and train_state.json, ``MAX_METADATA``
+  for DCP's ``.metadata``), checked on the open file's size and again on what is read, so a file that
+  grows while being read cannot make the process read without end.
+- ``read_checked`` returns the bytes of a file only after hashing exactly those bytes and comparing them
+  with the manifest: what is checked is what is used, even if the file changes between a check and a load.
+- A transient I/O error (EIO, ESTALE, a timeout of a network file system) is retried a few times before a
+  file is called unreadable (``retry``); a missing file or a refused name is not retried.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import stat
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+MAX_JSON = 64 << 20
+"""Largest manifest or train_state.json read (a real one is a few kB per thousand files)."""
+MAX_METADATA = 1 << 30
+"""Largest DCP ``.metadata`` read (about 100 bytes per tensor shard: 1 GiB is ten million shards)."""
+MAX_RANK_FILE = 1 << 30
+"""Largest per-rank state file read (data-loader position and RNG states: a few kB to a few MB)."""
+_CHUNK = 16 << 20
+_PERMANENT = {errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EACCES, errno.EPERM, errno.EISDIR}
+RETRIES = (0.2, 1.0, 3.0)
+"""Pauses between attempts of a read that failed with a transient I/O error (then it counts as failed)."""
+T = TypeVar("T")
+
+
+class UnsafeCheckpointFile(ValueError):
+    """A checkpoint file that is unreadable, malformed, outside its folder, not a regular file, or holds
+    something that could execute code."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = Path(path), reason
+
+    def __reduce__(self):  # DCP sends a rank's read error to every rank (pickled)
+        return type(self), (self.path, self.reason)
+
+
+def confined(folder: Path, name: Any) -> Path:
+    """``folder/name`` if ``name`` is a plain file name; UnsafeCheckpointFile if it could leave the folder."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise UnsafeCheckpointFile(Path(folder) / str(name).replace("\0", "\\0"),
+                                   f"the name {name!r} is not a plain file name inside the checkpoint folder "
+                                   f"(absolute, with '..' or a separator); refused, nothing outside was read")
+    return Path(folder) / name
+
+
+def open_regular(path: Path):
+    """An unbuffered binary file object of ``path`` if it is a regular file (not followed if a link)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafeCheckpointFile(path, "is a symbolic link; only regular files inside the checkpoint folder "
+                                             "are read (refused, the link was not followed)") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else
+                    "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
+                    "a directory" if stat.S_ISDIR(mode) else "not a regular file")
+            raise UnsafeCheckpointFile(path, f"is {kind}, not a regular file; refused without reading it")
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_capped(path: Path, cap: int) -> bytes:
+    """The whole of a regular file of at most ``cap`` bytes."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > cap:
+            raise UnsafeCheckpointFile(path, f"is {size} bytes, more than the {cap} a file of its kind may have; "
+                                             f"refused without reading it")
+        data = _read_all(f, cap + 1)
+    if len(data) > cap:
+        raise UnsafeCheckpointFile(path, f"grew past {cap} bytes while being read; refused")
+    return data
+
+
+def _read_all(f, limit: int, hasher=None) -> bytes:
+    buf = io.BytesIO()
+    while buf.tell() < limit and (chunk := f.read(min(_CHUNK, limit - buf.tell()))):
+        buf.write(chunk)
+        if hasher is not None:
+            hasher.update(chunk)
+    return buf.getvalue()
+
+
+def read_checked(path: Path, want: dict | None, cap: int, hashers: dict[str, Callable]) -> bytes:
+    """The bytes of ``path``, verified against its manifest entry ``want`` (``{"bytes", <algorithm>}``)
+    on exactly these bytes; ``want`` None (a checkpoint without checksums): capped only."""
+    if want is None:
+        return read_capped(path, cap)
+    size = int(want["bytes"])
+    algorithm = next((a for a in hashers if a in want), None)
+    hasher = hashers[algorithm]() if algorithm else None
+    with open_regular(path) as f:
+        data = _read_all(f, min(size, cap) + 1, hasher)
+    if size > cap:
+        raise UnsafeCheckpointFile(path, f"the manifest says {size} bytes, more than the {cap} a file of its kind "
+                                         f"may have; refused")
+    if len(data) != size:
+        raise UnsafeCheckpointFile(path, f"{len(data)} bytes read, the manifest says {size} (changed or "
+                                         f"truncated since it was checked); refused")
+    if hasher is not None and hasher.hexdigest() != want[algorithm]:
+        raise UnsafeCheckpointFile(path, f"checksum ({algorithm}) of the bytes read is {hasher.hexdigest()}, the "
+                                         f"manifest says {want[algorithm]} (changed since it was checked, or "
+                                         f"corrupted); refused, nothing of it was used")
+    return data
+
+
+def retry(fn: Callable[[], T], what: Path, log: Callable[[str], None] | None = None) -> T:
+    """``fn()``, again after a pause if it fails with a transient I/O error (len(RETRIES) more times)."""
+    for pause in (*RETRIES, None):
+        try:
+            return fn()
+        except OSError as e:
+            if e.errno in _PERMANENT or pause is None:
+                raise
+            if log is not None:
+                log(f"{what}: {e.strerror or e} (transient I/O error?); retrying in {pause:.1f} s")
+            time.sleep(pause)
+    raise AssertionError("unreachable")
