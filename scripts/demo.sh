@@ -61,4 +61,4 @@ while read -r subdir _ _; do
 done <<<"$schedule"
 read -r -a runs <<<"$("$PY" -m llama_fp8.report.schedule --repeats "$REPEATS" --compare)"
 echo
-"$PY" -m llama_fp8 compare "${runs[@]/#/$OUT/}" --out "$OUT/report"
+"$PY" -m llama_fp8 compare ${runs[@]+"${runs[@]/#/$OUT/}"} --out "$OUT/report"

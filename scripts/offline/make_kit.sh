@@ -41,7 +41,7 @@ done
 [[ $python =~ ^3\.[0-9]+$ ]] || die "--python '${python}': expected the node's Python as major.minor, e.g. 3.12"
 [[ $torch =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] || die "--torch '${torch}': expected the node's torch version, e.g. 2.11.0"
 ((${#archs[@]})) || die "--arch is missing: the node's GPU architecture, e.g. sm_90 (H100/H200) or sm_100 (B200)"
-for a in "${archs[@]}"; do
+for a in ${archs[@]+"${archs[@]}"}; do
     [[ $a =~ ^sm_[0-9]{2,3}a?$ ]] || die "--arch '$a': expected sm_NN as in nvcc, e.g. sm_90 (H100/H200) or sm_100 (B200)"
 done
 [[ $cuda == 12 || $cuda == 13 ]] || die "--cuda '$cuda': 12 or 13 (the CUDA major of the node's torch)"
@@ -72,17 +72,17 @@ trap 'rm -rf "$work"' EXIT
 download -d "$work" "transformer_engine_cu${cuda}==$te"
 run "$py" -m wheel unpack -d "$work/u" "$work/transformer_engine_cu${cuda}-$te-*.whl"
 if ((dry)); then
-    echo "$py $here/kit.py prune $work/u/.../libtransformer_engine.so ${archs[*]}"
+    echo "$py $here/kit.py prune $work/u/.../libtransformer_engine.so ${archs[*]+${archs[*]}}"
 else
     lib=$(find "$work/u" -name 'libtransformer_engine.so*' -type f | head -1)
     [[ -n $lib ]] || die "transformer_engine_cu${cuda}==$te holds no libtransformer_engine.so"
-    "$py" "$here/kit.py" prune "$lib" "${archs[@]}"
+    "$py" "$here/kit.py" prune "$lib" ${archs[@]+"${archs[@]}"}
     "$py" -m wheel pack -d "$dir" "$work"/u/transformer_engine_cu"${cuda}"-*
 fi
 if ((build)); then
     run bash "$here/build_te_torch.sh" "$dir" "$python" "$torch" "$cuda"
 fi
-run "$py" "$here/kit.py" manifest "$dir" --python "$python" --torch "$torch" --arch "$(IFS=,; echo "${archs[*]}")" --te "$te" \
+run "$py" "$here/kit.py" manifest "$dir" --python "$python" --torch "$torch" --arch "$(IFS=,; echo "${archs[*]+${archs[*]}}")" --te "$te" \
     --torchao "$torchao"
 ((dry)) || { ls -l "$dir"; du -sh "$dir"; }
-echo "make_kit.sh: kit for $cp_tag, torch $torch, ${archs[*]} in $dir"
+echo "make_kit.sh: kit for $cp_tag, torch $torch, ${archs[*]+${archs[*]}} in $dir"

@@ -24,7 +24,7 @@ DOCKERFILES = sorted(REPO.glob("*.dockerfile"))
 LAUNCHER_FILES = [*SHELL_FILES, *DOCKERFILES, REPO / "README.md"]
 # Where a training command line starts; the flags after it are train flags.
 TRAIN_ENTRY = re.compile(r"(?:1\.train_llama\.sbatch|2\.ab_fp8_vs_bf16\.sh|llama[_-]fp8 train)\b\S*")
-COMMAND = re.compile(r"-m (llama_fp8(?:\.\w+)?)(?: (\w+))?|llama-fp8 (\w+)")
+COMMAND = re.compile(r"-m (llama_fp8(?:\.\w+)?)(?: ([\w-]+))?|llama-fp8 ([\w-]+)")
 REPO_PATH = re.compile(r"(?<![\w/.$-])((?:scripts|configs|src|docs|tests)/[\w./-]*\w|\d\.[\w-]+\.(?:sbatch|sh|dockerfile))")
 
 
