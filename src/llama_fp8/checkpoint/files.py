@@ -100,10 +100,8 @@ def read_rank_state(path: Path, want: dict | None = None) -> dict:
     bytes that are parsed); UnsafeCheckpointFile if it is not one."""
     from safetensors.torch import load as st_load
 
-    from llama_fp8.checkpoint.manifest import HASHERS
-
     try:
-        blob = S.read_checked(Path(path), want, S.MAX_RANK_FILE, HASHERS)
+        blob = S.read_checked(Path(path), want, S.MAX_RANK_FILE, S.HASHERS)
         tensors = st_load(blob)
         n = int.from_bytes(blob[:8], "little")  # safetensors: 8-byte header length, then the JSON header
         meta = json.loads(blob[8:8 + n]).get("__metadata__") or {}
@@ -220,11 +218,9 @@ class _MetadataUnpickler(pickle._Unpickler):
 def read_dcp_metadata(path: Path, want: dict | None = None) -> Metadata:
     """``path/.metadata`` of a DCP checkpoint (verified against its manifest entry ``want`` on the bytes that
     are unpickled); UnsafeCheckpointFile if it is unreadable, unsafe, or names files outside ``path``."""
-    from llama_fp8.checkpoint.manifest import HASHERS
-
     file = Path(path) / ".metadata"
     try:
-        blob = S.read_checked(file, want, S.MAX_METADATA, HASHERS)
+        blob = S.read_checked(file, want, S.MAX_METADATA, S.HASHERS)
         meta = _MetadataUnpickler(io.BytesIO(blob)).load()
     except OSError as e:
         raise UnsafeCheckpointFile(file, f"cannot be read: {e}") from None
@@ -267,8 +263,6 @@ class _CheckedFileSystem(FileSystem):
 
     @contextmanager
     def create_stream(self, path, mode: str):
-        from llama_fp8.checkpoint.manifest import HASHERS
-
         if mode != "rb":
             raise UnsafeCheckpointFile(Path(path), "a checkpoint being loaded is never written")
         name = Path(path).name
@@ -280,7 +274,7 @@ class _CheckedFileSystem(FileSystem):
             want = self.files.get(name)
             if want is None:
                 raise UnsafeCheckpointFile(file, "is not in the checkpoint's manifest; refused")
-        yield io.BytesIO(S.read_checked(file, want, 1 << 62, HASHERS))
+        yield io.BytesIO(S.read_checked(file, want, 1 << 62, S.HASHERS))
 
 
 class SafeFileSystemReader(FileSystemReader):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,30 +40,9 @@ TRAIN_STATE = "train_state.json"
 _CHUNK = 16 << 20
 
 
-class _Crc32:
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
-
-
-def _hashers() -> dict[str, Any]:
-    out: dict[str, Any] = {"crc32": _Crc32}
-    try:
-        import xxhash
-
-        out["xxh3_64"] = xxhash.xxh3_64
-    except ImportError:
-        pass
-    return out
-
-
-HASHERS = _hashers()
-ALGORITHM = "xxh3_64" if "xxh3_64" in HASHERS else "crc32"
+# The checksums live beside the safe reads that check them (safe_io), below files and manifest.
+HASHERS = S.HASHERS
+ALGORITHM = S.ALGORITHM
 
 
 def digest_file(path: Path, algorithm: str = ALGORITHM, limit: int | None = None) -> tuple[int, str]:

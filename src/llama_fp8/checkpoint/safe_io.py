@@ -20,9 +20,36 @@ import io
 import os
 import stat
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
+
+
+class _Crc32:
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+def _hashers() -> dict[str, Any]:
+    out: dict[str, Any] = {"crc32": _Crc32}
+    try:
+        import xxhash
+
+        out["xxh3_64"] = xxhash.xxh3_64
+    except ImportError:
+        pass
+    return out
+
+
+HASHERS = _hashers()
+ALGORITHM = "xxh3_64" if "xxh3_64" in HASHERS else "crc32"
 
 MAX_JSON = 64 << 20
 """Largest manifest or train_state.json read (a real one is a few kB per thousand files)."""
