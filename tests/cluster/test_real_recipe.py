@@ -5,6 +5,7 @@ the image path of the batch script (named container, mounts checked before any s
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -70,7 +71,9 @@ def test_same_allocation_ab(job_env, tmp_path):
     assert_completed(info, log)
     assert info["Partition"] == "alt" and info["NodeList"] == "n[1-2]"
     text = log.read_text()
-    assert text.index("== arm bf16 (--fp8=0) on n[1-2]") < text.index("== arm fp8 (--fp8=1) on n[1-2]")
+    arms = re.findall(r"^== run (\w+) \(--fp8=(\d) --seed=(\d+)\) on n\[1-2\]$", text, re.M)
+    assert [(name, fp8) for name, fp8, _ in arms] == [("bf16", "0"), ("fp8", "1")], arms  # one pair, in order
+    assert arms[0][2] == arms[1][2]  # both arms of a pair train with the same seed
     assert text.count("preflight of job step: 2 node(s)") == 1  # one preflight for both arms
     for name, fp8 in (("fp8", True), ("bf16", False)):
         assert yaml.safe_load((ab / name / "config.yaml").read_text())["asked"]["fp8"] is fp8
