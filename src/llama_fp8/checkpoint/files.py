@@ -102,7 +102,7 @@ def read_rank_state(path: Path, want: dict | None = None) -> dict:
 
     try:
         blob = S.read_checked(Path(path), want, S.MAX_RANK_FILE, S.HASHERS)
-        tensors = st_load(blob)
+        tensors = st_load(bytes(blob))  # safetensors takes bytes only
         n = int.from_bytes(blob[:8], "little")  # safetensors: 8-byte header length, then the JSON header
         meta = json.loads(blob[8:8 + n]).get("__metadata__") or {}
         if meta.get("format") != _FORMAT:
@@ -274,7 +274,42 @@ class _CheckedFileSystem(FileSystem):
             want = self.files.get(name)
             if want is None:
                 raise UnsafeCheckpointFile(file, "is not in the checkpoint's manifest; refused")
-        yield io.BytesIO(S.read_checked(file, want, 1 << 62, S.HASHERS))
+        yield MemoryFile(S.read_checked(file, want, 1 << 62, S.HASHERS))
+
+
+class MemoryFile(io.RawIOBase):
+    """A read-only, seekable file over bytes already in memory, without copying them (``io.BytesIO`` copies
+    a bytearray whole): DCP slices it and ``torch.load``s each slice from it."""
+
+    def __init__(self, data: bytes | bytearray) -> None:
+        super().__init__()
+        self._view, self._pos = memoryview(data), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        chunk = self._view[self._pos:self._pos + len(b)]
+        b[:len(chunk)] = chunk
+        self._pos += len(chunk)
+        return len(chunk)
+
+    def read(self, size: int = -1) -> bytes:
+        end = len(self._view) if size is None or size < 0 else self._pos + size
+        out = self._view[self._pos:end].tobytes()
+        self._pos += len(out)
+        return out
 
 
 class SafeFileSystemReader(FileSystemReader):

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import errno
-import io
 import os
 import stat
 import time
@@ -118,19 +117,30 @@ def read_capped(path: Path, cap: int) -> bytes:
         data = _read_all(f, cap + 1)
     if len(data) > cap:
         raise UnsafeCheckpointFile(path, f"grew past {cap} bytes while being read; refused")
-    return data
+    return bytes(data)
 
 
-def _read_all(f, limit: int, hasher=None) -> bytes:
-    buf = io.BytesIO()
-    while buf.tell() < limit and (chunk := f.read(min(_CHUNK, limit - buf.tell()))):
-        buf.write(chunk)
+def _read_all(f, limit: int, hasher=None) -> bytearray:
+    """At most ``limit`` bytes of ``f``, hashed as read: read straight into one buffer of the file's size
+    (no growing copies; one byte more, so that a file that grew shows as longer), then, only if the file
+    grew past that, in chunks up to ``limit``."""
+    buf = bytearray(min(limit, os.fstat(f.fileno()).st_size + 1))
+    n = 0
+    with memoryview(buf) as view:
+        while n < len(buf) and (got := f.readinto(view[n:min(len(buf), n + _CHUNK)])):
+            if hasher is not None:
+                hasher.update(view[n:n + got])
+            n += got
+    del buf[n:]
+    while n < limit and (chunk := f.read(min(_CHUNK, limit - n))):
+        buf += chunk
         if hasher is not None:
             hasher.update(chunk)
-    return buf.getvalue()
+        n += len(chunk)
+    return buf
 
 
-def read_checked(path: Path, want: dict | None, cap: int, hashers: dict[str, Callable]) -> bytes:
+def read_checked(path: Path, want: dict | None, cap: int, hashers: dict[str, Callable]) -> bytes | bytearray:
     """The bytes of ``path``, verified against its manifest entry ``want`` (``{"bytes", <algorithm>}``)
     on exactly these bytes; ``want`` None (a checkpoint without checksums): capped only."""
     if want is None:
