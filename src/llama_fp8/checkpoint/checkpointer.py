@@ -137,7 +137,7 @@ class Checkpointer:
             result.upload_completion.result()
         return self._my_sums(tmp, result, digests)
 
-    def _my_sums(self, tmp: Path, written, digests: dict[str, tuple[int, str]]) -> dict:
+    def _my_sums(self, tmp: Path, written, digests: dict[str, tuple]) -> dict:
         """Size and checksum of the files this rank wrote (read back from the page cache). The shard names
         come from what DCP reports it wrote (its Metadata, on every rank), not from a directory listing,
         which a network file system may show incomplete for a while."""
@@ -149,7 +149,7 @@ class Checkpointer:
         if self.rank == 0:
             names += [".metadata", M.TRAIN_STATE]
         known = {**digests, **self._own_digests}  # hashed while written: no second pass over the bytes
-        out = {n: {"bytes": known[n][0], M.ALGORITHM: known[n][1]} for n in names if n in known}
+        out = {n: M.entry(*known[n]) for n in names if n in known}
         return {**out, **M.sums(tmp, [n for n in names if n not in known])}
 
     def _finalize(self, tmp: Path, final: Path, step: int, sums: dict | None, error: str | None) -> None:

@@ -253,9 +253,10 @@ def _check_storage(file: Path, meta: Metadata) -> None:
 
 
 class _CheckedFileSystem(FileSystem):
-    """DCP's file system for reading, where a file is read once, whole, and its bytes are hashed and compared
-    with the manifest before DCP sees any of them (then DCP reads from memory): bytes changed after the
-    start-up check cannot load unchecked. Names stay inside the checkpoint folder; only regular files."""
+    """DCP's file system for reading. Names stay inside the checkpoint folder; only regular files are opened.
+    With a manifest, a file is read once, whole, and its bytes are hashed and compared with it before any of
+    them is used (``read_verified``; ``create_stream`` then serves them from memory): bytes changed after the
+    start-up check cannot load unchecked. Without one (version 1), the file is streamed as DCP would."""
 
     def __init__(self, folder: Path, files: dict[str, dict] | None) -> None:
         super().__init__()
@@ -269,12 +270,27 @@ class _CheckedFileSystem(FileSystem):
         file = S.confined(self.folder, name)
         if Path(path) != file:
             raise UnsafeCheckpointFile(Path(path), "is not a file of the checkpoint folder")
-        want = None
-        if self.files is not None:
-            want = self.files.get(name)
-            if want is None:
-                raise UnsafeCheckpointFile(file, "is not in the checkpoint's manifest; refused")
+        if self.files is None:  # no checksums (version 1): nothing to verify, DCP streams the regular file
+            with S.open_regular(file) as raw:
+                yield io.BufferedReader(raw)
+            return
+        want = self.files.get(name)
+        if want is None:
+            raise UnsafeCheckpointFile(file, "is not in the checkpoint's manifest; refused")
         yield MemoryFile(S.read_checked(file, want, 1 << 62, S.HASHERS))
+
+    def read_verified(self, name: str) -> torch.Tensor:
+        """The whole of file ``name`` of the folder as a uint8 tensor, verified against its manifest entry on
+        exactly these bytes (read into uninitialized memory: its pages are touched once)."""
+        file = S.confined(self.folder, name)
+        want = (self.files or {}).get(name)
+        if want is None:
+            raise UnsafeCheckpointFile(file, "is not in the checkpoint's manifest; refused")
+        return torch.from_numpy(S.read_checked(file, want, 1 << 62, S.HASHERS, _uninitialized))
+
+
+def _uninitialized(n: int) -> np.ndarray:
+    return np.empty(n, dtype=np.uint8)
 
 
 class MemoryFile(io.RawIOBase):
@@ -331,6 +347,106 @@ class SafeFileSystemReader(FileSystemReader):
             meta.storage_meta = StorageMeta()
         meta.storage_meta.load_id = self.load_id
         return meta
+
+    def read_data(self, plan, planner):
+        """DCP's read, except that what a checkpoint with checksums holds is verified before it is used, on
+        the bytes that are used, without a copy per tensor: a file with block digests is read forward a block
+        at a time (``safe_io.VerifiedBlocks``: memory for the largest tensor and two blocks), one without
+        them whole into one buffer first; every tensor is loaded as a view of those verified bytes and copied
+        into its place. Without checksums (version 1), DCP's own read through the checked file system."""
+        if self.files is None:
+            return super().read_data(plan, planner)
+        from torch.futures import Future
+
+        by_file: dict[str, list] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in by_file.items():
+            items.sort(key=lambda it: self.storage_data[it.storage_index].offset)  # one forward pass per file
+            file, want = S.confined(self.fs.folder, name), self.files.get(name)
+            if want is None:
+                raise UnsafeCheckpointFile(file, "is not in the checkpoint's manifest; refused")
+            if "blocks" in want:
+                largest = max(self.storage_data[it.storage_index].length for it in items)
+                reader = S.VerifiedBlocks(file, want, S.HASHERS, largest)
+                try:
+                    for item in items:
+                        info = self.storage_data[item.storage_index]
+                        _check_entry(info, file)
+                        self._commit(item, torch.frombuffer(reader.span(info.offset, info.offset + info.length),
+                                                            dtype=torch.uint8) if info.length else
+                                     torch.empty(0, dtype=torch.uint8), planner, file)
+                finally:
+                    reader.close()
+            else:
+                data = self.fs.read_verified(name)
+                for item in items:
+                    info = self.storage_data[item.storage_index]
+                    _check_entry(info, file)
+                    if info.offset + info.length > data.numel():
+                        raise UnsafeCheckpointFile(file, f"is {data.numel()} bytes; DCP's metadata points at bytes "
+                                                         f"{info.offset}-{info.offset + info.length} of it")
+                    self._commit(item, data[info.offset:info.offset + info.length], planner, file)
+                del data  # this file's buffer goes before the next one is read
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    @staticmethod
+    def _commit(item, record: torch.Tensor, planner, file: Path) -> None:
+        """Load one entry from its verified bytes ``record`` into its place in the state dict."""
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(record.numpy().tobytes()))
+            return
+        tensor = narrow_tensor_by_index(load_tensor(record), item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise UnsafeCheckpointFile(file, f"holds {item.dest_index.fqn} with shape {tuple(tensor.size())}, "
+                                             f"expected {tuple(target.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
+
+def _check_entry(info, file: Path) -> None:
+    if getattr(info, "transform_descriptors", None):
+        raise UnsafeCheckpointFile(file, f"uses DCP stream transforms {list(info.transform_descriptors)}, which "
+                                         f"this loader does not read (our checkpoints never have them)")
+
+
+def load_tensor(record: torch.Tensor) -> torch.Tensor:
+    """The tensor ``torch.save`` wrote into the bytes ``record`` (uint8), read with ``weights_only`` and
+    sharing ``record``'s memory: torch.load's own path for memory-mapped files, given the record's storage
+    in place of a mapping. Where that internal entry point is missing (another torch version), torch.load
+    from a seekable view, which copies."""
+    view = MemoryFile(memoryview(record.numpy()))
+    if _ZERO_COPY:
+        ser = torch.serialization
+        base = record.untyped_storage()[record.storage_offset():record.storage_offset() + record.numel()]
+        with ser._open_zipfile_reader(view) as zipped:
+            got = ser._load(zipped, "cpu", ser._weights_only_unpickler, overall_storage=base, encoding="utf-8")
+    else:
+        got = torch.load(view, map_location="cpu", weights_only=True)
+    if not isinstance(got, torch.Tensor):
+        raise pickle.UnpicklingError(f"a tensor entry holds a {type(got).__name__}")
+    return got
+
+
+def _has_zero_copy_load() -> bool:
+    import inspect
+
+    ser = torch.serialization
+    try:
+        params = inspect.signature(ser._load).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return ("overall_storage" in params and hasattr(ser, "_open_zipfile_reader")
+            and hasattr(ser, "_weights_only_unpickler"))
+
+
+_ZERO_COPY = _has_zero_copy_load()
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -3,7 +3,13 @@
 ``COMPLETE`` is written last, once every rank's files are on disk. Since version 2 it is JSON::
 
     {"format": "llama-fp8 checkpoint", "version": 2, "step": 200, "world_size": 16,
-     "files": {".metadata": {"bytes": 31385, "xxh3_64": "9c1e..."}, "__0_0.distcp": {...}, ...}}
+     "files": {".metadata": {"bytes": 31385, "xxh3_64": "9c1e..."},
+               "__0_0.distcp": {"bytes": 676571325, "xxh3_64": "...",
+                                "blocks": {"size": 4194304, "xxh3_64": ["...", ...]}}, ...}}
+
+A DCP shard file larger than one block also has a digest per block, so that a load can check it piece by
+piece as it reads (``safe_io.VerifiedBlocks``); a manifest without them (an earlier version) is loaded by
+reading each file whole first.
 
 Each rank checksums the files it wrote right after writing them (they are still in the page cache),
 rank 0 gathers the sums into the manifest. Checking reads every file once: the ranks split the files
@@ -63,6 +69,15 @@ def digest_bytes(data: bytes, algorithm: str = ALGORITHM) -> tuple[int, str]:
     h = HASHERS[algorithm]()
     h.update(data)
     return len(data), h.hexdigest()
+
+
+def entry(nbytes: int, digest: str, blocks: list[str] | None = None) -> dict[str, Any]:
+    """A file's manifest entry: its size and checksum, and, for a file hashed block by block as it was
+    written, the digest of every ``safe_io.BLOCK`` bytes (what the loader checks as it reads)."""
+    out: dict[str, Any] = {"bytes": nbytes, ALGORITHM: digest}
+    if blocks is not None and nbytes > S.BLOCK:
+        out["blocks"] = {"size": S.BLOCK, ALGORITHM: blocks}
+    return out
 
 
 def sums(folder: Path, names: list[str], threads: int = 4) -> dict[str, dict[str, Any]]:

@@ -120,17 +120,19 @@ def read_capped(path: Path, cap: int) -> bytes:
     return bytes(data)
 
 
-def _read_all(f, limit: int, hasher=None) -> bytearray:
-    """At most ``limit`` bytes of ``f``, hashed as read: read straight into one buffer of the file's size
-    (no growing copies; one byte more, so that a file that grew shows as longer), then, only if the file
-    grew past that, in chunks up to ``limit``."""
-    buf = bytearray(min(limit, os.fstat(f.fileno()).st_size + 1))
+def _read_all(f, limit: int, hasher=None, alloc: Callable[[int], Any] = bytearray):
+    """At most ``limit`` bytes of ``f``, hashed as read: read straight into one buffer of the file's size from
+    ``alloc`` (no growing copies; one byte more, so that a file that grew shows as longer), then, only if the
+    file grew past that and the buffer is a bytearray, in chunks up to ``limit``."""
+    buf = alloc(min(limit, os.fstat(f.fileno()).st_size + 1))
     n = 0
     with memoryview(buf) as view:
         while n < len(buf) and (got := f.readinto(view[n:min(len(buf), n + _CHUNK)])):
             if hasher is not None:
                 hasher.update(view[n:n + got])
             n += got
+    if not isinstance(buf, bytearray):
+        return buf[:n]
     del buf[n:]
     while n < limit and (chunk := f.read(min(_CHUNK, limit - n))):
         buf += chunk
@@ -140,16 +142,19 @@ def _read_all(f, limit: int, hasher=None) -> bytearray:
     return buf
 
 
-def read_checked(path: Path, want: dict | None, cap: int, hashers: dict[str, Callable]) -> bytes | bytearray:
+def read_checked(path: Path, want: dict | None, cap: int, hashers: dict[str, Callable],
+                 alloc: Callable[[int], Any] = bytearray) -> Any:
     """The bytes of ``path``, verified against its manifest entry ``want`` (``{"bytes", <algorithm>}``)
-    on exactly these bytes; ``want`` None (a checkpoint without checksums): capped only."""
+    on exactly these bytes; ``want`` None (a checkpoint without checksums): capped only. ``alloc(n)`` makes
+    the buffer they are read into (a bytearray, or, for a large file, an uninitialized array: its pages are
+    touched once, by the read, not first by zero-filling)."""
     if want is None:
         return read_capped(path, cap)
     size = int(want["bytes"])
     algorithm = next((a for a in hashers if a in want), None)
     hasher = hashers[algorithm]() if algorithm else None
     with open_regular(path) as f:
-        data = _read_all(f, min(size, cap) + 1, hasher)
+        data = _read_all(f, min(size, cap) + 1, hasher, alloc)
     if size > cap:
         raise UnsafeCheckpointFile(path, f"the manifest says {size} bytes, more than the {cap} a file of its kind "
                                          f"may have; refused")
@@ -161,6 +166,74 @@ def read_checked(path: Path, want: dict | None, cap: int, hashers: dict[str, Cal
                                          f"manifest says {want[algorithm]} (changed since it was checked, or "
                                          f"corrupted); refused, nothing of it was used")
     return data
+
+
+BLOCK = 4 << 20
+"""Bytes per block digest of a large file (the manifest's ``blocks``): what the loader reads and verifies at a
+time, so that it needs memory for the largest tensor and two blocks, not for the whole file."""
+
+
+class VerifiedBlocks:
+    """A file read forward in blocks, each hashed and compared with its manifest digest before any byte of
+    it is handed out: ``span(a, b)`` is a view of verified bytes ``[a, b)``. One buffer of ``capacity``
+    bytes is reused; ``span`` may move what it holds, so a view is valid until the next call. Spans are
+    cheapest in increasing order (an earlier one restarts the read at its block)."""
+
+    def __init__(self, path: Path, want: dict, hashers: dict[str, Callable], largest: int) -> None:
+        self.path, self.size = Path(path), int(want["bytes"])
+        blocks = want.get("blocks")
+        algorithm = next((a for a in hashers if isinstance(blocks, dict) and a in blocks), None)
+        self.block = blocks.get("size") if isinstance(blocks, dict) else None
+        if (algorithm is None or not isinstance(self.block, int) or isinstance(self.block, bool)
+                or not 0 < self.block <= 1 << 30 or not isinstance(blocks[algorithm], list)
+                or len(blocks[algorithm]) != -(-self.size // self.block)):
+            raise UnsafeCheckpointFile(self.path, f"its manifest entry has no usable block digests ({blocks!r:.80}); "
+                                                  f"refused")
+        self.digests, self.hasher = blocks[algorithm], hashers[algorithm]
+        self.buf = bytearray(min(self.size, largest + 2 * self.block))
+        self.lo = self.n = 0  # the buffer holds verified bytes [lo, lo + n) of the file
+        self.f = open_regular(self.path)
+
+    def close(self) -> None:
+        self.f.close()
+
+    def span(self, a: int, b: int) -> memoryview:
+        if not 0 <= a <= b <= self.size:
+            raise UnsafeCheckpointFile(self.path, f"bytes {a}-{b} asked for, the manifest says {self.size} bytes")
+        start = a // self.block * self.block
+        if b > self.lo + self.n or a < self.lo:
+            if a < self.lo or start > self.lo + self.n:
+                self.lo, self.n = start, 0
+            elif start > self.lo:  # keep the verified tail from a's block on; drop what is before it
+                keep = bytes(memoryview(self.buf)[start - self.lo:self.n])
+                self.buf[:len(keep)] = keep
+                self.lo, self.n = start, len(keep)
+            if b - self.lo > len(self.buf):
+                raise UnsafeCheckpointFile(self.path, f"bytes {a}-{b} do not fit the {len(self.buf)}-byte buffer "
+                                                      f"sized by DCP's metadata")
+            while self.lo + self.n < b:
+                self._next_block()
+        return memoryview(self.buf)[a - self.lo:b - self.lo]
+
+    def _next_block(self) -> None:
+        at = self.lo + self.n
+        k, length = at // self.block, min(self.block, self.size - at)
+        with memoryview(self.buf) as view:
+            dest, got = view[self.n:self.n + length], 0
+            self.f.seek(at)
+            while got < length and (r := self.f.readinto(dest[got:])):
+                got += r
+            h = self.hasher()
+            h.update(dest[:got])
+        if got != length:
+            raise UnsafeCheckpointFile(self.path, f"ends at byte {at + got}, the manifest says {self.size} (truncated "
+                                                  f"since it was checked); refused")
+        if h.hexdigest() != self.digests[k]:
+            raise UnsafeCheckpointFile(self.path, f"block {k} (bytes {at}-{at + length}) has checksum "
+                                                  f"{h.hexdigest()}, the manifest says {self.digests[k]!r:.40} "
+                                                  f"(changed since it was checked, or corrupted); refused, nothing "
+                                                  f"of it was used")
+        self.n += length
 
 
 def retry(fn: Callable[[], T], what: Path, log: Callable[[str], None] | None = None) -> T:

@@ -2,7 +2,9 @@
 
 The manifest needs each file's size and checksum. Reading the files back after the write (from the page
 cache) was a second pass over every byte of the checkpoint; hashing the bytes on their way to the file
-costs only the hash (XXH3 runs at memory speed). DCP writes each file sequentially through ``write``
+costs only the hash (XXH3 runs at memory speed). Each ``safe_io.BLOCK`` bytes also get a digest of their own
+(the manifest's ``blocks``): the loader verifies a file block by block as it reads it, in one small buffer,
+instead of reading the whole file into memory first. DCP writes each file sequentially through ``write``
 (``torch.save`` streams its zip archive; ``_write_item`` records offsets with ``tell``), so the digest of
 the written bytes is the digest of the file. A file DCP writes some other way (a future torch) has no
 digest here and is read back by the checkpointer instead (``manifest.sums``).
@@ -18,12 +20,16 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from llama_fp8.checkpoint import safe_io as S
+
 
 class _HashingStream:
-    """A binary file opened for writing that hashes what is written to it, in order."""
+    """A binary file opened for writing that hashes what is written to it, in order: the whole, and every
+    ``BLOCK`` bytes apart."""
 
     def __init__(self, f, hasher) -> None:
-        self._f, self._h, self.nbytes, self.sequential = f, hasher, 0, True
+        self._f, self._new, self.nbytes, self.sequential = f, hasher, 0, True
+        self._h, self._block, self.blocks = hasher(), hasher(), []
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -31,11 +37,23 @@ class _HashingStream:
             self.sequential = False
         n = self._f.write(view)
         self._h.update(view[:n])
-        self.nbytes += n
+        done = 0
+        while done < n:
+            room = S.BLOCK - self.nbytes % S.BLOCK
+            self._block.update(view[done:done + room])
+            step = min(room, n - done)
+            done += step
+            self.nbytes += step
+            if self.nbytes % S.BLOCK == 0:
+                self.blocks.append(self._block.hexdigest())
+                self._block = self._new()
         return n
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
+
+    def block_digests(self) -> list[str]:
+        return self.blocks + ([self._block.hexdigest()] if self.nbytes % S.BLOCK else [])
 
     def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close, closed, seek...
         if name == "seek":
@@ -47,7 +65,7 @@ class _HashingFileSystem(FileSystem):
     def __init__(self, hasher) -> None:
         super().__init__()
         self._hasher, self._lock = hasher, threading.Lock()
-        self.digests: dict[str, tuple[int, str]] = {}
+        self.digests: dict[str, tuple[int, str, list[str]]] = {}
 
     @contextmanager
     def create_stream(self, path, mode: str):
@@ -56,11 +74,11 @@ class _HashingFileSystem(FileSystem):
                 yield stream
             return
         with Path(path).open(mode) as f:
-            stream = _HashingStream(f, self._hasher())
+            stream = _HashingStream(f, self._hasher)
             yield stream
             if stream.sequential:
                 with self._lock:
-                    self.digests[Path(path).name] = (stream.nbytes, stream.hexdigest())
+                    self.digests[Path(path).name] = (stream.nbytes, stream.hexdigest(), stream.block_digests())
 
     def rename(self, path, new_path) -> None:
         super().rename(path, new_path)
@@ -70,12 +88,13 @@ class _HashingFileSystem(FileSystem):
 
 
 class HashingFileSystemWriter(FileSystemWriter):
-    """``FileSystemWriter`` whose ``digests`` maps each file name it wrote to (bytes, hex digest)."""
+    """``FileSystemWriter`` whose ``digests`` maps each file name it wrote to (bytes, hex digest, block
+    digests)."""
 
     def __init__(self, path: str, hasher) -> None:
         super().__init__(path)
         self.fs = _HashingFileSystem(hasher)
 
     @property
-    def digests(self) -> dict[str, tuple[int, str]]:
+    def digests(self) -> dict[str, tuple[int, str, list[str]]]:
         return self.fs.digests

@@ -1,0 +1,153 @@
+"""A checkpoint's shard files are verified block by block as the load reads them: each block's digest is
+written with the file, the reader hands out only bytes of blocks that matched, in one small reused buffer,
+and every tensor is loaded as a view of those bytes (no copy per tensor)."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+
+import pytest
+import torch
+from ckpt_kit import run
+from test_save_resume import losses_by_step
+
+from llama_fp8.checkpoint import files as F
+from llama_fp8.checkpoint import safe_io as S
+from llama_fp8.checkpoint import writer as W
+
+
+def digest(data: bytes) -> str:
+    h = S.HASHERS[S.ALGORITHM]()
+    h.update(data)
+    return h.hexdigest()
+
+
+def write_hashed(path, data: bytes, chunks: list[int]) -> tuple[int, str, list[str]]:
+    """Write ``data`` through the save's hashing stream in writes of the given sizes (cycled)."""
+    with open(path, "wb") as f:
+        stream, at, i = W._HashingStream(f, S.HASHERS[S.ALGORITHM]), 0, 0
+        while at < len(data):
+            n = chunks[i % len(chunks)]
+            stream.write(data[at:at + n])
+            at, i = at + n, i + 1
+    return stream.nbytes, stream.hexdigest(), stream.block_digests()
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(S, "BLOCK", 4096)
+    return 4096
+
+
+@pytest.fixture
+def blocked_file(tmp_path, small_blocks):
+    data = random.Random(0).randbytes(10 * small_blocks + 1234)
+    path = tmp_path / "__0_0.distcp"
+    nbytes, whole, blocks = write_hashed(path, data, [1, 4095, 5000, 7, 12288])  # writes across block edges
+    want = {"bytes": nbytes, S.ALGORITHM: whole, "blocks": {"size": small_blocks, S.ALGORITHM: blocks}}
+    return path, data, want
+
+
+def test_the_hashing_writer_digests_every_block_of_what_it_wrote(blocked_file, small_blocks):
+    path, data, want = blocked_file
+    blocks = want["blocks"][S.ALGORITHM]
+    assert path.read_bytes() == data and want[S.ALGORITHM] == digest(data)
+    assert len(blocks) == 11  # ten full blocks and a part
+    assert blocks == [digest(data[i:i + small_blocks]) for i in range(0, len(data), small_blocks)]
+
+
+def test_spans_in_any_order_are_the_file_bytes_and_the_buffer_stays_small(blocked_file, small_blocks):
+    path, data, want = blocked_file
+    reader = S.VerifiedBlocks(path, want, S.HASHERS, largest=6000)
+    try:
+        spans = [(0, 10), (10, 4096), (4090, 4200), (4200, 10000), (10000, 10000), (20000, 26000),
+                 (len(data) - 1, len(data)), (5, 6), (8191, 8193), (30000, 36000)]
+        for a, b in spans:
+            assert bytes(reader.span(a, b)) == data[a:b], (a, b)
+        assert len(reader.buf) == 6000 + 2 * small_blocks  # the largest span and two blocks, not the file
+    finally:
+        reader.close()
+
+
+def test_a_block_changed_after_the_check_is_refused_when_it_is_reached(blocked_file, small_blocks):
+    path, data, want = blocked_file
+    changed = bytearray(data)
+    changed[3 * small_blocks + 17] ^= 0x01
+    path.write_bytes(bytes(changed))
+    reader = S.VerifiedBlocks(path, want, S.HASHERS, largest=small_blocks)
+    try:
+        assert bytes(reader.span(0, 3 * small_blocks)) == data[:3 * small_blocks]  # blocks 0-2 are intact
+        with pytest.raises(S.UnsafeCheckpointFile, match="block 3 .*changed since it was checked"):
+            reader.span(3 * small_blocks, 3 * small_blocks + 20)
+    finally:
+        reader.close()
+    path.write_bytes(data[:5 * small_blocks + 10])  # truncated
+    reader = S.VerifiedBlocks(path, want, S.HASHERS, largest=small_blocks)
+    try:
+        with pytest.raises(S.UnsafeCheckpointFile, match="truncated"):
+            reader.span(5 * small_blocks, 5 * small_blocks + 100)
+        with pytest.raises(S.UnsafeCheckpointFile, match="asked for"):
+            reader.span(0, len(data) + 1)  # past the end the manifest gives
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("forge", [
+    pytest.param(lambda b: b[S.ALGORITHM].pop(), id="one digest missing"),
+    pytest.param(lambda b: b.update(size=0), id="block size 0"),
+    pytest.param(lambda b: b.update(size=True), id="block size a bool"),
+    pytest.param(lambda b: b.update(size=1 << 40), id="block size 1 TiB"),
+    pytest.param(lambda b: b.update({S.ALGORITHM: "abc"}), id="digests not a list"),
+    pytest.param(lambda b: b.pop(S.ALGORITHM), id="no digests of a known algorithm")])
+def test_forged_block_entries_are_refused_before_anything_is_read(blocked_file, forge):
+    path, _, want = blocked_file
+    forge(want["blocks"])
+    with pytest.raises(S.UnsafeCheckpointFile, match="no usable block digests"):
+        S.VerifiedBlocks(path, want, S.HASHERS, largest=100)
+
+
+def test_a_tensor_is_loaded_as_a_view_of_its_verified_bytes(monkeypatch):
+    t = torch.randn(300, 7)
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    record = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    got = F.load_tensor(record)
+    assert torch.equal(got, t)
+    lo, hi = record.data_ptr(), record.data_ptr() + record.numel()
+    assert F._ZERO_COPY and lo <= got.data_ptr() < hi  # shares the record's memory: no copy
+    monkeypatch.setattr(F, "_ZERO_COPY", False)  # a torch without the entry point: torch.load, a copy
+    copied = F.load_tensor(record)
+    assert torch.equal(copied, t) and not lo <= copied.data_ptr() < hi
+    torch.save({"not": "a tensor"}, buf := io.BytesIO())
+    with pytest.raises(Exception, match="a tensor entry holds a dict"):
+        F.load_tensor(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
+
+
+def test_saved_shards_carry_block_digests_and_resume_the_same_with_or_without_them(saved, tmp_path, monkeypatch):
+    folder = saved / "checkpoints" / "step_4"
+    man = json.loads((folder / "COMPLETE").read_text())
+    shard = man["files"]["__0_0.distcp"]
+    data = (folder / "__0_0.distcp").read_bytes()
+    assert shard["bytes"] == len(data) > S.BLOCK  # the tiny model's shard file spans several blocks
+    assert shard["blocks"] == {"size": S.BLOCK, S.ALGORITHM: [digest(data[i:i + S.BLOCK])
+                                                              for i in range(0, len(data), S.BLOCK)]}
+    readers: list = []
+    real = S.VerifiedBlocks
+    monkeypatch.setattr(S, "VerifiedBlocks", lambda *a, **kw: readers.append(1) or real(*a, **kw))
+
+    import shutil
+    other = tmp_path / "no_blocks"
+    shutil.copytree(saved, other, symlinks=True)
+    for entry in man["files"].values():  # as an earlier version wrote it: whole-file digests only
+        entry.pop("blocks", None)
+    (other / "checkpoints" / "step_4" / "COMPLETE").write_text(json.dumps(man))
+
+    assert run(saved, "--max_steps", "6", "--checkpoint_freq", "2") == 0
+    assert readers, "the load did not read the shard block by block"
+    del readers[:]
+    assert run(other, "--max_steps", "6", "--checkpoint_freq", "2") == 0
+    assert not readers  # no block digests: the file is read whole, then verified
+    a, b = losses_by_step(saved), losses_by_step(other)
+    assert [a[s] for s in (5, 6)] == [b[s] for s in (5, 6)]
