@@ -151,3 +151,30 @@ def test_saved_shards_carry_block_digests_and_resume_the_same_with_or_without_th
     assert not readers  # no block digests: the file is read whole, then verified
     a, b = losses_by_step(saved), losses_by_step(other)
     assert [a[s] for s in (5, 6)] == [b[s] for s in (5, 6)]
+
+
+def test_dcp_metadata_is_read_once_per_load_and_that_read_is_what_the_load_uses(saved, monkeypatch):
+    """The shape check and DCP's planner use one read of .metadata (the allow-list unpickler is the slow
+    part of a small checkpoint's load), so the two cannot disagree either."""
+    from llama_fp8.checkpoint import checkpointer
+
+    reads, seen, during = [], [], []
+    real_read, real_plan, real_load = F.read_dcp_metadata, F.SafeLoadPlanner.set_up_planner, \
+        checkpointer.Checkpointer.load
+    monkeypatch.setattr(F, "read_dcp_metadata", lambda *a, **kw: reads.append(real_read(*a, **kw)) or reads[-1])
+
+    def plan(self, state_dict, metadata=None, *a, **kw):
+        seen.append(metadata)
+        return real_plan(self, state_dict, metadata, *a, **kw)
+
+    def load(self, *a, **kw):
+        before = len(reads)
+        try:
+            return real_load(self, *a, **kw)
+        finally:
+            during.extend(reads[before:])
+
+    monkeypatch.setattr(F.SafeLoadPlanner, "set_up_planner", plan)
+    monkeypatch.setattr(checkpointer.Checkpointer, "load", load)
+    assert run(saved, "--max_steps", "5", "--checkpoint_freq", "0") == 0
+    assert len(during) == 1 and len(seen) == 1 and seen[0] is during[0], (len(during), len(seen))

@@ -231,13 +231,13 @@ class Checkpointer:
         def first() -> None:
             got["files"] = _manifest_files(path)
             got["meta"] = M.read_train_state(path, _entry(got["files"], M.TRAIN_STATE))
-            check_fits(path, state, _entry(got["files"], ".metadata"))
+            got["dcp"] = check_fits(path, state, _entry(got["files"], ".metadata"))
 
         self._agreed_load(path, first)
         files, meta = got["files"], got["meta"]
         try:  # reshards to this world size; DCP raises on every rank if a read failed on any
-            dcp.load(state, storage_reader=F.SafeFileSystemReader(str(path), files), planner=F.SafeLoadPlanner(),
-                     process_group=self._pg)
+            dcp.load(state, storage_reader=F.SafeFileSystemReader(str(path), files, got["dcp"]),
+                     planner=F.SafeLoadPlanner(), process_group=self._pg)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line naming the checkpoint
             raise AgreedError(f"cannot load {path}: {_describe(e)}") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -330,11 +330,12 @@ class MemoryFile(io.RawIOBase):
 
 class SafeFileSystemReader(FileSystemReader):
     """DCP's file reader with the metadata read through the allow-list unpickler and every file verified
-    against the manifest ``files`` on the bytes that are loaded (``files`` None: no checksums, version 1)."""
+    against the manifest ``files`` on the bytes that are loaded (``files`` None: no checksums, version 1).
+    ``metadata``: DCP's metadata already read (and checked) through ``read_dcp_metadata``, used as it is."""
 
-    def __init__(self, path: str, files: dict[str, dict] | None = None) -> None:
+    def __init__(self, path: str, files: dict[str, dict] | None = None, metadata: Metadata | None = None) -> None:
         super().__init__(path)
-        self.files = files
+        self.files, self.metadata = files, metadata
         self.fs = _CheckedFileSystem(Path(path), files)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -342,7 +343,8 @@ class SafeFileSystemReader(FileSystemReader):
             raise UnsafeCheckpointFile(Path(self.path), "per-rank DCP metadata is not supported")
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        meta = read_dcp_metadata(Path(self.path), None if self.files is None else self.files.get(".metadata"))
+        meta = self.metadata or read_dcp_metadata(Path(self.path), None if self.files is None else
+                                                  self.files.get(".metadata"))
         if getattr(meta, "storage_meta", None) is None:
             meta.storage_meta = StorageMeta()
         meta.storage_meta.load_id = self.load_id

@@ -42,19 +42,21 @@ def read_rank_file(path: Path, rank: int, files: dict | None = None) -> dict:
         raise ConfigError(f"cannot resume from {path}: {e}") from None
 
 
-def check_fits(path: Path, state: dict, want: dict | None = None) -> None:
+def check_fits(path: Path, state: dict, want: dict | None = None):
     """Every tensor this model and optimizer need is in the checkpoint with the same global shape;
-    otherwise a ConfigError naming them (instead of DCP's error from deep inside its planner)."""
+    otherwise a ConfigError naming them (instead of DCP's error from deep inside its planner). Returns DCP's
+    metadata as read and checked here (the load uses this one read, not a second)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    try:
+        meta = F.read_dcp_metadata(path, want)
+    except F.UnsafeCheckpointFile as e:
+        raise ConfigError(f"cannot resume from {path}: {e}") from None
     try:  # DCP's own flattening (private), so that the keys are exactly the ones it looks up
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     except ImportError:  # another torch: DCP's own error stands in for this check
-        return
-    try:
-        saved = F.read_dcp_metadata(path, want).state_dict_metadata
-    except F.UnsafeCheckpointFile as e:
-        raise ConfigError(f"cannot resume from {path}: {e}") from None
+        return meta
+    saved = meta.state_dict_metadata
     flat, _ = flatten_state_dict(state)
     missing = [k for k in flat if k not in saved]
     wrong = [f"{k} saved {tuple(saved[k].size)}, this run {tuple(v.shape)}" for k, v in flat.items()
@@ -66,6 +68,7 @@ def check_fits(path: Path, state: dict, want: dict | None = None) -> None:
         raise ConfigError(f"cannot resume from {path}: it does not fit this model and optimizer: "
                           f"{'; '.join(listed)}{f' (and {more} more)' if more else ''}. Resume with the settings "
                           f"it was saved with (its train_state.json), or start a new --run_dir")
+    return meta
 
 
 def _load_scheduler(scheduler, optimizer, saved: dict) -> None:
