@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import stat
@@ -191,8 +192,11 @@ class VerifiedBlocks:
                                                   f"refused")
         self.digests, self.hasher = blocks[algorithm], hashers[algorithm]
         self.buf = bytearray(min(self.size, largest + 2 * self.block))
+        self._address = ctypes.addressof((ctypes.c_char * len(self.buf)).from_buffer(self.buf)) if self.buf else 0
         self.lo = self.n = 0  # the buffer holds verified bytes [lo, lo + n) of the file
         self.f = open_regular(self.path)
+        if hasattr(os, "posix_fadvise"):  # the kernel reads ahead while blocks are hashed and tensors copied
+            os.posix_fadvise(self.f.fileno(), 0, self.size, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
         self.f.close()
@@ -204,10 +208,10 @@ class VerifiedBlocks:
         if b > self.lo + self.n or a < self.lo:
             if a < self.lo or start > self.lo + self.n:
                 self.lo, self.n = start, 0
-            elif start > self.lo:  # keep the verified tail from a's block on; drop what is before it
-                keep = bytes(memoryview(self.buf)[start - self.lo:self.n])
-                self.buf[:len(keep)] = keep
-                self.lo, self.n = start, len(keep)
+            elif start > self.lo:  # keep the verified tail from a's block on (moved to the front, in place)
+                keep = self.n - (start - self.lo)
+                ctypes.memmove(self._address, self._address + start - self.lo, keep)
+                self.lo, self.n = start, keep
             if b - self.lo > len(self.buf):
                 raise UnsafeCheckpointFile(self.path, f"bytes {a}-{b} do not fit the {len(self.buf)}-byte buffer "
                                                       f"sized by DCP's metadata")
