@@ -91,3 +91,21 @@ def test_checkpoint_dir_that_cannot_be_listed_stops_instead_of_starting_over(sav
     monkeypatch.undo()
     assert [s for s, _ in K.complete_checkpoints(ckpts)] == [2, 4]
     hostile(f"exit 2: \"...{err[err.find('cannot be listed'):][:120]}\"; step_2, step_4 intact")
+
+
+def test_a_deletion_in_progress_is_left_to_the_background_deleter_and_an_earlier_runs_is_swept(tmp_path):
+    """``step_N.old`` is deleted in the background; a save must not delete it again on the training thread (it
+    held up an async save by the whole deletion on rank 0). Leftovers of an earlier run go at its first save."""
+    from llama_fp8.checkpoint import Checkpointer
+
+    ckpt = tmp_path / "checkpoints"
+    (ckpt / "step_1.old").mkdir(parents=True)
+    (ckpt / "step_0.tmp").mkdir()
+    run_ckpt = Checkpointer(ckpt, 1, False, 0, 1)
+    run_ckpt._prepare(ckpt / "step_3.tmp")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_3.tmp"]  # an earlier run's leftovers: swept
+    (ckpt / "step_2.old").mkdir()  # this run's, being deleted in the background
+    run_ckpt._prepare(ckpt / "step_4.tmp")
+    assert (ckpt / "step_2.old").is_dir()
+    Checkpointer(ckpt, 1, False, 0, 1)._prepare(ckpt / "step_5.tmp")  # the next run's first save
+    assert not (ckpt / "step_2.old").exists()

@@ -8,7 +8,8 @@ Layout of ``--checkpoint_dir``::
       train_state.json               step, scheduler, world size, config asked and plan resolved (rank 0)
       COMPLETE                       the manifest: every file's size and checksum; written last
     step_300.tmp/        a save in progress or interrupted: never loaded, removed by the next save
-    step_100.old/        a checkpoint being deleted (--keep_last_k): never loaded, removed by the next save
+    step_100.old/        a checkpoint being deleted (--keep_last_k, in the background): never loaded; one
+                         left by an earlier run is removed by this run's first save
     step_250.broken/     failed its check at start-up: set aside, kept for inspection
     step_400.incomplete/ a step_400 folder without COMPLETE (not ours) that a save of step 400 moved aside
     LOCK                 the job that uses this folder (job id, host, pid): one job at a time (lock.py)

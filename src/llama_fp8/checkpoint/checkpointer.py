@@ -63,6 +63,7 @@ class Checkpointer:
         self._pending: tuple[Future, Path, Path, int] | None = None  # (this rank's sums, tmp, final, step)
         self._own_digests: dict[str, tuple[int, str]] = {}  # the per-rank file and train_state.json, as written
         self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ckpt-delete")  # retired checkpoints
+        self._swept = False  # leftovers of an earlier attempt removed (by the first save of this run)
 
     # --- save ----------------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, scheduler, loader, cfg, plan=None) -> None:
@@ -111,7 +112,9 @@ class Checkpointer:
 
     def _prepare(self, tmp: Path) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        L.remove_leftovers(self.dir)  # interrupted saves of an earlier attempt
+        if not self._swept:  # interrupted saves and deletions of an earlier attempt, once per run: a later
+            L.remove_leftovers(self.dir)  # step_N.old is this run's, being deleted by the background deleter,
+            self._swept = True  # and removing it here would hold up training for the whole deletion
         tmp.mkdir()
 
     def _write_own(self, tmp: Path, step: int, scheduler, loader, cfg, plan) -> None:
