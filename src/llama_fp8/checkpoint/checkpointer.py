@@ -79,8 +79,7 @@ class Checkpointer:
         if not self.async_save:
             try:
                 writer = W.HashingFileSystemWriter(str(tmp), M.HASHERS[M.ALGORITHM])
-                with W.no_zip_crc():
-                    written = dcp.save(state, storage_writer=writer, process_group=self._pg)
+                written = dcp.save(state, storage_writer=writer, process_group=self._pg)
                 sums, error = self._my_sums(tmp, written, writer.digests), None
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported on every rank below
                 sums, error = None, _describe(e)

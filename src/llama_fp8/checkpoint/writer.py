@@ -13,12 +13,10 @@ digest here and is read back by the checkpointer instead (``manifest.sums``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -101,17 +99,3 @@ class HashingFileSystemWriter(FileSystemWriter):
     def digests(self) -> dict[str, tuple[int, str, list[str]]]:
         return self.fs.digests
 
-
-@contextmanager
-def no_zip_crc() -> Iterator[None]:
-    """``torch.save`` without the CRC-32 of each zip record, for the duration of a synchronous save: every
-    byte is already hashed on its way to the file (the manifest's digests, checked at start-up and again as
-    the load reads), so the zip's own pass over the same bytes only costs time (~15 % of a save here).
-    torch.load reads such files (``torch.serialization.set_crc32_options``). A process-wide option: set only
-    while this rank's save runs on this thread (no async save is in flight then), and restored after."""
-    before = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(before)
