@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -61,6 +62,22 @@ class _HashingStream:
         return getattr(self._f, name)
 
 
+@contextmanager
+def _no_zip_crc():
+    """``torch.save`` without the CRC-32 of each zip record while a shard file is written: every byte is
+    already hashed here on its way to the file, and checked against the manifest at start-up and again as
+    the load reads it, so the zip's own pass over the same bytes only costs time (about a tenth of a save).
+    torch.load reads such files (``torch.serialization.set_crc32_options``). The option is thread-local, so
+    it is set in the thread that writes: an async save's background thread then writes the same bytes as a
+    sync save of the same state (a resumed run's files are compared with an uninterrupted run's)."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
 class _HashingFileSystem(FileSystem):
     def __init__(self, hasher) -> None:
         super().__init__()
@@ -73,7 +90,7 @@ class _HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with Path(path).open(mode) as f:
+        with Path(path).open(mode) as f, _no_zip_crc():
             stream = _HashingStream(f, self._hasher)
             yield stream
             if stream.sequential:
