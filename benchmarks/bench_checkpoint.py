@@ -63,7 +63,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab_size", type=int, default=32000, help="vocabulary (default 32000)")
     p.add_argument("--intermediate_size", type=int, default=2816, help="MLP width (default 2816)")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds of every variant (default 5)")
-    p.add_argument("--dir", default=None, help="folder for the files (default: a new folder under runs/)")
+    p.add_argument("--dir", default=None, help="the file system to measure: a new folder is made in this one for "
+                                               "each run and removed after it (default: runs/)")
     p.add_argument("--nproc", type=int, default=2, help="ranks to launch (ignored under torchrun)")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.nproc < 1:
@@ -72,8 +73,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def relaunch(args: argparse.Namespace, argv: list[str]) -> int:
-    folder = Path(args.dir or tempfile.mkdtemp(prefix="bench_checkpoint-", dir=REPO / "runs"
-                                                if (REPO / "runs").is_dir() else None))
+    parent = args.dir or (REPO / "runs" if (REPO / "runs").is_dir() else None)
+    folder = Path(tempfile.mkdtemp(prefix="bench_checkpoint-", dir=parent))  # a run's training refuses a used one
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
@@ -81,8 +82,7 @@ def relaunch(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         return subprocess.run(cmd, env=env).returncode
     finally:
-        if args.dir is None:
-            shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def train_flags(args: argparse.Namespace, folder: Path, async_save: bool) -> list[str]:

@@ -94,7 +94,9 @@ def test_bench_checkpoint_prints_table_and_ratio(tmp_path):
     assert set(parts) == {"per-rank file", "DCP serialization", "fsync", "checksum pass"}, rec
     assert all(v > 0 for v in parts.values()) and sum(parts.values()) < 1.0, rec
     assert 0 <= rec["save_share"]["other"] < 1.0, rec  # the rest of the save, per round (not 1 - the medians)
-    assert (tmp_path / "ckpt").is_dir() and (tmp_path / "raw" / "rank1.bin").is_file()  # both wrote to --dir
+    # --dir names the file system: each run makes its own folder there (a second run must not find the
+    # first one's run folder, which training refuses to reuse) and removes it
+    assert f"files in {tmp_path}/bench_checkpoint-" in out and not any(tmp_path.iterdir()), out
 
 
 def test_bench_fp8_stats_prints_table_and_ratios():

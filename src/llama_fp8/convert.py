@@ -50,9 +50,9 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype) -> Path:
         model = impl.build(cfg)
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
-    # In place, into the model's tensors; the readers that never execute what they read (checkpoint/files.py).
-    dcp.load(state, storage_reader=checkpoint.files.SafeFileSystemReader(str(path)),
-             planner=checkpoint.files.SafeLoadPlanner(), no_dist=True)
+    # In place, into the model's tensors; the readers that never execute what they read (checkpoint/dcp_read.py).
+    dcp.load(state, storage_reader=checkpoint.dcp_read.SafeFileSystemReader(str(path)),
+             planner=checkpoint.dcp_read.SafeLoadPlanner(), no_dist=True)
     hf = LlamaForCausalLM(hf_config(cfg))
     hf.load_state_dict(impl.to_hf_state(state["model"], cfg), strict=True)
     hf.to(dtype).save_pretrained(str(out), safe_serialization=True)

@@ -13,7 +13,7 @@ import torch
 from ckpt_kit import run
 from test_save_resume import losses_by_step
 
-from llama_fp8.checkpoint import files as F
+from llama_fp8.checkpoint import dcp_read as D
 from llama_fp8.checkpoint import safe_io as S
 from llama_fp8.checkpoint import writer as W
 
@@ -113,16 +113,16 @@ def test_a_tensor_is_loaded_as_a_view_of_its_verified_bytes(monkeypatch):
     buf = io.BytesIO()
     torch.save(t, buf)
     record = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-    got = F.load_tensor(record)
+    got = D.load_tensor(record)
     assert torch.equal(got, t)
     lo, hi = record.data_ptr(), record.data_ptr() + record.numel()
-    assert F._ZERO_COPY and lo <= got.data_ptr() < hi  # shares the record's memory: no copy
-    monkeypatch.setattr(F, "_ZERO_COPY", False)  # a torch without the entry point: torch.load, a copy
-    copied = F.load_tensor(record)
+    assert D._ZERO_COPY and lo <= got.data_ptr() < hi  # shares the record's memory: no copy
+    monkeypatch.setattr(D, "_ZERO_COPY", False)  # a torch without the entry point: torch.load, a copy
+    copied = D.load_tensor(record)
     assert torch.equal(copied, t) and not lo <= copied.data_ptr() < hi
     torch.save({"not": "a tensor"}, buf := io.BytesIO())
     with pytest.raises(Exception, match="a tensor entry holds a dict"):
-        F.load_tensor(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
+        D.load_tensor(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
 
 
 def test_saved_shards_carry_block_digests_and_resume_the_same_with_or_without_them(saved, tmp_path, monkeypatch):
@@ -159,9 +159,9 @@ def test_dcp_metadata_is_read_once_per_load_and_that_read_is_what_the_load_uses(
     from llama_fp8.checkpoint import checkpointer
 
     reads, seen, during = [], [], []
-    real_read, real_plan, real_load = F.read_dcp_metadata, F.SafeLoadPlanner.set_up_planner, \
+    real_read, real_plan, real_load = D.read_dcp_metadata, D.SafeLoadPlanner.set_up_planner, \
         checkpointer.Checkpointer.load
-    monkeypatch.setattr(F, "read_dcp_metadata", lambda *a, **kw: reads.append(real_read(*a, **kw)) or reads[-1])
+    monkeypatch.setattr(D, "read_dcp_metadata", lambda *a, **kw: reads.append(real_read(*a, **kw)) or reads[-1])
 
     def plan(self, state_dict, metadata=None, *a, **kw):
         seen.append(metadata)
@@ -174,7 +174,7 @@ def test_dcp_metadata_is_read_once_per_load_and_that_read_is_what_the_load_uses(
         finally:
             during.extend(reads[before:])
 
-    monkeypatch.setattr(F.SafeLoadPlanner, "set_up_planner", plan)
+    monkeypatch.setattr(D.SafeLoadPlanner, "set_up_planner", plan)
     monkeypatch.setattr(checkpointer.Checkpointer, "load", load)
     assert run(saved, "--max_steps", "5", "--checkpoint_freq", "0") == 0
     assert len(during) == 1 and len(seen) == 1 and seen[0] is during[0], (len(during), len(seen))
@@ -213,6 +213,6 @@ def test_sync_and_async_saves_write_the_same_bytes_without_zip_crcs(tmp_path):
         crcs = zip_record_crcs(data)
         assert len(crcs) >= 3 and set(crcs) == {0}, crcs
     back = {"w": torch.zeros(300, 200), "b": torch.zeros(77), "step": 0}
-    dcp.load(back, storage_reader=F.SafeFileSystemReader(str(tmp_path / "async")), planner=F.SafeLoadPlanner(),
+    dcp.load(back, storage_reader=D.SafeFileSystemReader(str(tmp_path / "async")), planner=D.SafeLoadPlanner(),
              no_dist=True)
     assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"]) and back["step"] == 3

@@ -14,7 +14,7 @@ import pytest
 from ckpt_kit import ck, run
 
 from llama_fp8 import checkpoint as K
-from llama_fp8.checkpoint import files as F
+from llama_fp8.checkpoint import dcp_read as D
 from llama_fp8.checkpoint import manifest as M
 from llama_fp8.checkpoint import resume as R
 
@@ -68,7 +68,7 @@ def test_metadata_pickle_cannot_change_a_shared_object(tmp_path, attack, hostile
     (tmp_path / ".metadata").write_bytes(blob)
     try:
         with pytest.raises(K.UnsafeCheckpointFile, match=r"\.metadata: ") as e:
-            F.read_dcp_metadata(tmp_path)
+            D.read_dcp_metadata(tmp_path)
         assert not hasattr(target(), attr), f"{attack}: the refused load changed {target()!r} for the process"
         hostile(f"\"{e.value.reason}\"; {attr!r} not set afterwards")
     finally:
@@ -82,7 +82,7 @@ def test_metadata_pickle_cannot_change_a_shared_object(tmp_path, attack, hostile
 def test_metadata_of_a_real_checkpoint_still_loads_through_the_strict_unpickler(saved):
     with open(ck(saved, 4) / ".metadata", "rb") as f:
         want = pickle.load(f)  # our own file, read the unsafe way once for the comparison
-    got = F.read_dcp_metadata(ck(saved, 4))
+    got = D.read_dcp_metadata(ck(saved, 4))
     assert got.state_dict_metadata == want.state_dict_metadata and got.storage_data == want.storage_data
 
 
@@ -128,7 +128,7 @@ def test_dcp_storage_paths_outside_the_folder_are_refused(saved, where, hostile)
         pickle.dump(meta, f)
     reseal(folder, ".metadata")
     with pytest.raises(K.UnsafeCheckpointFile, match="points outside the checkpoint folder") as e:
-        F.read_dcp_metadata(folder)
+        D.read_dcp_metadata(folder)
     assert any("outside the checkpoint folder" in p for p in verify_in_time(folder))
     hostile(f"\"{e.value.reason[:200]}\"")
 

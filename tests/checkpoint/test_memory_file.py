@@ -7,7 +7,7 @@ import io
 import torch
 
 from llama_fp8.checkpoint import safe_io as S
-from llama_fp8.checkpoint.files import MemoryFile
+from llama_fp8.checkpoint.dcp_read import MemoryFile
 
 
 def test_memory_file_reads_and_seeks_like_bytesio():

@@ -378,21 +378,21 @@ def test_legacy_rank_file_loads_but_a_pickled_callable_is_refused(tmp_path):
 def test_dcp_metadata_is_read_with_an_allow_list(tmp_path):
     import pickle
 
-    from llama_fp8.checkpoint import files
+    from llama_fp8.checkpoint import dcp_read
 
     b = tmp_path / "b"
     assert run(b, "--max_steps", "1", "--checkpoint_freq", "1") == 0
     step = b / "checkpoints" / "step_1"
     with open(step / ".metadata", "rb") as f:
         want = pickle.load(f)  # our own file, read the unsafe way once for the comparison
-    got = files.read_dcp_metadata(step)
+    got = dcp_read.read_dcp_metadata(step)
     assert got.state_dict_metadata == want.state_dict_metadata and got.storage_data == want.storage_data
     marker = tmp_path / "ran"
     (tmp_path / "evil").mkdir()
     (tmp_path / "evil" / ".metadata").write_bytes(
         b"cposix\nsystem\n(" + f"Vtouch {marker}\n".encode() + b"tR.")  # protocol 0: posix.system("touch ...")
     with pytest.raises(K.UnsafeCheckpointFile, match="global posix.system is not allowed"):
-        files.read_dcp_metadata(tmp_path / "evil")
+        dcp_read.read_dcp_metadata(tmp_path / "evil")
     assert not marker.exists()
 
 

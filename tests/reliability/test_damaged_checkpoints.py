@@ -150,13 +150,14 @@ def test_planted_pickle_in_legacy_rank_file_is_refused(saved, ref1, tmp_path, ca
 
 
 def test_planted_pickle_in_dcp_metadata_is_refused(saved, ref1, tmp_path, capsys, row):
+    from llama_fp8.checkpoint import dcp_read as D
     from llama_fp8.checkpoint import files as F
 
     marker = tmp_path / "payload_ran"
     (ck(saved, 4) / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     forge_manifest(ck(saved, 4))
     with pytest.raises(F.UnsafeCheckpointFile, match="refused: global posix.system is not allowed"):
-        F.read_dcp_metadata(ck(saved, 4))
+        D.read_dcp_metadata(ck(saved, 4))
     err, same = resume_and_check(saved, ref1, capsys)
     assert not marker.exists(), "the planted payload ran"
     assert "global posix.system is not allowed in DCP metadata" in err

@@ -24,7 +24,7 @@ checkpoint untouched; a failed write (a full disk) fails the save on every rank,
 Resuming (``resume.check_resume``, every rank, before the model is built) checks the chosen
 checkpoint's files against the manifest and falls back to the previous sound one (``auto``), and
 refuses one that does not fit the run. Nothing read from a checkpoint can execute code or change the
-process (``files.py``); names stay inside the folder, only regular files of capped size are read, and the
+process (``files.py``, ``dcp_read.py``); names stay inside the folder, only regular files of capped size are read, and the
 load verifies the bytes it uses against the manifest (``safe_io.py``).
 Checkpoints of the previous version (``rank{r}.pt``, ``COMPLETE`` = ``ok``) still load: see files.py.
 """

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from llama_fp8 import faults
+from llama_fp8.checkpoint import dcp_read as D
 from llama_fp8.checkpoint import files as F
 from llama_fp8.checkpoint import layout as L
 from llama_fp8.checkpoint import manifest as M
@@ -147,7 +148,7 @@ class Checkpointer:
         from torch.distributed.checkpoint.metadata import Metadata
 
         if not isinstance(written, Metadata):  # another torch's return value: DCP's own record of the save
-            written = F.read_dcp_metadata(tmp)
+            written = D.read_dcp_metadata(tmp)
         names = sorted(M.owned_files(written, self.rank, self.world)) + [F.RANK_FILE.format(self.rank)]
         if self.rank == 0:
             names += [".metadata", M.TRAIN_STATE]
@@ -239,8 +240,8 @@ class Checkpointer:
         self._agreed_load(path, first)
         files, meta = got["files"], got["meta"]
         try:  # reshards to this world size; DCP raises on every rank if a read failed on any
-            dcp.load(state, storage_reader=F.SafeFileSystemReader(str(path), files, got["dcp"]),
-                     planner=F.SafeLoadPlanner(), process_group=self._pg)
+            dcp.load(state, storage_reader=D.SafeFileSystemReader(str(path), files, got["dcp"]),
+                     planner=D.SafeLoadPlanner(), process_group=self._pg)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line naming the checkpoint
             raise AgreedError(f"cannot load {path}: {_describe(e)}") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

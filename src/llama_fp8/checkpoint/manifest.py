@@ -22,7 +22,7 @@ The checksum is XXH3-64 (the ``xxhash`` package, which ``datasets`` requires; ~2
 so that checking costs little more than reading) or, where that package is missing, zlib's CRC32 (~4 GB/s);
 the manifest names the one it used. Either detects accidental corruption: truncation, torn writes, bit
 rot. Neither is a signature: someone who can write the checkpoint can also rewrite the manifest. That
-case is covered by the readers in ``files.py``, which never execute what they read.
+case is covered by the readers in ``files.py`` and ``dcp_read.py``, which never execute what they read.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from llama_fp8.checkpoint import dcp_read as D
 from llama_fp8.checkpoint import files as F
 from llama_fp8.checkpoint import safe_io as S
 
@@ -100,7 +101,7 @@ def owned_files(meta, rank: int, world: int) -> set[str]:
 def check_against_metadata(folder: Path, files: dict[str, dict]) -> None:
     """Before COMPLETE is written: every byte range of DCP's metadata lies in a file of the manifest;
     ValueError naming what is missing otherwise (the save then fails on every rank)."""
-    meta = F.read_dcp_metadata(folder, files.get(".metadata"))
+    meta = D.read_dcp_metadata(folder, files.get(".metadata"))
     short = sorted({f"{info.relative_path} (needs {info.offset + info.length} bytes, "
                     f"{'not in the manifest' if info.relative_path not in files else files[info.relative_path]['bytes']})"
                     for info in meta.storage_data.values()
@@ -193,7 +194,7 @@ def _check_structure(folder: Path, name: str, files: dict[str, dict]) -> str | N
         if name == TRAIN_STATE:
             read_train_state(folder)
         elif name == ".metadata":
-            meta = F.read_dcp_metadata(folder)
+            meta = D.read_dcp_metadata(folder)
             for info in meta.storage_data.values():
                 have = int(files.get(info.relative_path, {}).get("bytes", -1))
                 if info.offset + info.length > have:

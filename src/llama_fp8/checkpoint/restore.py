@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from llama_fp8.checkpoint import dcp_read as D
 from llama_fp8.checkpoint import files as F
 from llama_fp8.checkpoint import manifest as M
 from llama_fp8.errors import ConfigError
@@ -49,7 +50,7 @@ def check_fits(path: Path, state: dict, want: dict | None = None):
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
-        meta = F.read_dcp_metadata(path, want)
+        meta = D.read_dcp_metadata(path, want)
     except F.UnsafeCheckpointFile as e:
         raise ConfigError(f"cannot resume from {path}: {e}") from None
     try:  # DCP's own flattening (private), so that the keys are exactly the ones it looks up
