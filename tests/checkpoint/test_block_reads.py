@@ -216,3 +216,51 @@ def test_sync_and_async_saves_write_the_same_bytes_without_zip_crcs(tmp_path):
     dcp.load(back, storage_reader=D.SafeFileSystemReader(str(tmp_path / "async")), planner=D.SafeLoadPlanner(),
              no_dist=True)
     assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"]) and back["step"] == 3
+
+
+def wait_until(cond, timeout: float = 10.0) -> None:
+    import time
+
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def test_the_read_ahead_stays_a_window_ahead_of_the_loader_and_leaves_nothing_open(tmp_path):
+    import os
+    import time
+
+    block, data = 4096, random.Random(1).randbytes(40 * 4096 + 100)
+    (path := tmp_path / "f").write_bytes(data)
+    fds = len(os.listdir("/proc/self/fd"))
+    with open(path, "rb") as f:
+        ahead = S._ReadAhead(f.fileno(), len(data), block, window=3)
+        wait_until(lambda: ahead.read_to >= 3 * block)
+        time.sleep(0.05)
+        assert ahead.read_to == 3 * block  # no further than the window while the loader stays at 0
+        ahead.reached(10 * block)
+        wait_until(lambda: ahead.read_to >= 13 * block)
+        time.sleep(0.05)
+        assert ahead.read_to == 13 * block
+        ahead.reached(len(data))
+        wait_until(lambda: ahead.read_to == len(data))
+        ahead.stop()
+        assert not ahead._thread.is_alive()
+    assert len(os.listdir("/proc/self/fd")) == fds  # its own descriptor is closed too
+
+
+def test_the_read_ahead_stops_at_a_short_file_and_with_the_loader(blocked_file, small_blocks):
+    path, data, want = blocked_file
+    path.write_bytes(data[:3 * small_blocks])  # truncated after the check: the loader refuses it, not the thread
+    reader = S.VerifiedBlocks(path, want, S.HASHERS, largest=100)
+    assert bytes(reader.span(0, 100)) == data[:100]
+    wait_until(lambda: not reader._ahead._thread.is_alive())  # read to the end of what is there, then stopped
+    assert reader._ahead.read_to == 3 * small_blocks
+    with pytest.raises(S.UnsafeCheckpointFile, match="truncated since it was checked"):
+        reader.span(3 * small_blocks, 3 * small_blocks + 100)
+    reader.close()
+    path.write_bytes(data)
+    reader = S.VerifiedBlocks(path, want, S.HASHERS, largest=100)  # the loader closes before the end
+    reader.close()
+    assert not reader._ahead._thread.is_alive()

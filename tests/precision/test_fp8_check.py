@@ -153,3 +153,34 @@ def test_exclude_globs_parse_and_match():
     assert X.parse("a.*, a.*,b.[0-3].c") == ("a.*", "b.[0-3].c")  # trimmed, duplicates dropped, order kept
     assert X.match("model.layers.31.mlp.up_proj", ("model.layers.3.*", "model.layers.31.*")) == "model.layers.31.*"
     assert X.match("model.layers.3.mlp.up_proj", ("model.layers.31.*",)) is None
+
+
+FALLBACK_SCRIPT = '''
+import sys
+from llama_fp8.precision.torchao import TorchaoFp8
+convert = TorchaoFp8.convert
+def convert_without_fp8_all_gather(self, model):
+    self.all_gather = False  # as a framework that ignores the flag: the FP8 layers' weights travel in BF16
+    return convert(self, model)
+TorchaoFp8.convert = convert_without_fp8_all_gather
+from llama_fp8.__main__ import main
+sys.exit(main())
+'''
+
+
+@pytest.mark.slow
+def test_a_silent_bf16_all_gather_on_2_gloo_ranks_stops_the_run_naming_it(tmp_path):
+    """--fp8_all_gather 1 asked, the conversion done without it (torchtitan#3123's silent fallback): FSDP2
+    sends the FP8 layers' weights in BF16, the check sees it in the bytes and the run stops on every rank."""
+    (script := tmp_path / "fallback.py").write_text(FALLBACK_SCRIPT)
+    run_dir = tmp_path / "run"
+    r = run_cli(["train", "--model", "tiny", "--device", "cpu", "--num_layers", "1", "--max_context_width", "32",
+                 "--max_steps", "3", "--fp8", "1", "--fp8_backend", "torchao", "--fp8_recipe", "tensorwise",
+                 "--model_impl", "hf", "--fp8_all_gather", "1", "--run_dir", str(run_dir)], nproc=2,
+                script=str(script))
+    assert r.returncode != 0, r.stdout[-2000:]
+    assert "--fp8_all_gather 1 but FSDP2 all-gathered FP8 layers' weights in high precision" in r.stderr, \
+        r.stderr[-3000:]
+    (check,) = [rec for rec in read_metrics(run_dir) if rec["type"] == "fp8_check"]
+    assert set(check["all_gather_bytes"]) == {"bfloat16"} and check["problems"]
+    assert not [rec for rec in read_metrics(run_dir) if rec["type"] == "train" and rec["step"] == 3]

@@ -19,6 +19,7 @@ import ctypes
 import errno
 import os
 import stat
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -195,10 +196,10 @@ class VerifiedBlocks:
         self._address = ctypes.addressof((ctypes.c_char * len(self.buf)).from_buffer(self.buf)) if self.buf else 0
         self.lo = self.n = 0  # the buffer holds verified bytes [lo, lo + n) of the file
         self.f = open_regular(self.path)
-        if hasattr(os, "posix_fadvise"):  # the kernel reads ahead while blocks are hashed and tensors copied
-            os.posix_fadvise(self.f.fileno(), 0, self.size, os.POSIX_FADV_WILLNEED)
+        self._ahead = _ReadAhead(self.f.fileno(), self.size, self.block)
 
     def close(self) -> None:
+        self._ahead.stop()
         self.f.close()
 
     def span(self, a: int, b: int) -> memoryview:
@@ -221,6 +222,7 @@ class VerifiedBlocks:
 
     def _next_block(self) -> None:
         at = self.lo + self.n
+        self._ahead.reached(at)
         k, length = at // self.block, min(self.block, self.size - at)
         with memoryview(self.buf) as view:
             dest, got = view[self.n:self.n + length], 0
@@ -238,6 +240,55 @@ class VerifiedBlocks:
                                                   f"(changed since it was checked, or corrupted); refused, nothing "
                                                   f"of it was used")
         self.n += length
+
+
+class _ReadAhead:
+    """A thread that reads the file ahead of the loader, into a scratch buffer, only to bring its pages into
+    the page cache: the loader's own reads (the bytes it verifies and uses) then come from memory while the
+    disk works on the next blocks, instead of the disk waiting while the loader hashes and copies. It hands no
+    byte to anyone, so nothing it reads can be used unverified; it stays at most ``window`` blocks ahead of
+    the loader (bounded page-cache use) and gives up quietly on any error (the loader reports its own)."""
+
+    def __init__(self, fd: int, size: int, block: int, window: int = 8) -> None:
+        self.size, self.block, self.limit = size, block, window * block
+        self.read_to = 0  # bytes of the file read ahead so far
+        self._loader, self._done, self._cv = 0, False, threading.Condition()
+        self._fd = os.dup(fd) if hasattr(os, "preadv") else -1
+        self._thread = threading.Thread(target=self._run, name="checkpoint-read-ahead", daemon=True)
+        if self._fd >= 0:
+            self._thread.start()
+
+    def reached(self, at: int) -> None:
+        """The loader reads from byte ``at`` on: the thread may go ``window`` blocks beyond it."""
+        with self._cv:
+            self._loader = at
+            self._cv.notify()
+
+    def stop(self) -> None:
+        if self._fd < 0:
+            return
+        with self._cv:
+            self._done = True
+            self._cv.notify()
+        self._thread.join()
+        os.close(self._fd)
+        self._fd = -1
+
+    def _run(self) -> None:
+        scratch = bytearray(self.block)
+        try:
+            while self.read_to < self.size:
+                with self._cv:
+                    while not self._done and self.read_to >= self._loader + self.limit:
+                        self._cv.wait()
+                    if self._done:
+                        return
+                n = os.preadv(self._fd, [scratch], self.read_to)
+                if n <= 0:
+                    return  # shorter than the manifest says: the loader finds and reports it
+                self.read_to += n
+        except OSError:
+            return
 
 
 def retry(fn: Callable[[], T], what: Path, log: Callable[[str], None] | None = None) -> T:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -56,7 +57,8 @@ class Fp8Backend(Protocol):
     def check(self, cfg, recipe: Recipe, device: torch.device, world_size: int) -> bool:
         """Raise ConfigError for what cannot run here; return True when FP8 is emulated."""
 
-    def runtime(self, choice: PrecisionChoice, cfg) -> Fp8Runtime: ...
+    def runtime(self, choice: PrecisionChoice, cfg, run_dir: Path | None = None) -> Fp8Runtime:
+        """``run_dir``: where a backend may keep its own logs (TE's debug API, with --fp8_stats)."""
 
 
 class Plain:
@@ -163,9 +165,10 @@ def fp8_collectives(choice: PrecisionChoice) -> bool:
     return choice.backend != "none" and not choice.emulated and recipe_table.get(choice.recipe).tensor_parallel
 
 
-def build(choice: PrecisionChoice, impl, cfg) -> Any:
-    """The runtime object (convert / autocast / model_init_context / post_step) for a choice."""
+def build(choice: PrecisionChoice, impl, cfg, run_dir: Path | None = None) -> Any:
+    """The runtime object (convert / autocast / model_init_context / post_step) for a choice; made before the
+    model is built (a backend may have to set itself up before its modules exist)."""
     if choice.backend == "none":
         return Plain()
     backend = next(b for b in impl.fp8_backends() if b.name == choice.backend)
-    return backend.runtime(choice, cfg)
+    return backend.runtime(choice, cfg, run_dir)

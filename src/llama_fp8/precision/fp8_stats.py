@@ -7,7 +7,8 @@ torchao path: hooks read the tensors ``Float8Linear`` sees (the input of its for
 gradient of its output) and quantize a copy the way its cast config says (dtype, tensorwise or rowwise
 scale, power-of-2 rounding): Float8Linear's own math is not touched. One record per layer per logged step
 goes to ``{run_dir}/fp8_stats.jsonl`` (rank 0's view); a summary per step goes to metrics.jsonl (and so to
-TensorBoard / wandb when they are on).
+TensorBoard / wandb when they are on). Transformer Engine path: ``models/te/fp8_stats.py`` makes the
+same records from TE's debug API.
 """
 
 from __future__ import annotations
@@ -129,7 +130,9 @@ def summary(records: list[dict], step: int) -> dict:
         mine = [r for r in records if r["tensor"] == role]
         if not mine:
             continue
-        rec[f"{role}_underflow_max"] = max(r["underflow"] for r in mine)
+        unders = [r["underflow"] for r in mine if r["underflow"] is not None]
+        if unders:  # TE reports none for FP8 primary weights (no high-precision copy to compare)
+            rec[f"{role}_underflow_max"] = max(unders)
         snrs = [r["snr_db"] for r in mine if r["snr_db"] is not None]
         if snrs:
             rec[f"{role}_snr_db_min"] = min(snrs)

@@ -52,7 +52,7 @@ class TorchaoBackend:
     def check(self, cfg, recipe: Recipe, device: torch.device, world_size: int) -> bool:
         return check(cfg, recipe, device, world_size)
 
-    def runtime(self, choice, cfg) -> TorchaoFp8:
+    def runtime(self, choice, cfg, run_dir=None) -> TorchaoFp8:  # its statistics go through the writer
         return TorchaoFp8(choice.recipe, choice.emulated, choice.all_gather, choice.exclude, choice.verify,
                           choice.stats_every)
 

@@ -99,7 +99,7 @@ def plan_and_build_model(cfg: TrainConfig, env: parallel.DistEnv):
     torch.manual_seed(cfg.seed)
     plan = make_plan(cfg, env)
     impl = models.get(plan.model_impl)
-    prec = precision.build(plan.precision, impl, cfg)
+    prec = precision.build(plan.precision, impl, cfg, Path(plan.run_dir))
     model, size, context = build.build_model(cfg, env, plan, impl, prec)
     return plan, impl, prec, model, size, context
 

@@ -108,12 +108,3 @@ def test_te_run_excludes_layers_and_its_fp8_kernels_are_seen(tmp_path):
                for why in check["high_precision"].values())
     assert any(name.startswith("model.layers.0.") for name in check["high_precision"])
 
-
-def test_fp8_stats_with_te_is_refused_not_ignored():
-    from llama_fp8 import config as C
-    from llama_fp8 import models
-    from llama_fp8 import precision as P
-
-    cfg = C.parse_args(["--model", "tiny", "--model_impl", "te", "--fp8", "1", "--fp8_stats", "10"])
-    with pytest.raises(ConfigError, match="--fp8_stats 10 is not available with --fp8_backend te yet"):
-        P.resolve(cfg, models.get("te"), torch.device("cpu"))

@@ -5,14 +5,16 @@ whose layers are TE modules. The loop sees ``autocast()`` around the forward pas
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from llama_fp8.errors import ConfigError
-from llama_fp8.models.te import fp8_coverage, fp8_state
+from llama_fp8.models.te import fp8_coverage, fp8_state, fp8_stats
 from llama_fp8.models.te import recipes as te_recipes
 from llama_fp8.precision import Plain
+from llama_fp8.precision import fp8_stats as shared_stats
 from llama_fp8.precision import recipes as recipe_table
 from llama_fp8.precision.recipes import Recipe
 from llama_fp8.precision.verify import Verifier
@@ -28,9 +30,6 @@ class TEBackend:
         return te_recipes.te_version() or "unknown"
 
     def check(self, cfg, recipe: Recipe, device: torch.device, world_size: int) -> bool:
-        if cfg.fp8_stats:  # TE's numbers would come from its debug API (nvdlfw-inspect): not wired yet
-            raise ConfigError(f"--fp8_stats {cfg.fp8_stats} is not available with --fp8_backend {self.name} yet "
-                              "(per-layer FP8 statistics exist for torchao: --model_impl hf --fp8_backend torchao)")
         try:
             te_recipes.te_import()
         except ImportError as e:
@@ -50,12 +49,40 @@ class TEBackend:
             raise ConfigError(str(e)) from None
         if cfg.fp8_all_gather:
             check_fp8_parameters(cfg, recipe)
+        if cfg.fp8_stats:
+            check_stats(cfg, recipe)
         return False
 
-    def runtime(self, choice, cfg) -> TEFp8:
+    def runtime(self, choice, cfg, run_dir: Path | None = None) -> TEFp8:
         recipe = te_recipes.make_recipe(choice.recipe, cfg.fp8_amax_history_len, cfg.fp8_amax_compute_algo)
+        stats = None
+        if choice.stats_every:  # before any TE module exists: TE decides at construction what it inspects
+            stats = fp8_stats.TEStats(choice.stats_every, choice.recipe, choice.all_gather)
+            stats.start((run_dir or Path(".")) / "te_debug")
         return TEFp8(recipe, choice.all_gather, stateful=te_recipes.row(choice.recipe).stateful,
-                     exclude=choice.exclude, verify=choice.verify)
+                     exclude=choice.exclude, verify=choice.verify, stats=stats)
+
+
+def check_stats(cfg, recipe: Recipe) -> None:
+    """What TE's debug API (nvdlfw-inspect) needs for --fp8_stats, refused before anything is built."""
+    if recipe.name not in fp8_stats.HYBRID:
+        raise ConfigError(f"--fp8_stats with --fp8_recipe {recipe.name}: Transformer Engine's debug API has FP8 "
+                          f"statistics for --fp8_recipe {', '.join(fp8_stats.HYBRID)}; use one of them or --fp8_stats 0")
+    if cfg.compile:
+        # On logged steps TE's debug path leaves the compiled graph (te.Linear falls back to eager); how that
+        # interacts with our compiled blocks is not verified, so it is not offered.
+        raise ConfigError("--fp8_stats with --fp8_backend te and --compile 1: TE's per-layer statistics run its "
+                          "layers eagerly on logged steps; use --compile 0 for a run with statistics")
+    try:
+        import nvdlfw_inspect.api  # noqa: F401 - a dependency of transformer-engine[pytorch]
+    except ImportError as e:
+        raise ConfigError(f"--fp8_stats with --fp8_backend te needs nvdlfw-inspect, Transformer Engine's debug API "
+                          f"(pip install nvdlfw-inspect; it comes with transformer-engine[pytorch]): {e}") from None
+    missing = fp8_stats.missing_features()
+    if missing:
+        raise ConfigError(f"--fp8_stats with --fp8_backend te: this Transformer Engine ({te_recipes.te_version()}) "
+                          f"has no {' / '.join(missing)} debug feature; upgrade it (the statistics were written "
+                          f"against TE 2.20) or use --fp8_stats 0")
 
 
 def check_fp8_parameters(cfg, recipe: Recipe) -> None:
@@ -84,21 +111,31 @@ def check_fp8_parameters(cfg, recipe: Recipe) -> None:
 
 class TEFp8(Plain):
     def __init__(self, recipe, all_gather: bool, stateful: bool, exclude: tuple[str, ...] = (),
-                 verify: str = "error"):
+                 verify: str = "error", stats: fp8_stats.TEStats | None = None):
         self.recipe, self.all_gather, self.stateful, self.exclude = recipe, all_gather, stateful, exclude
+        self.stats = stats
         self.verifier = Verifier(lambda m: fp8_coverage.layers(m, exclude), fp8_coverage.fp8_weights, all_gather,
                                  True, verify)
 
     def convert(self, model: nn.Module) -> nn.Module:
         """--fp8_exclude: the matching modules run their forward under a nested autocast(enabled=False)."""
         fp8_coverage.apply_exclusions(model, self.exclude, lambda: te_recipes.autocast(False, self.recipe))
+        if self.stats is not None:
+            self.stats.attach(model, fp8_coverage.is_te_gemm)
         return model
 
     def post_step(self, model: nn.Module) -> None:
         self.verifier.after_step(model)
 
     def report(self, writer, step: int) -> None:
+        """After each step, on every rank: the FP8 check's record (once) and, with --fp8_stats, TE's statistics
+        of the step (gathered over the ranks by TE; written by rank 0)."""
         self.verifier.report(writer.write)
+        if self.stats is not None:
+            records = self.stats.after_step(step)
+            if records and writer.enabled:
+                shared_stats.write_records(writer.path.parent, records)
+                writer.write(shared_stats.summary(records, step))
 
     def autocast(self):
         """FP8 autocast for the forward pass only (TE runs backward outside it). The amax reduction group is
