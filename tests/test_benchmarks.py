@@ -106,6 +106,7 @@ def test_bench_fp8_stats_prints_table_and_ratios():
         ["off", "N=50", "N=1"]
     assert rec["bench"] == "fp8_stats" and rec["ratio"] == rec["ratio_n50"] and rec["ratio_n1"] > 0
     # one statistics pass per N steps: the N=50 ratio is the N=1 pass cost spread over 50 steps
-    assert rec["ratio_n1"] - 1 == pytest.approx(rec["stats_pass_s"] / rec["plain_step_s"], abs=2e-4)
+    # (the JSON rounds seconds to 5 decimals: a few-millisecond step's ratio is known to about 1e-3)
+    assert rec["ratio_n1"] - 1 == pytest.approx(rec["stats_pass_s"] / rec["plain_step_s"], rel=1e-2, abs=2e-3)
     assert rec["ratio_n50"] - 1 == pytest.approx((rec["ratio_n1"] - 1) / 50, abs=2e-4)
     assert rec["window_ratio_n50"] > 0 and rec["window_ratio_n1"] > 0
