@@ -196,7 +196,11 @@ class VerifiedBlocks:
         self._address = ctypes.addressof((ctypes.c_char * len(self.buf)).from_buffer(self.buf)) if self.buf else 0
         self.lo = self.n = 0  # the buffer holds verified bytes [lo, lo + n) of the file
         self.f = open_regular(self.path)
-        self._ahead = _ReadAhead(self.f.fileno(), self.size, self.block)
+        try:
+            self._ahead = _ReadAhead(self.f.fileno(), self.size, self.block)
+        except BaseException:
+            self.f.close()
+            raise
 
     def close(self) -> None:
         self._ahead.stop()
@@ -253,10 +257,16 @@ class _ReadAhead:
         self.size, self.block, self.limit = size, block, window * block
         self.read_to = 0  # bytes of the file read ahead so far
         self._loader, self._done, self._cv = 0, False, threading.Condition()
-        self._fd = os.dup(fd) if hasattr(os, "preadv") else -1
+        self._fd = -1
         self._thread = threading.Thread(target=self._run, name="checkpoint-read-ahead", daemon=True)
-        if self._fd >= 0:
-            self._thread.start()
+        if hasattr(os, "preadv"):
+            try:
+                self._fd = os.dup(fd)
+                self._thread.start()
+            except (OSError, RuntimeError):  # no descriptor or thread left: the loader reads without help
+                if self._fd >= 0:
+                    os.close(self._fd)
+                self._fd = -1
 
     def reached(self, at: int) -> None:
         """The loader reads from byte ``at`` on: the thread may go ``window`` blocks beyond it."""
@@ -283,6 +293,7 @@ class _ReadAhead:
                         self._cv.wait()
                     if self._done:
                         return
+                    self.read_to = max(self.read_to, self._loader)  # bytes the loader skipped are not read
                 n = os.preadv(self._fd, [scratch], self.read_to)
                 if n <= 0:
                     return  # shorter than the manifest says: the loader finds and reports it

@@ -20,27 +20,30 @@ from llama_fp8.precision import fp8_stats as S
 
 def te_values(x: torch.Tensor, fmax: float = 448.0, dtype=torch.float8_e4m3fn) -> dict[str, float]:
     """What TE's debug API reports for ``x`` under per-tensor current scaling, computed here independently:
-    LogTensorStats' cur_amax, mean, std (torch.std: unbiased); LogFp8TensorStats' scale_inv, underflows% and mse."""
+    LogTensorStats' cur_amax, mean, std (torch.std: unbiased); LogFp8TensorStats' scale_inv, underflows% (of all
+    elements: stats_computation.add_underflows_stats) and mse."""
     amax = x.abs().max()
     scale = fmax / amax
     q = (x * scale).to(dtype).float() / scale
     nonzero = x != 0
     return {"cur_amax": float(amax), "mean": float(x.mean()), "std": float(x.std()),
             "scale_inv_min": float(1 / scale), "scale_inv_max": float(1 / scale),
-            "underflows%": 100 * float((nonzero & (q == 0)).sum()) / float(nonzero.sum()),
+            "underflows%": 100 * float((nonzero & (q == 0)).sum()) / x.numel(),
             "mse": float(((x - q) ** 2).mean())}
 
 
 def test_te_numbers_become_the_same_record_as_the_torchao_path_computes():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 48, generator=g) * torch.logspace(-8, 1, 48)  # some columns underflow in E4M3
+    x[:16] = 0  # exact zeros: TE's underflow share is of all elements, the torchao path's of the non-zero ones
     values = {("model.layers.0.self_attention.layernorm_qkv", "activation"): te_values(x)}
     (rec,) = TS.to_records(values, 7, TS.dtypes("current"))
     ours = S.tensor_stats(x, S.CastSpec(torch.float8_e4m3fn))
     assert (rec["step"], rec["layer"], rec["tensor"], rec["dtype"]) == (
         7, "model.layers.0.self_attention.layernorm_qkv", "input", "float8_e4m3fn")
     assert rec["amax"] == pytest.approx(ours["amax"]) and rec["scale"] == pytest.approx(ours["scale"], rel=1e-6)
-    assert rec["underflow"] == pytest.approx(ours["underflow"]) and rec["underflow"] > 0.05
+    assert rec["underflow_of"] == "all" and rec["underflow"] > 0.05
+    assert rec["underflow"] == pytest.approx(ours["underflow"] * 48 / 64)  # 48 of 64 rows are non-zero
     assert rec["snr_db"] == pytest.approx(ours["snr_db"], rel=1e-4)  # TE's unbiased std: 1/3072 of E[x^2]
     assert rec["saturation"] is None  # TE counts overflows for delayed scaling only
 
@@ -55,9 +58,18 @@ def test_delayed_scaling_overflows_and_fp8_weights_without_a_high_precision_copy
         "grad_output", "float8_e5m2", 0.25, 0.02)
     assert grad["scale"] == 2.0 and grad["snr_db"] == pytest.approx(20.0)  # 10 log10(1 / 0.01)
     assert weight == {"step": 3, "layer": "a.b", "tensor": "weight", "dtype": "float8_e4m3fn", "amax": None,
-                      "scale": 4.0, "underflow": None, "saturation": None, "snr_db": None}
+                      "scale": 4.0, "underflow": None, "underflow_of": "all", "saturation": None, "snr_db": None}
     summary = S.summary([grad, weight], 3)  # a weight without an underflow share does not break the summary
     assert summary["grad_output_underflow_max"] == 0.02 and "weight_underflow_max" not in summary
+
+
+def test_mxfp8_scales_are_decoded_from_their_e8m0_bytes():
+    # TE keeps MXFP8 scale_inv as uint8 E8M0 (a biased exponent); 120 is 2^-7, so the scale is 128
+    values = {("a", "activation"): {"scale_inv_min": 118.0, "scale_inv_max": 120.0, "underflows%": 0.0}}
+    (rec,) = TS.to_records(values, 1, TS.dtypes("mxfp8"), "mxfp8")
+    assert rec["scale"] == 128.0 and TS.e8m0(127) == 1.0
+    (current,) = TS.to_records({("a", "activation"): {"scale_inv_max": 0.5}}, 1, TS.dtypes("current"), "current")
+    assert current["scale"] == 2.0
 
 
 def test_metric_names_split_at_known_layer_names():
@@ -108,6 +120,26 @@ def test_each_step_pins_te_iteration_to_the_next_step_and_labels_records_by_ours
     (rec,) = stats.after_step(2)
     assert (rec["step"], rec["layer"], rec["scale"], rec["underflow"]) == (2, "l", 2.0, 0.1)
     assert api.iterations == [2, 3] and stats.after_step(3) == []
+    with stats.not_logged():  # validation after step 3: no statistic fires, then step 4's iteration again
+        assert api.iterations[-1] == -1
+    assert api.iterations[-2:] == [-1, 4]
+
+
+def test_the_te_runtime_keeps_validation_out_of_the_statistics(monkeypatch):
+    import contextlib
+
+    from llama_fp8.models.te import recipes as te_recipes
+    from llama_fp8.models.te.precision import TEFp8
+
+    monkeypatch.setattr(te_recipes, "autocast", lambda *a, **kw: contextlib.nullcontext())
+    stats = TS.TEStats(1, "current", False)
+    stats._api = api = FakeDebugApi(stats._take)
+    runtime = TEFp8(None, False, stateful=False, stats=stats)
+    with runtime.autocast():  # a training forward
+        assert api.iterations == []
+    with torch.no_grad(), runtime.autocast():  # a validation forward
+        assert api.iterations == [-1]
+    assert api.iterations == [-1, -1]  # back to TE's iteration before (-1 until the first step is done)
 
 
 def test_the_te_runtime_writes_records_and_a_summary_on_rank_0(tmp_path):

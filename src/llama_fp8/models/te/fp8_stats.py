@@ -6,12 +6,22 @@ Two TE debug features per layer, every N steps: ``LogFp8TensorStats`` (``underfl
 ``scale_inv_max``, ``mse`` of the FP8 copy; ``overflows%`` exists for delayed scaling only) and
 ``LogTensorStats`` (``cur_amax``, ``mean``, ``std`` of the high-precision tensor). A record holds:
 
-- amax: ``cur_amax``; scale: ``1 / scale_inv_max`` (the smallest scale in use, as the torchao records);
-- underflow: ``underflows% / 100``; saturation: ``overflows% / 100`` (delayed scaling), else None: TE
-  reports no saturation count for the other recipes (their scales come from the tensor's own amax);
+- amax: ``cur_amax``; scale: ``1 / scale_inv_max`` (the smallest scale in use, as the torchao records;
+  MXFP8 keeps its scales as E8M0 exponent bytes, decoded to ``2^(e - 127)`` first);
+- underflow: ``underflows% / 100``. TE counts the elements that were non-zero and became zero over **all**
+  elements, the torchao path over the non-zero ones: the same when no element is exactly zero, TE's lower
+  otherwise (the record says so: ``underflow_of``). TE logs no count of non-zero elements to convert it;
+- saturation: ``overflows% / 100`` (delayed scaling), else None: TE reports no saturation count for the
+  other recipes (their scales come from the tensor's own amax);
 - snr_db: ``10 log10(E[x^2] / mse)`` with ``E[x^2] = std^2 + mean^2``, the same ratio as the torchao
   path's ``sum x^2 / sum (x - q(x))^2`` (TE's std is the unbiased one: off by a factor (n-1)/n, which for
-  the thousands of elements and more of a layer's tensor is far below what the dB figure shows).
+  the thousands of elements and more of a layer's tensor is far below what the dB figure shows). Over
+  several ranks or micro-batches TE 2.20 combines the std with the spread of the groups' means subtracted
+  where it belongs added (``stats_computation.compute_variance``): E[x^2] and so the SNR come out low when the
+  groups' means differ (pessimistic; activations' and gradients' means are near zero).
+
+The first step of a run (or of a resume) is not logged, as on the torchao path; a validation pass is never
+logged (its forward runs with TE's iteration set to one no statistic fires at).
 
 TE reduces activation and gradient statistics over all ranks when ``debug_api.step()`` runs (a collective:
 every rank calls it, after every step); weight statistics are of the weight as the GEMM sees it (FSDP2 has
@@ -23,6 +33,7 @@ modules' names in the model, so records and ``--fp8_exclude`` speak the same nam
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -90,19 +101,27 @@ def split_name(metric: str, layers: set[str]) -> tuple[str, str, str] | None:
     return None
 
 
-def to_records(values: dict[tuple[str, str], dict[str, float]], step: int, formats: dict[str, str]) -> list[dict]:
+def e8m0(byte: float) -> float:
+    """An MXFP8 scale stored as an E8M0 byte (a biased power-of-two exponent), as a number."""
+    return 2.0 ** (byte - 127)
+
+
+def to_records(values: dict[tuple[str, str], dict[str, float]], step: int, formats: dict[str, str],
+               recipe: str = "current") -> list[dict]:
     """Our records (``precision/fp8_stats.tensor_stats``'s fields) from TE's values per (layer, TE tensor)."""
     out = []
     for (layer, tensor), v in sorted(values.items()):
         if "scale_inv_max" not in v:
             continue  # this tensor was not quantized on this step (a layer outside the FP8 autocast)
+        if recipe == "mxfp8":
+            v = {**v, "scale_inv_max": e8m0(v["scale_inv_max"])}
         mean_sq = v["std"] ** 2 + v["mean"] ** 2 if "std" in v and "mean" in v else None
         mse = v.get("mse")
         snr = (10 * math.log10(mean_sq / mse) if mse and mse > 0 else None) if mean_sq else None
         out.append({"step": step, "layer": layer, "tensor": TENSORS[tensor], "dtype": formats[tensor],
                     "amax": v.get("cur_amax"),
                     "scale": 1.0 / v["scale_inv_max"] if v["scale_inv_max"] > 0 else None,
-                    "underflow": v["underflows%"] / 100 if "underflows%" in v else None,
+                    "underflow": v["underflows%"] / 100 if "underflows%" in v else None, "underflow_of": "all",
                     "saturation": v["overflows%"] / 100 if "overflows%" in v else None,
                     "snr_db": snr})
     return out
@@ -128,7 +147,7 @@ class TEStats:
         self.formats = dtypes(recipe)
         self.layers: set[str] = set()
         self._values: dict[tuple[str, str], dict[str, float]] = {}
-        self._api = None
+        self._api, self._iteration = None, -1  # TE's iteration as last set
 
     def start(self, log_dir: Path) -> None:
         """Initialize nvdlfw-inspect with TE's features and this object as its statistics logger. Iteration
@@ -165,4 +184,15 @@ class TEStats:
         self._api.step()
         self._api.initialize_training_step(step + 1)
         values, self._values = self._values, {}
-        return to_records(values, step, self.formats)
+        self._iteration = step + 1
+        return to_records(values, step, self.formats, self.recipe)
+
+    @contextlib.contextmanager
+    def not_logged(self):
+        """A forward pass no statistic may see (validation): TE's iteration is -1 meanwhile (before every
+        logged step), then what it was."""
+        self._api.initialize_training_step(-1)
+        try:
+            yield
+        finally:
+            self._api.initialize_training_step(self._iteration)

@@ -63,6 +63,12 @@ class TEBackend:
                      exclude=choice.exclude, verify=choice.verify, stats=stats)
 
 
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
+
+
 def check_stats(cfg, recipe: Recipe) -> None:
     """What TE's debug API (nvdlfw-inspect) needs for --fp8_stats, refused before anything is built."""
     if recipe.name not in fp8_stats.HYBRID:
@@ -143,7 +149,10 @@ class TEFp8(Plain):
         each tensor's scale; FP8 weights sharded by FSDP2 even need it (only their FP8 bytes are gathered)."""
         import torch.distributed as dist
 
-        return te_recipes.autocast(True, self.recipe, dist.group.WORLD if dist.is_initialized() else None)
+        fp8 = te_recipes.autocast(True, self.recipe, dist.group.WORLD if dist.is_initialized() else None)
+        if self.stats is not None and not torch.is_grad_enabled():  # validation: not part of a step's statistics
+            return _both(self.stats.not_logged(), fp8)
+        return fp8
 
     def prepare(self, model: nn.Module) -> None:
         """After the model is materialized, before a checkpoint is loaded: no TE pickle ever enters or leaves a
