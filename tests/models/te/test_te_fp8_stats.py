@@ -37,7 +37,7 @@ def test_te_numbers_become_the_same_record_as_the_torchao_path_computes():
     x = torch.randn(64, 48, generator=g) * torch.logspace(-8, 1, 48)  # some columns underflow in E4M3
     x[:16] = 0  # exact zeros: TE's underflow share is of all elements, the torchao path's of the non-zero ones
     values = {("model.layers.0.self_attention.layernorm_qkv", "activation"): te_values(x)}
-    (rec,) = TS.to_records(values, 7, TS.dtypes("current"))
+    (rec,) = TS.to_records(values, 7, "current")
     ours = S.tensor_stats(x, S.CastSpec(torch.float8_e4m3fn))
     assert (rec["step"], rec["layer"], rec["tensor"], rec["dtype"]) == (
         7, "model.layers.0.self_attention.layernorm_qkv", "input", "float8_e4m3fn")
@@ -53,7 +53,7 @@ def test_delayed_scaling_overflows_and_fp8_weights_without_a_high_precision_copy
                                     "overflows%": 25.0, "cur_amax": 3.0, "mean": 0.0, "std": 1.0},
               ("a.b", "weight"): {"scale_inv_min": 0.25, "scale_inv_max": 0.25},
               ("a.c", "activation"): {"cur_amax": 1.0, "mean": 0.0, "std": 1.0}}  # not quantized: no record
-    grad, weight = TS.to_records(values, 3, TS.dtypes("delayed"))
+    grad, weight = TS.to_records(values, 3, "delayed")
     assert (grad["tensor"], grad["dtype"], grad["saturation"], grad["underflow"]) == (
         "grad_output", "float8_e5m2", 0.25, 0.02)
     assert grad["scale"] == 2.0 and grad["snr_db"] == pytest.approx(20.0)  # 10 log10(1 / 0.01)
@@ -66,9 +66,9 @@ def test_delayed_scaling_overflows_and_fp8_weights_without_a_high_precision_copy
 def test_mxfp8_scales_are_decoded_from_their_e8m0_bytes():
     # TE keeps MXFP8 scale_inv as uint8 E8M0 (a biased exponent); 120 is 2^-7, so the scale is 128
     values = {("a", "activation"): {"scale_inv_min": 118.0, "scale_inv_max": 120.0, "underflows%": 0.0}}
-    (rec,) = TS.to_records(values, 1, TS.dtypes("mxfp8"), "mxfp8")
+    (rec,) = TS.to_records(values, 1, "mxfp8")
     assert rec["scale"] == 128.0 and TS.e8m0(127) == 1.0
-    (current,) = TS.to_records({("a", "activation"): {"scale_inv_max": 0.5}}, 1, TS.dtypes("current"), "current")
+    (current,) = TS.to_records({("a", "activation"): {"scale_inv_max": 0.5}}, 1, "current")
     assert current["scale"] == 2.0
 
 
@@ -287,7 +287,7 @@ def test_the_te_runtime_starts_the_debug_api_before_the_model_is_built(tmp_path)
     choice = P.PrecisionChoice("fp8-te-delayed", "te", "delayed", stats_every=5)
     try:
         runtime = P.build(choice, models.get("te"), cfg, tmp_path / "run")
-        assert runtime.stats.every == 5 and runtime.stats.formats["gradient"] == "float8_e5m2"
+        assert runtime.stats.every == 5 and runtime.stats.recipe == "delayed"
         assert debug_api.DEBUG_MANAGER is not None and (tmp_path / "run" / "te_debug").is_dir()
         off = P.build(dataclasses.replace(choice, stats_every=0), models.get("te"), cfg, tmp_path / "run")
         assert off.stats is None

@@ -106,10 +106,9 @@ def e8m0(byte: float) -> float:
     return 2.0 ** (byte - 127)
 
 
-def to_records(values: dict[tuple[str, str], dict[str, float]], step: int, formats: dict[str, str],
-               recipe: str = "current") -> list[dict]:
+def to_records(values: dict[tuple[str, str], dict[str, float]], step: int, recipe: str) -> list[dict]:
     """Our records (``precision/fp8_stats.tensor_stats``'s fields) from TE's values per (layer, TE tensor)."""
-    out = []
+    out, formats = [], dtypes(recipe)
     for (layer, tensor), v in sorted(values.items()):
         if "scale_inv_max" not in v:
             continue  # this tensor was not quantized on this step (a layer outside the FP8 autocast)
@@ -144,7 +143,6 @@ class TEStats:
 
     def __init__(self, every: int, recipe: str, fp8_weights: bool):
         self.every, self.recipe, self.fp8_weights = every, recipe, fp8_weights
-        self.formats = dtypes(recipe)
         self.layers: set[str] = set()
         self._values: dict[tuple[str, str], dict[str, float]] = {}
         self._api, self._iteration = None, -1  # TE's iteration as last set
@@ -185,7 +183,7 @@ class TEStats:
         self._api.initialize_training_step(step + 1)
         values, self._values = self._values, {}
         self._iteration = step + 1
-        return to_records(values, step, self.formats, self.recipe)
+        return to_records(values, step, self.recipe)
 
     @contextlib.contextmanager
     def not_logged(self):
