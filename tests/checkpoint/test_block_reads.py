@@ -227,13 +227,14 @@ def wait_until(cond, timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def test_the_read_ahead_stays_a_window_ahead_of_the_loader_and_leaves_nothing_open(tmp_path):
+def test_the_read_ahead_stays_a_window_ahead_of_the_loader_and_leaves_nothing_open(tmp_path, monkeypatch):
     import os
     import time
 
     block, data = 4096, random.Random(1).randbytes(40 * 4096 + 100)
     (path := tmp_path / "f").write_bytes(data)
-    fds = len(os.listdir("/proc/self/fd"))
+    fds, offsets, preadv = len(os.listdir("/proc/self/fd")), [], os.preadv
+    monkeypatch.setattr(S.os, "preadv", lambda fd, bufs, at: offsets.append(at) or preadv(fd, bufs, at))
     with open(path, "rb") as f:
         ahead = S._ReadAhead(f.fileno(), len(data), block, window=3)
         wait_until(lambda: ahead.read_to >= 3 * block)
@@ -243,6 +244,7 @@ def test_the_read_ahead_stays_a_window_ahead_of_the_loader_and_leaves_nothing_op
         wait_until(lambda: ahead.read_to >= 13 * block)
         time.sleep(0.05)
         assert ahead.read_to == 13 * block
+        assert offsets == [i * block for i in (0, 1, 2, 10, 11, 12)]  # what the loader skipped is not read
         ahead.reached(len(data))
         wait_until(lambda: ahead.read_to == len(data))
         ahead.stop()
@@ -264,3 +266,20 @@ def test_the_read_ahead_stops_at_a_short_file_and_with_the_loader(blocked_file, 
     reader = S.VerifiedBlocks(path, want, S.HASHERS, largest=100)  # the loader closes before the end
     reader.close()
     assert not reader._ahead._thread.is_alive()
+
+
+def test_without_a_read_ahead_thread_the_load_reads_alone_and_leaks_nothing(blocked_file, small_blocks,
+                                                                            monkeypatch):
+    import os
+
+    path, data, want = blocked_file
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(S.threading.Thread, "start", no_thread)
+    fds = len(os.listdir("/proc/self/fd"))
+    reader = S.VerifiedBlocks(path, want, S.HASHERS, largest=len(data))
+    assert bytes(reader.span(0, len(data))) == data
+    reader.close()
+    assert len(os.listdir("/proc/self/fd")) == fds  # neither the file nor a duplicate descriptor left open

@@ -115,4 +115,3 @@ class HashingFileSystemWriter(FileSystemWriter):
     @property
     def digests(self) -> dict[str, tuple[int, str, list[str]]]:
         return self.fs.digests
-
