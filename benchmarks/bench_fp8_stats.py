@@ -31,9 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from llama_fp8 import config as C
-from llama_fp8 import metrics, models
+from llama_fp8 import models
 from llama_fp8.precision import fp8_stats
 from llama_fp8.precision.torchao import TorchaoFp8
+from llama_fp8.telemetry import metrics
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from llama_fp8 import metrics, peaks
+from llama_fp8.telemetry import metrics, peaks
 
 # (CUDA device name as torch.cuda.get_device_name returns it, dense BF16, dense FP8)
 KNOWN = [

@@ -12,8 +12,8 @@ import torch
 
 from helpers import run_cli
 from llama_fp8 import config as C
-from llama_fp8 import profiling
 from llama_fp8 import train as T
+from llama_fp8.telemetry import profiling
 
 
 def names(trace: Path) -> list[str]:

@@ -10,8 +10,9 @@ from pathlib import Path
 
 
 def tables() -> dict[str, Callable[[], str]]:
-    from llama_fp8 import config, metrics
+    from llama_fp8 import config
     from llama_fp8.precision import recipes
+    from llama_fp8.telemetry import metrics
 
     return {"flags": config.flag_reference_markdown, "recipes": recipes.recipe_table_markdown,
             "gpu-peaks": metrics.peak_table_markdown}

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import yaml
 
-from llama_fp8 import goodput
 from llama_fp8.report import compare as C
 from llama_fp8.report import stats
+from llama_fp8.telemetry import goodput
 
 STEPS, K = 40, 5   # fixture runs log every step; the final loss is the mean of the last K = max(5, 5 %)
 

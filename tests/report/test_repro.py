@@ -8,8 +8,8 @@ import subprocess
 from pathlib import Path
 
 from helpers import REPO
-from llama_fp8 import repro
 from llama_fp8.report import compare as C
+from llama_fp8.telemetry import repro
 
 
 def write_run(run_dir: Path, precision: str, *, job: str, commit: str = "abc123", dirty: bool = False,

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from helpers import read_metrics, run_cli
-from llama_fp8 import goodput
+from llama_fp8.telemetry import goodput
 
 
 def test_goodput_parts_add_up_to_wall_time_and_resume_counts_restart_loss(tiny_args, tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import REPO, cli_env, train_records
-from llama_fp8 import gpu_health, stragglers
+from llama_fp8.telemetry import gpu_health, stragglers
 
 
 def test_a_rank_slowed_by_a_fault_is_named_with_host_and_gpu(tiny_args, tmp_path):

@@ -12,9 +12,9 @@ import yaml
 
 from helpers import build_meta, read_metrics, train_records
 from llama_fp8 import config as C
-from llama_fp8 import metrics, peaks
 from llama_fp8 import train as T
 from llama_fp8.parallel import DistEnv
+from llama_fp8.telemetry import metrics, peaks
 from llama_fp8.train import build as B
 from llama_fp8.train import loop as L
 from llama_fp8.train import state as S

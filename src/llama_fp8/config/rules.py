@@ -36,7 +36,7 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     if cfg.min_lr > cfg.lr:
         raise ConfigError(f"--min_lr {cfg.min_lr} is larger than --lr {cfg.lr}")
     if cfg.profile_steps is not None:
-        from llama_fp8 import profiling
+        from llama_fp8.telemetry import profiling
 
         profiling.parse_steps(cfg.profile_steps, cfg.max_steps)
         profiling.parse_ranks(cfg.profile_ranks)

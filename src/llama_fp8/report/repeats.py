@@ -61,8 +61,8 @@ def memory(pairs: list[tuple[Run, Run]]) -> dict[str, Any]:
 
 
 def goodput(runs: list[Run]) -> dict[str, Any] | None:
-    """One arm's wall time split over all its runs and attempts (goodput.py); None when none recorded it."""
-    from llama_fp8.goodput import PARTS
+    """One arm's wall time split over all its runs and attempts (telemetry/goodput.py); None when none recorded it."""
+    from llama_fp8.telemetry.goodput import PARTS
 
     recs = [g for run in runs for g in run.goodput]
     if not recs:
@@ -148,7 +148,7 @@ def markdown(ab: dict[str, Any], la: str, lb: str) -> list[str]:
         lines += ["not recorded (runs without goodput records: plain logs or an older version)"]
     else:
         lines += [f"| part (s, all runs and attempts) | {la} | {lb} |", "|---|---|---|"]
-        from llama_fp8.goodput import PARTS
+        from llama_fp8.telemetry.goodput import PARTS
 
         for k in PARTS:
             lines.append(f"| {k.replace('_', ' ')} | {_num(ga and ga['parts_s'][k], '.1f')} | "

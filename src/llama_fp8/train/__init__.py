@@ -11,10 +11,11 @@ import sys
 
 import torch
 
-from llama_fp8 import checkpoint, faults, metrics, parallel
+from llama_fp8 import checkpoint, faults, parallel
 from llama_fp8 import config as config_mod
 from llama_fp8.config import TrainConfig
 from llama_fp8.errors import EXIT_BAD_CONFIG, EXIT_NONFINITE, EXIT_REQUEUE, AgreedError, ConfigError
+from llama_fp8.telemetry import metrics
 
 
 def main(argv: list[str]) -> int:

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama_fp8 import data, faults, metrics, parallel, stragglers
-from llama_fp8.profiling import phase
+from llama_fp8 import data, faults, parallel
+from llama_fp8.telemetry import metrics, stragglers
+from llama_fp8.telemetry.profiling import phase
 from llama_fp8.train.state import TrainState
 
 log = logging.getLogger("llama_fp8.train")

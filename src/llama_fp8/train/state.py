@@ -9,22 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from llama_fp8 import (
-    checkpoint,
-    faults,
-    goodput,
-    gpu_health,
-    metrics,
-    models,
-    parallel,
-    peaks,
-    precision,
-    profiling,
-    stragglers,
-)
+from llama_fp8 import checkpoint, faults, models, parallel, precision
 from llama_fp8.config import ConfigError, TrainConfig
 from llama_fp8.models.common import ModelSize
 from llama_fp8.plan import RunPlan, make_plan
+from llama_fp8.telemetry import goodput, gpu_health, metrics, peaks, profiling, stragglers
 from llama_fp8.train import build
 
 
@@ -49,7 +38,7 @@ class TrainState:
     start_step: int
     context: parallel.StepContext  # what each step runs inside (tensor/context parallelism)
     profiler: profiling.Profiler
-    goodput: goodput.Goodput  # where the wall time went (goodput.py); rank 0 writes it
+    goodput: goodput.Goodput  # where the wall time went (telemetry/goodput.py); rank 0 writes it
     ranks: stragglers.RankMonitor  # per-rank step time, data wait and GPU health of each logging window
 
     def close(self) -> None:
@@ -105,8 +94,8 @@ def plan_and_build_model(cfg: TrainConfig, env: parallel.DistEnv):
 
 
 def start_metrics(cfg: TrainConfig, plan: RunPlan, env: parallel.DistEnv, size: ModelSize, start_step: int):
-    from llama_fp8 import repro
     from llama_fp8.cluster import environment  # meta record: nodes, GPU/driver, versions, NCCL network
+    from llama_fp8.telemetry import repro
     device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     peak_bf16, peak_fp8, peak_source = peaks.resolve(device_name if env.device.type == "cuda" else None,
                                                      cfg.peak_tflops)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from llama_fp8.gpu_health import FIELDS, GpuHealth, per_node
+from llama_fp8.telemetry.gpu_health import FIELDS, GpuHealth, per_node
 
 NAN = float("nan")
 

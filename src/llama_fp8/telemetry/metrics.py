@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from llama_fp8 import peaks
+from llama_fp8.telemetry import peaks
 
 log = logging.getLogger(__name__)
 
