@@ -11,13 +11,14 @@ tests/estimate/test_equality.py).
    B x 1 x T x T attention mask. It looks at the values, except when ``is_tracing`` says the tensor is being
    traced, which includes any fake tensor: then it assumes packing. Our model inputs never restart positions
    (``ModelImpl.model_inputs`` gives 0..T-1 in every row), so on real tensors it returns None and SDPA runs
-   causal without a mask; here it returns None too.
+   causal without a mask; here it returns None too. (Without it: +256 KiB on the tests' 2 x 128-token peak, and
+   under tensor parallelism the fake step fails on the mask's shape.)
 2. DTensor's sharding propagation. To learn an op's output shape, ``ShardingPropagator`` runs the op on fake
    tensors of the *global* shape, in ``detect_fake_mode() or FakeTensorMode()``. In a real run there is no fake
    mode, so it makes its own, and FSDPMemTracker skips ops that run in a mode other than the one it was entered
-   in. Under an estimate ``detect_fake_mode()`` finds the estimate's own mode, the tracker counts those global-size
-   tensors as if allocated (+23 % under tensor parallelism, 4x the parameters on the first fused AdamW step).
-   Here propagation gets its own mode, as in the real run.
+   in. Under an estimate ``detect_fake_mode()`` finds the estimate's own mode, and the tracker counts those
+   global-size tensors as if allocated (+10 % on the peak of tests/estimate/test_equality.py's TP=2 case). Here
+   propagation gets its own mode, as in the real run.
 3. torchao's FP8 weight wrapper. ``WeightWithDynamicFloat8CastTensor.__tensor_flatten__`` tests
    ``if self._precomputed_scale:`` (the truth value of a one-element tensor), which fake tensors cannot answer.
    The scale is a positive number on real tensors (amax clamped away from zero), so the real answer is "the scale

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
+from llama_fp8.models.common import canonical_name
+
 # torch's collective ops (c10d's in-place ones, the functional ones) by what they do
 KINDS = (("all_gather", ("allgather", "all_gather")), ("reduce_scatter", ("reduce_scatter",)),
          ("all_reduce", ("allreduce", "all_reduce")), ("all_to_all", ("alltoall", "all_to_all")),
@@ -79,8 +81,13 @@ class StepTracker(FSDPMemTracker):
         return "forward" if self._module() != "-" else "forward (the loss, outside the model's modules)"
 
     def _module(self) -> str:
+        """The innermost module running, by its name in the model (without the root's class name and the
+        activation-checkpoint wrapper); "-" outside the model."""
         inner = [p for p in self._mod_tracker.parents if p != "Global"]
-        return max(inner, key=lambda p: (p.count("."), len(p))) if inner else "-"
+        if not inner:
+            return "-"
+        name = max(inner, key=lambda p: (p.count("."), len(p)))
+        return canonical_name(name.split(".", 1)[1] + ".").rstrip(".") if "." in name else "the model's root"
 
     def _update_peak_stats(self, peak_state) -> None:
         before = dict(self._peak_mem)
