@@ -45,19 +45,19 @@ def env_for(world_size: int, gpus_per_node: int, rank: int = 0) -> parallel.Dist
     return parallel.DistEnv(rank, rank % gpus_per_node, world_size, min(gpus_per_node, world_size), CPU)
 
 
-def choose_impl(cfg) -> tuple[models.ModelImpl, str | None]:
-    """(the implementation the estimate runs, why it stands in for the job's, or None)."""
+def choose_impl(cfg, here: torch.device = CPU) -> tuple[models.ModelImpl, str | None]:
+    """(the implementation the estimate runs on device ``here``, why it stands in for the job's, or None)."""
     target = models.resolve(cfg.model_impl, CUDA)
     if target.unavailable(CUDA) is None:
         target.check(cfg, CUDA)  # what the GPU node would refuse is refused here
         try:
-            target.check(cfg, CPU)
+            target.check(cfg, here)
             return target, None
         except ConfigError as e:
             why = str(e)
     else:
         why = target.unavailable(CUDA)
-    stand_in = models.resolve("auto", CPU)
+    stand_in = models.resolve("auto", here)
     if stand_in is target:
         raise ConfigError(f"cannot be estimated: {why}")
     return stand_in, (f"--model_impl {target.name} ({target.description}) cannot run in this CPU process ({why}); "
@@ -67,7 +67,8 @@ def choose_impl(cfg) -> tuple[models.ModelImpl, str | None]:
 
 
 def decide(cfg, env: parallel.DistEnv) -> Decision:
-    """Every decision, or a ConfigError naming the flag (as ``train`` would, or why it cannot be estimated)."""
+    """Every decision for a run on ``env.device`` (the CPU for an estimate; a GPU for the GPU test's real run), or
+    a ConfigError naming the flag (as ``train`` would, or why it cannot be estimated)."""
     if cfg.cpu_offload:
         raise ConfigError("--cpu_offload 1 cannot be estimated: it moves the sharded parameters, gradients and "
                           "optimizer states to host memory, which this estimate does not model; estimate without it "
@@ -77,13 +78,13 @@ def decide(cfg, env: parallel.DistEnv) -> Decision:
         cfg = dataclasses.replace(cfg, compile=False)
         notes.append("--compile 1 estimated eager (the tracker cannot see inside compiled graphs; compiled blocks "
                      "usually need less activation memory)")
-    impl, stand_in = choose_impl(cfg)
+    impl, stand_in = choose_impl(cfg, env.device)
     if stand_in:
         cfg = dataclasses.replace(cfg, model_impl=impl.name, fp8_backend="auto", fp8_recipe="auto")
-        impl.check(cfg, CPU)
+        impl.check(cfg, env.device)
     dims = parallel.ParallelDims.from_config(cfg, env)
     parallel.check_shapes(cfg, dims)
-    choice = precision.resolve(cfg, impl, CPU, env.world_size, models.implementations())
+    choice = precision.resolve(cfg, impl, env.device, env.world_size, models.implementations())
     if choice.backend != "none" and dims.tp > 1:
         notes.append("tensor-parallel collectives counted in BF16: FP8 ones (torchao's FP8 styles) need NCCL")
     return Decision(cfg, impl, dims, choice, stand_in, tuple(notes))

@@ -48,29 +48,50 @@ def fp8_operand_copies(model, tokens: int) -> int:
     return largest
 
 
+SOURCES = {
+    "context": "outside PyTorch's allocator (not in max_memory_reserved); its size depends on the driver, the CUDA "
+               "version and lazy module loading (CUDA C++ Programming Guide, Lazy Loading); 1 GiB assumed",
+    "nccl": "per communicator: NCCL_BUFFSIZE (4 MiB by default, NCCL's environment variable documentation) per channel "
+            "and direction, 16 channels assumed: 128 MiB; allocated by NCCL outside PyTorch's allocator",
+    "cublas": "allocated through PyTorch's allocator by the GEMM library, not by an op the tracker sees; "
+              "torch.backends.cuda.cublas_workspace_size() on the node gives it; 32 MiB assumed",
+    "fp8": "the dispatch mode does not enter a tensor subclass's own dispatch: one-byte copies of both operands of the "
+           "largest FP8 linear (tokens x (in + out features)), an upper bound",
+    "compile": "estimated eager; compiled blocks fuse elementwise ops and usually need less activation memory "
+               "(torchtitan's published Llama 3.1 8B peak: 82.4 GiB eager, 77.0 GiB compiled), plus Inductor's own "
+               "buffers",
+}
+
+
 def gpu_terms(collectives: list[dict], group_ranks: dict[str, list[int]], fp8_copies: int, compiled: bool,
               tracked: int) -> list[Term]:
+    comms = communicators(collectives, group_ranks)
     terms = [
-        Term("CUDA context and driver reserve", CONTEXT_BYTES,
-             "outside PyTorch's allocator (not in max_memory_reserved); its size depends on the driver, the CUDA "
-             "version and lazy module loading (CUDA C++ Programming Guide, Lazy Loading); 1 GiB assumed"),
-        Term(f"NCCL buffers ({', '.join(communicators(collectives, group_ranks)) or 'no communicator'})",
-             NCCL_PER_COMMUNICATOR * len(communicators(collectives, group_ranks)),
-             "per communicator: NCCL_BUFFSIZE (4 MiB by default, NCCL's environment variable documentation) per "
-             "channel and direction, 16 channels assumed: 128 MiB; allocated by NCCL outside PyTorch's allocator"),
-        Term("cuBLAS workspace", CUBLAS_WORKSPACE,
-             "allocated through PyTorch's allocator by the GEMM library, not by an op the tracker sees; "
-             "torch.backends.cuda.cublas_workspace_size() on the node gives it; 32 MiB assumed"),
+        Term("CUDA context and driver reserve", CONTEXT_BYTES, SOURCES["context"]),
+        Term(f"NCCL buffers ({', '.join(comms) or 'no communicator'})", NCCL_PER_COMMUNICATOR * len(comms),
+             SOURCES["nccl"]),
+        Term("cuBLAS workspace", CUBLAS_WORKSPACE, SOURCES["cublas"]),
     ]
     if fp8_copies:
         terms.append(Term("FP8 matmul operand copies inside torchao's tensor subclass (upper bound)", fp8_copies,
-                          "the dispatch mode does not enter a tensor subclass's own dispatch: one-byte copies of "
-                          "both operands of the largest FP8 linear (tokens x (in + out features))"))
+                          SOURCES["fp8"]))
     if compiled:
-        terms.append(Term("torch.compile", 0, "estimated eager; compiled blocks fuse elementwise ops and usually "
-                          "need less activation memory (torchtitan's published Llama 3.1 8B peak: 82.4 GiB eager, "
-                          "77.0 GiB compiled), plus Inductor's own buffers", added=False))
+        terms.append(Term("torch.compile", 0, SOURCES["compile"], added=False))
     return terms
+
+
+def terms_table_markdown() -> str:
+    """The README's table of the terms (generated: reference.py), from the same sizes and sources."""
+    rows = [("CUDA context and driver reserve", f"{CONTEXT_BYTES / GIB:g} GiB", "context"),
+            ("NCCL buffers", f"{NCCL_PER_COMMUNICATOR / MIB:g} MiB per mesh dimension with collectives", "nccl"),
+            ("cuBLAS workspace", f"{CUBLAS_WORKSPACE / MIB:g} MiB", "cublas"),
+            ("FP8 matmul operand copies (torchao)", "tokens x (in + out) bytes of the largest FP8 linear", "fp8"),
+            ("torch.compile (`--compile 1`)", "not added: stated", "compile")]
+    out = ["| term | size | source | status |", "|---|---|---|---|"]
+    out += [f"| {name} | {size} | {SOURCES[key]} | to calibrate |" for name, size, key in rows]
+    out.append(f"| allocator margin (on top: the verdict's margin) | {ALLOCATOR_MARGIN:.0%} of the tracked peak | "
+               f"{MARGIN_WHY.split(': ', 1)[1].split(', to calibrate. ', 1)[1]} | to calibrate |")
+    return "\n".join(out)
 
 
 @dataclass(frozen=True)
