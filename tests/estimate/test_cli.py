@@ -156,3 +156,14 @@ def test_where_the_peak_is_follows_the_shapes():
     wide_mlp = TINY + ["--vocab_size", "64", "--intermediate_size", "4096"]
     e = assess.estimate(config.parse_args(wide_mlp), EstimateOptions())
     assert e.measurement.where.phase == "backward" and e.measurement.where.module.startswith("model.layers.1")
+
+
+def test_hybrid_sharding_all_reduces_across_nodes_and_reduce_scatters_within(capsys):
+    _, out, _ = run_main(capsys, *TINY, "--sharding_strategy", "hybrid", "--nodes", "2", "--gpus_per_node", "4",
+                         "--json")
+    d = json.loads(out)
+    assert d["mesh"] == {"dp_replicate": 2, "dp_shard": 4}
+    by = {(c["kind"], c["dim"]): c for c in d["collectives"] if c["phase"] == "backward"}
+    reduce_scatter, all_reduce = by[("reduce_scatter", "dp_shard")], by[("all_reduce", "dp_replicate")]
+    assert reduce_scatter["link"] == "NVLink" and all_reduce["link"] == "network" and all_reduce["ranks"] == 2
+    assert all_reduce["bytes"] * 4 == reduce_scatter["bytes"]  # each replica all-reduces its FP32 shard (1/4)
