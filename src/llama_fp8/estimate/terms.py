@@ -36,14 +36,25 @@ def communicators(collectives: list[dict], group_ranks: dict[str, list[int]]) ->
     return sorted({c["dim"] for c in collectives if len(group_ranks.get(c["dim"], [0, 1])) > 1})
 
 
+def _tp_local_shape(weight) -> list[int]:
+    """A weight's shape on one tensor-parallel rank once FSDP2 has all-gathered it (its "tp" shard only)."""
+    shape = list(weight.shape)
+    mesh = getattr(weight, "device_mesh", None)
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    for i, (name, placement) in enumerate(zip(names, getattr(weight, "placements", ()))):
+        if name == "tp" and placement.is_shard():
+            shape[placement.dim] //= mesh.size(i)
+    return shape
+
+
 def fp8_operand_copies(model, tokens: int) -> int:
     """Upper bound of a transient the tracker cannot see in torchao's FP8 matmul: the FP8 (one byte) copies of
-    both operands of the largest FP8 linear (``tokens`` x its local in + out features), e.g. transposes made
-    inside the tensor subclass's own dispatch, which the dispatch mode does not enter."""
+    both operands of the largest FP8 linear (``tokens`` x its in + out features on one tensor-parallel rank), e.g.
+    transposes made inside the tensor subclass's own dispatch, which the dispatch mode does not enter."""
     largest = 0
     for m in model.modules():
         if type(m).__name__ == "Float8Linear":
-            out_f, in_f = m.weight.shape  # the whole weight (under tensor parallelism a bound: each rank has a part)
+            out_f, in_f = _tp_local_shape(m.weight)
             largest = max(largest, tokens * (in_f + out_f))
     return largest
 
