@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import torch
 import torch.distributed as dist
 
 
@@ -41,9 +40,3 @@ def tensor_mode():
 
     return FakeTensorMode(allow_non_fake_inputs=True)
 
-
-def is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return isinstance(local, FakeTensor)

@@ -27,6 +27,7 @@ from llama_fp8.estimate import build as est_build
 from llama_fp8.estimate import corrections, fake, terms
 from llama_fp8.estimate.tracker import StepTracker, Where
 from llama_fp8.train import build as train_build
+from llama_fp8.train import loop
 
 Progress = Callable[[str], None]
 
@@ -80,7 +81,6 @@ def mesh_groups(mesh, dims: parallel.ParallelDims, rank: int) -> tuple[dict[str,
 def measure(cfg, env: parallel.DistEnv, fake_run: bool = True, progress: Progress = lambda _: None) -> Measurement:
     """The tracked step of ``cfg`` on rank ``env.rank`` (a fake one when ``fake_run``)."""
     from llama_fp8 import precision
-    from llama_fp8.train import loop
 
     t0 = time.perf_counter()
     decision = est_build.decide(cfg, env)
@@ -102,16 +102,25 @@ def measure(cfg, env: parallel.DistEnv, fake_run: bool = True, progress: Progres
                 prec.prepare(model)
         names, group_ranks = mesh_groups(mesh, decision.dims, env.rank)
         with mode:
-            measurement = _steps(cfg, env, decision, model, context, prec, names, loop, progress)
-    measurement.group_ranks = group_ranks
-    measurement.num_params = size.num_params
-    measurement.local_param_numel = train_build.local_numel(model)
-    measurement.fp8_operand_bytes = terms.fp8_operand_copies(model, cfg.train_batch_size * cfg.max_context_width)
-    measurement.seconds = time.perf_counter() - t0
-    return measurement
+            tracker = _steps(cfg, env, decision, model, context, prec, names, progress)
+    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    collectives = [{"kind": k, "dim": d, "phase": p, "calls": c, "bytes": b}
+                   for (k, d, p), (c, b) in sorted(tracker.collectives.by_key.items())]
+    return Measurement(
+        peak_bytes=peak["Total"], by_kind=_by_name(peak), where=tracker.peak_where, micro_batches=cfg.grad_accum_steps,
+        collectives=collectives, group_ranks=group_ranks, decision=decision, num_params=size.num_params,
+        local_param_numel=train_build.local_numel(model), seconds=time.perf_counter() - t0,
+        fp8_operand_bytes=terms.fp8_operand_copies(model, cfg.train_batch_size * cfg.max_context_width),
+        at_optimizer=_by_name(tracker.at_optimizer or {}))
 
 
-def _steps(cfg, env, decision, model, context, prec, names, loop, progress) -> Measurement:
+def _by_name(snapshot: dict) -> dict[str, int]:
+    """A tracker snapshot by its kinds' names (without the total)."""
+    return {getattr(k, "value", str(k)): v for k, v in snapshot.items() if k != "Total"}
+
+
+def _steps(cfg, env, decision, model, context, prec, names, progress) -> StepTracker:
+    """A warm-up step (it creates the optimizer states), then the tracked one; returns its tracker."""
     optimizer = train_build.build_optimizer(model, cfg, est_build.CUDA, prec)  # fused AdamW, as on a GPU
     state = SimpleNamespace(model=model, env=env, cfg=cfg, context=context, impl=decision.impl, precision=prec,
                             optimizer=optimizer, guard=faults.NanGuard(env.device, "error", 0))
@@ -124,11 +133,4 @@ def _steps(cfg, env, decision, model, context, prec, names, loop, progress) -> M
     batches.tracker = tracker
     with tracker:
         loop.train_step(state, batches, 2)
-    (device_peak,) = tracker.get_tracker_snapshot("peak").values()
-    total = device_peak.pop("Total")
-    by_kind = {getattr(k, "value", str(k)): v for k, v in device_peak.items()}
-    collectives = [{"kind": k, "dim": d, "phase": p, "calls": c, "bytes": b}
-                   for (k, d, p), (c, b) in sorted(tracker.collectives.by_key.items())]
-    at_opt = {getattr(k, "value", str(k)): v for k, v in (tracker.at_optimizer or {}).items() if k != "Total"}
-    return Measurement(total, by_kind, tracker.peak_where, cfg.grad_accum_steps, collectives, {}, decision, 0, 0, 0.0,
-                       at_optimizer=at_opt)
+    return tracker
