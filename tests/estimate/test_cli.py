@@ -124,6 +124,7 @@ def test_does_not_fit_exits_4_and_each_suggestion_is_its_own_estimate(capsys):
     (["--gpu_memory_gib", "-1"], "--gpu_memory_gib -1"),
     (["--suggest", "2"], "--suggest '2'"),
     (["--cpu_offload", "1"], "--cpu_offload 1 cannot be estimated"),
+    (["--optimizer", "adamw8bit"], "--optimizer adamw8bit cannot be estimated"),
     (["--cp_size", "2"], "cannot be estimated: --cp_size 2 with the Hugging Face model needs CUDA"),
     (["--tp_size", "3", "--gpus_per_node", "6"], "--num_heads 4 is not divisible by --tp_size 3"),
 ])

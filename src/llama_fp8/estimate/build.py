@@ -10,8 +10,9 @@ without the data, folder and resume checks, which do not change memory), for the
   casts and saved tensors, and on CPU its tensor-parallel collectives stay BF16 (gloo has no float8 type),
   as they would here; the estimate states it.
 
-Options the fake run cannot show are refused or stated: ``--cpu_offload 1`` (host memory), ``--compile 1``
-(estimated eager: the tracker cannot see into compiled graphs).
+Options the fake run cannot show are refused or stated: ``--cpu_offload 1`` (host memory), torchao's
+low-precision optimizers (their kernels read data), ``--compile 1`` (estimated eager: the tracker cannot see into
+compiled graphs).
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ def decide(cfg, env: parallel.DistEnv) -> Decision:
         raise ConfigError("--cpu_offload 1 cannot be estimated: it moves the sharded parameters, gradients and "
                           "optimizer states to host memory, which this estimate does not model; estimate without it "
                           "(an upper bound of the GPU memory)")
+    if cfg.optimizer != "adamw":
+        raise ConfigError(f"--optimizer {cfg.optimizer} cannot be estimated: torchao's low-precision optimizer kernels "
+                          "read tensor data, which fake tensors do not have; estimate with --optimizer adamw (an upper "
+                          "bound: FP32 states, 8 bytes per parameter where these keep about 2)")
     notes = []
     if cfg.compile:
         cfg = dataclasses.replace(cfg, compile=False)
