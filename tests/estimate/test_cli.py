@@ -151,6 +151,11 @@ def test_an_implementation_that_cannot_run_here_is_estimated_through_a_stated_st
     assert "stand-in" not in json.dumps(d["notes"]) and "approximation" in d["stand_in"]
     _, text, _ = run_main(capsys, *TINY, "--model_impl", "te", "--activation_checkpointing", "1")
     assert "STAND-IN: --model_impl te" in text
+    # what the TE model itself refuses is refused here too, Transformer Engine installed or not
+    code, out, err = run_main(capsys, *TINY, "--model_impl", "te", "--activation_checkpointing", "selective")
+    assert code == 2 and out == "" and "the TE model checkpoints whole blocks" in err
+    assert run_main(capsys, *TINY, "--model_impl", "te", "--tp_size", "2")[0] == 2
+    assert "unavailable" not in vars(te)  # the availability override is gone again
 
 
 def test_where_the_peak_is_follows_the_shapes():

@@ -46,18 +46,28 @@ def env_for(world_size: int, gpus_per_node: int, rank: int = 0) -> parallel.Dist
     return parallel.DistEnv(rank, rank % gpus_per_node, world_size, min(gpus_per_node, world_size), CPU)
 
 
+def check_as_on_a_gpu_node(impl: models.ModelImpl, cfg) -> None:
+    """The implementation's own refusals of these flags, as a CUDA node with the implementation installed makes
+    them: whether it is installed here is not the question (an estimate from a login node without Transformer
+    Engine still refuses what the TE model refuses)."""
+    impl.unavailable = lambda device: None  # an instance attribute over the method, removed below
+    try:
+        impl.check(cfg, CUDA)
+    except ImportError:  # a check that needs the library itself: left to the GPU node
+        pass
+    finally:
+        del impl.unavailable
+
+
 def choose_impl(cfg, here: torch.device = CPU) -> tuple[models.ModelImpl, str | None]:
     """(the implementation the estimate runs on device ``here``, why it stands in for the job's, or None)."""
     target = models.resolve(cfg.model_impl, CUDA)
-    if target.unavailable(CUDA) is None:
-        target.check(cfg, CUDA)  # what the GPU node would refuse is refused here
-        try:
-            target.check(cfg, here)
-            return target, None
-        except ConfigError as e:
-            why = str(e)
-    else:
-        why = target.unavailable(CUDA)
+    check_as_on_a_gpu_node(target, cfg)
+    try:
+        target.check(cfg, here)
+        return target, None
+    except ConfigError as e:
+        why = str(e)
     stand_in = models.resolve("auto", here)
     if stand_in is target:
         raise ConfigError(f"cannot be estimated: {why}")
