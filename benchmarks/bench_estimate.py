@@ -9,7 +9,7 @@ verdict and the tracked peak are printed too. Prints a table, then one JSON line
 (``ratio``: the most expensive estimate's CPU seconds over the baseline's; CPU time, unlike wall time, does not
 grow when other jobs share the machine).
 
-Run: ``python benchmarks/bench_estimate.py`` (every preset at 1, 8, 64 and 512 GPUs: about an hour on 2 cores);
+Run: ``python benchmarks/bench_estimate.py`` (every preset at 1, 8, 64 and 512 GPUs: 27 minutes on 2 shared cores);
 ``--presets tiny --gpus 1,8`` for a quick check.
 """
 

@@ -1,6 +1,6 @@
 """Rewrite README.md's "what fits" table from the estimator (llama_fp8/estimate/table.py): for every preset, the
 smallest number of 8-GPU H100 nodes and the activation checkpointing that fit. Each row takes several estimates
-(about an hour for all presets on 2 cores; run it with `nice`). Progress on stderr, one JSON line per row on
+(26 estimates, 14 minutes for all presets on 2 shared cores; run it with `nice`). Progress on stderr, one JSON line per row on
 stdout; tests/estimate/test_table.py says when the table is stale.
 
     python scripts/estimate_table.py [--presets tiny,llama3.2-1b]   # default: every preset
@@ -40,7 +40,7 @@ if set(args.presets.split(",")) != set(config.available_presets()):
     sys.exit(0)
 order = {name: i for i, name in enumerate(config.available_presets())}
 rows.sort(key=lambda r: (r["params_b"] if r.get("nodes") else 1e9, order[r["preset"]]))
-old = readme.read_text()  # read now: the search takes an hour
+old = readme.read_text()  # read now: the search takes minutes
 new = table.replace_block(old, table.render(rows, table.fingerprint()))
 readme.write_text(new)
 say("README.md " + ("updated" if new != old else "already current"))

@@ -12,7 +12,7 @@ from llama_fp8.estimate import gpus, table, terms
 
 def test_the_readme_table_is_current_and_lists_every_preset():
     text = (REPO / "README.md").read_text()
-    assert table.stale(text) is None, "run: nice python scripts/estimate_table.py (about an hour)"
+    assert table.stale(text) is None, "run: nice python scripts/estimate_table.py (about 15 minutes)"
     block = text.split(table.MARKERS[0])[1].split(table.MARKERS[1])[0]
     rows = [ln for ln in block.splitlines() if ln.startswith("| ") and not ln.startswith("| preset")]
     assert sorted(r.split("|")[1].strip() for r in rows) == config.available_presets()
