@@ -289,3 +289,40 @@ def test_te_fp8_weights_track_bf16_weights_for_100_steps(te, tmp_path):
     noise = abs(_tail_loss(tmp_path / "bf16w_seed1", "--seed", "1") - reference)
     fp8_weights = _tail_loss(tmp_path / "fp8w", "--fp8_all_gather", "1")
     assert abs(fp8_weights - reference) <= max(2 * noise, 0.01 * reference), (fp8_weights, reference, noise)
+
+
+def test_te_fp8_weights_start_masters_from_the_bf16_init_and_keep_excluded_layers_high_precision(te, tmp_path):
+    """--fp8_all_gather 1 under delayed scaling (the init is quantized at scale 1.0) with --fp8_exclude
+    model.layers.0.*: the excluded block's weights are plain high-precision tensors (not TE QuantizedTensors: they
+    all-gather in BF16), the other block's are FP8; each FP8 weight's FP32 master starts from exactly the weights the
+    BF16 run starts from, not from their FP8 quantization."""
+    import torch.distributed as dist
+
+    from llama_fp8 import config as C
+    from llama_fp8 import parallel
+    from llama_fp8.models.te.master_weights import is_quantized, local
+    from llama_fp8.train import build, state
+
+    base = ["--model", "tiny", "--model_impl", "te", "--device", "cuda", "--num_layers", "2", "--seed", "3"]
+    built = {}
+    for name, extra in (("fp8w", ["--fp8", "1", "--fp8_recipe", "delayed", "--fp8_all_gather", "1",
+                                  "--fp8_exclude", "model.layers.0.*"]), ("bf16", ["--fp8", "0"])):
+        cfg = C.parse_args([*base, *extra, "--run_dir", str(tmp_path / name)])
+        env = parallel.init_distributed(cfg)
+        try:
+            _, _, prec, model, _, _ = state.plan_and_build_model(cfg, env)
+            optimizer = build.build_optimizer(model, cfg, env.device, prec)
+            weights = {n: p for n, p in model.named_parameters() if p.dim() == 2 and ".te_layer." in n}
+            masters = {n: optimizer._init_state(p)["master"].full_tensor() for n, p in weights.items()
+                       if is_quantized(p)}
+            built[name] = ({n: is_quantized(p) for n, p in weights.items()}, masters,
+                           {n: p.full_tensor().float() if not is_quantized(p) else None for n, p in weights.items()})
+            assert all(is_quantized(p) or local(p).dtype == torch.float32 for p in weights.values())
+        finally:
+            dist.destroy_process_group()
+    quantized, masters, _ = built["fp8w"]
+    _, _, bf16 = built["bf16"]
+    assert quantized and all(q == (not n.startswith("model.layers.0.")) for n, q in quantized.items()), quantized
+    assert masters and set(masters) == {n for n, q in quantized.items() if q}
+    for n, master in masters.items():
+        assert torch.equal(master, bf16[n]), n

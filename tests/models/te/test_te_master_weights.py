@@ -227,3 +227,41 @@ def test_a_state_without_masters_gets_them_at_the_next_step():
     state = opt.state[model.weight]
     assert state["master"].dtype == state["exp_avg"].dtype == torch.float32 and float(state["step"]) == 2
     assert torch.equal(model.weight.dequantize(torch.float32), e4m3(state["master"]).bfloat16().float())
+
+
+class QuantizedInitLinear(nn.Module):
+    """A TE-like FP8-weight module (``primary_weights_in_fp8``): its ``reset_parameters`` runs the parameter's
+    ``init_fn`` on a high-precision tensor and then keeps only the quantized values, as TE's does
+    (module/base.py: init_fn, then ``quantizer(param)``), here as an ``EmulatedFp8`` parameter."""
+
+    primary_weights_in_fp8 = True
+
+    def __init__(self, rows: int, cols: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, cols, device="meta"))
+        self.param_init_meta = {"weight": types.SimpleNamespace(init_fn=None)}
+
+    def reset_parameters(self):
+        values = torch.empty(self.weight.shape)
+        self.param_init_meta["weight"].init_fn(values)
+        self.weight = EmulatedFp8(e4m3(values).to(torch.bfloat16))
+
+
+def test_the_first_master_is_the_bf16_partners_initial_weight_not_its_fp8_quantization():
+    """FP8 primary weights start from the FP8-quantized init; their FP32 masters must start from the init the BF16
+    partner gets (our sharding-independent init), else the FP8-weight run starts from other weights."""
+    from llama_fp8.models import common
+    from llama_fp8.models.te import fp8_params
+
+    cfg = types.SimpleNamespace(**vars(CFG), initializer_range=0.02, seed=5)
+    fp8 = nn.Module()
+    fp8.proj = QuantizedInitLinear(64, 32)
+    fp8_params.materialize(fp8, CPU, cfg)
+    partner = torch.empty(64, 32)
+    common.init_part_(partner, (0, 0), (64, 32), "proj.weight", cfg)  # what the BF16 run's weight starts from
+    assert not torch.equal(fp8.proj.weight.dequantize(), partner)  # the FP8 weight is the coarse version
+    opt = build.build_optimizer(fp8, types.SimpleNamespace(**{**vars(cfg), "lr": 0.0}), CPU,
+                                TEFp8(None, all_gather=True, stateful=False))
+    fp8.proj.weight.grad = torch.zeros(64, 32, dtype=torch.bfloat16)
+    opt.step()  # lr 0, no weight decay: the master stays what it was created as
+    assert torch.equal(opt.state[fp8.proj.weight]["master"], partner)

@@ -17,6 +17,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
+from llama_fp8.models.te import fp8_params
+
 FLOAT_STATES = ("exp_avg", "exp_avg_sq", "master")
 
 
@@ -54,7 +56,10 @@ class MasterAdamW(torch.optim.Optimizer):
             return state
         state.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
         if quantized:  # moments and master in FP32, shaped as the parameter's dequantized values
-            master = local(p).dequantize(dtype=torch.float32)
+            # A fresh state starts from the weight's initial values before quantization (what its BF16 partner
+            # starts from); a state whose moments were loaded without a master, from the weight as it is now.
+            initial = fp8_params.initial_values(p) if "exp_avg" not in state else None
+            master = initial if initial is not None else local(p).dequantize(dtype=torch.float32)
             for name in ("exp_avg", "exp_avg_sq"):
                 old = state.get(name)
                 state[name] = _like(p, local(old).float() if old is not None else torch.zeros_like(master))

@@ -136,8 +136,13 @@ class TEFp8(Plain):
                                  True, verify)
 
     def convert(self, model: nn.Module) -> nn.Module:
-        """--fp8_exclude: the matching modules run their forward under a nested autocast(enabled=False)."""
-        fp8_coverage.apply_exclusions(model, self.exclude, lambda: te_recipes.autocast(False, self.recipe))
+        """--fp8_exclude: the matching modules run their forward under a nested autocast(enabled=False) and, with
+        FP8 weights, keep high-precision weights (built under quantized init, unmarked before materialization)."""
+        from llama_fp8.models.te import fp8_params
+
+        excluded = fp8_coverage.apply_exclusions(model, self.exclude, lambda: te_recipes.autocast(False, self.recipe))
+        if self.all_gather:
+            fp8_params.keep_high_precision(model, excluded)
         if self.stats is not None:
             self.stats.attach(model, fp8_coverage.is_te_gemm)
         return model
