@@ -312,6 +312,7 @@ def test_te_fp8_weights_start_masters_from_the_bf16_init_and_keep_excluded_layer
         try:
             _, _, prec, model, _, _ = state.plan_and_build_model(cfg, env)
             optimizer = build.build_optimizer(model, cfg, env.device, prec)
+            assert all(g["fused"] for g in optimizer.param_groups)  # MasterAdamW or torch's, fused alike
             weights = {n: p for n, p in model.named_parameters() if p.dim() == 2 and ".te_layer." in n}
             masters = {n: optimizer._init_state(p)["master"].full_tensor() for n, p in weights.items()
                        if is_quantized(p)}

@@ -265,3 +265,58 @@ def test_the_first_master_is_the_bf16_partners_initial_weight_not_its_fp8_quanti
     fp8.proj.weight.grad = torch.zeros(64, 32, dtype=torch.bfloat16)
     opt.step()  # lr 0, no weight decay: the master stays what it was created as
     assert torch.equal(opt.state[fp8.proj.weight]["master"], partner)
+
+
+def test_fused_master_adamw_steps_exactly_like_torchs_fused_adamw():
+    """Every other run's optimizer is torch's fused AdamW on CUDA: the FP8-weight runs get the same fused kernel
+    (on CPU here: torch has a fused CPU AdamW), for the masters and the other parameters alike, or their step
+    times would differ by the optimizer, not by FP8."""
+    fp8 = Fp8Linear()
+    ref_w = nn.Parameter(fp8.weight.dequantize(torch.float32).clone())
+    ref_n = nn.Parameter(fp8.norm.detach().clone())
+    ours = MasterAdamW(fp8.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    ref = torch.optim.AdamW([ref_w, ref_n], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    assert ours.param_groups[0]["fused"] is True
+    for s in range(3):
+        set_grads(fp8, s)
+        ref_w.grad, ref_n.grad = fp8.weight.grad.float(), fp8.norm.grad.clone()
+        ours.step()
+        ref.step()
+    assert torch.equal(ours.state[fp8.weight]["master"], ref_w.detach())
+    assert torch.equal(fp8.norm.detach(), ref_n.detach())
+    assert ours.state[fp8.weight]["step"].dtype == torch.float32
+
+
+def test_fused_master_adamw_on_fsdp2_shards_steps_like_torchs_fused_adamw(one_rank):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    for m in models:
+        fully_shard(m)
+    ours = MasterAdamW(models[0].parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    ref = torch.optim.AdamW(models[1].parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                            fused=True)
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        for m, opt in zip(models, (ours, ref)):
+            m(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a.full_tensor(), b.full_tensor())
+
+
+def test_master_adamw_is_fused_exactly_where_torchs_adamw_is():
+    """build_optimizer gives torch's AdamW fused=True on CUDA; MasterAdamW decides the same from its parameters'
+    device (CPU here: not fused), and keeps that through a state-dict round trip."""
+    model = Fp8Linear()
+    opt = fp8_optimizer(model)
+    assert opt.param_groups[0]["fused"] is False
+    assert MasterAdamW._fused_for([torch.empty(1, device="meta")]) is False
+    set_grads(model, 0)
+    opt.step()
+    again = fp8_optimizer(Fp8Linear())
+    again.load_state_dict(opt.state_dict())
+    assert again.param_groups[0]["fused"] is False
