@@ -1,15 +1,17 @@
 """Bring a bare GPU node up from an offline kit, without network (standard library only: it runs before
-anything of the kit is installed).
+anything of the kit is installed). ``install_kit.sh`` checks the kit against its manifest and runs this;
+a GPU visit (``scripts/gpu/visit.sh``) does the same first.
 
-    python scripts/gpu/bootstrap.py WHEELS_DIR [TARGET] [--no-build] [--force-build] [--export DIR]
-                                  [--jobs N] [--build-timeout S] [--dry-run]
+    python scripts/offline/install.py WHEELS_DIR [TARGET] [--no-build] [--force-build] [--export DIR]
+                                      [--jobs N] [--build-timeout S] [--dry-run]
 
 A kit (``scripts/offline/make_kit.sh DIR ...``) holds, at its top level, the wheels a bare node lacks (torchao,
 Transformer Engine's Python part and core library, their small needs, datasets), the
 ``transformer_engine_torch`` source distribution, and usually a prebuilt ``transformer_engine_torch`` wheel.
 Bootstrap installs every wheel into TARGET (default /tmp/site) with ``pip install --no-index --no-deps
 --target``, picks the ``transformer_engine_torch`` wheel built for this node's torch, and checks that TE's
-PyTorch extension imports. When no wheel fits, or the one that should fit does not import, it compiles one from
+PyTorch extension imports, and runs one ``te.Linear`` forward and backward under FP8 current scaling on the GPU
+(a pruned or mismatched core library fails there, not minutes later in the first TE run). When no wheel fits, or the one that should fit does not import, it compiles one from
 the source distribution, saves it to WHEELS_DIR/built/<key>/ with a build record (and to --export DIR/<key>/,
 e.g. under the output folder $OUT), so that the next visit installs it instead of compiling. Last, it prints
 the versions block (versions.py).
@@ -48,8 +50,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "offline"))
-from kit import sha256  # noqa: E402 - the offline kit's own helpers (standard library only)
+from kit import sha256  # the offline kit's own helpers (standard library only), in this folder
 
 TE_TORCH = "transformer_engine_torch"
 BUILT_DIR = "built"
@@ -103,7 +104,7 @@ def record_path(wheel_path: Path) -> Path:
 
 
 def read_record(wheel_path: Path) -> dict | None:
-    """The build record beside a wheel (written by scripts/offline/build_te_torch.sh or by bootstrap), else None."""
+    """The build record beside a wheel (written by build_te_torch.sh or by install.py), else None."""
     path = record_path(wheel_path)
     if path.is_file():
         return json.loads(path.read_text())
@@ -337,28 +338,51 @@ def build_record(te_version: str, torch_version: str, cp_tag: str, cuda: str | N
 
 
 HERE = Path(__file__).resolve().parent
-MARKER = ".llama-fp8-bootstrap"  # written into TARGET: only a folder holding it is ever emptied
+MARKER = ".llama-fp8-install"  # written into TARGET: only a folder holding it is ever emptied
 EXIT_BAD_KIT, EXIT_NO_TE = 2, 3
 IMPORT_CHECK = ("import torch\nimport transformer_engine.pytorch\nimport importlib.metadata as m\n"
                 "print('transformer_engine.pytorch imports; transformer_engine_torch', "
                 "m.version('transformer_engine_torch'))")
+# One te.Linear forward + backward on the GPU, under FP8 current scaling where the GPU has FP8 (SM >= 8.9):
+# TE's kernels run, not just its import (TE >= 2.9 has te.autocast(recipe=...), older fp8_autocast(fp8_recipe=...)).
+KERNEL_CHECK = """\
+import sys, time, torch
+if not torch.cuda.is_available():
+    print("no CUDA device: TE's kernels not run"); sys.exit(0)
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import Float8CurrentScaling
+fp8 = torch.cuda.get_device_capability() >= (8, 9)
+new = hasattr(te, "autocast")
+context = (te.autocast if new else te.fp8_autocast)(**{"enabled": fp8, "recipe" if new else "fp8_recipe": Float8CurrentScaling()})
+t0 = time.perf_counter()
+layer = te.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda")
+x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+with context:
+    y = layer(x)
+y.float().square().mean().backward()
+torch.cuda.synchronize()
+ok = all(bool(torch.isfinite(t).all()) for t in (y, x.grad, layer.weight.grad))
+how = "under FP8 current scaling" if fp8 else "in BF16 (this GPU has no FP8)"
+print(f"te.Linear forward+backward {how} on {torch.cuda.get_device_name()}: finite {ok}, {time.perf_counter() - t0:.1f} s")
+sys.exit(0 if ok else 1)
+"""
 
 
-class BootstrapError(Exception):
+class InstallError(Exception):
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code
 
 
 def say(message: str) -> None:
-    print(f"[bootstrap] {message}", flush=True)
+    print(f"[install] {message}", flush=True)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bootstrap.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="install.py", description=__doc__.splitlines()[0])
     p.add_argument("wheels_dir", metavar="WHEELS_DIR", help="the offline kit (scripts/offline/make_kit.sh DIR)")
     p.add_argument("target", metavar="TARGET", nargs="?", default="/tmp/site",
-                   help="folder to install into (default /tmp/site); emptied first if an earlier bootstrap made it")
+                   help="folder to install into (default /tmp/site); emptied first if an earlier install.py made it")
     p.add_argument("--no-build", action="store_true", help="never compile transformer_engine_torch (exit 3 instead)")
     p.add_argument("--force-build", action="store_true", help="compile transformer_engine_torch even if a wheel fits")
     p.add_argument("--export", metavar="DIR", help="also copy a freshly built wheel and its record to DIR/<key>/")
@@ -409,14 +433,14 @@ def install_command(wheels: list[Path], target: Path) -> list[str]:
 
 
 def prepare_target(target: Path) -> None:
-    """Empty TARGET if an earlier bootstrap made it; refuse a non-empty folder it did not make."""
+    """Empty TARGET if an earlier install.py made it; refuse a non-empty folder it did not make."""
     if target.exists() and any(target.iterdir()):
         if not (target / MARKER).is_file():
-            raise BootstrapError(f"TARGET {target} is not empty and was not made by bootstrap (no {MARKER}): "
+            raise InstallError(f"TARGET {target} is not empty and was not made by install.py (no {MARKER}): "
                                  f"choose an empty or new folder", EXIT_BAD_KIT)
         shutil.rmtree(target)
     target.mkdir(parents=True, exist_ok=True)
-    (target / MARKER).write_text("made by scripts/gpu/bootstrap.py; emptied by the next bootstrap\n")
+    (target / MARKER).write_text("made by scripts/offline/install.py; emptied by its next run\n")
 
 
 def install(wheels: list[Path], target: Path) -> None:
@@ -425,7 +449,7 @@ def install(wheels: list[Path], target: Path) -> None:
     t0 = time.perf_counter()
     proc = subprocess.run(install_command(wheels, target), env=child_env(target), capture_output=True, text=True)
     if proc.returncode != 0:
-        raise BootstrapError(f"pip install failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}",
+        raise InstallError(f"pip install failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}",
                              EXIT_BAD_KIT)
     say(f"installed in {time.perf_counter() - t0:.1f} s")
 
@@ -438,12 +462,20 @@ def import_check(target: Path) -> tuple[bool, str]:
     return proc.returncode == 0, text.splitlines()[-1] if proc.returncode == 0 and text else text[-3000:]
 
 
+def kernel_check(target: Path) -> tuple[bool, str]:
+    """Do TE's kernels run (KERNEL_CHECK)? (ok, its last line or the error)"""
+    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=child_env(target), capture_output=True,
+                          text=True, timeout=600)
+    text = (proc.stdout + proc.stderr).strip()
+    return proc.returncode == 0, text.splitlines()[-1] if proc.returncode == 0 and text else text[-3000:]
+
+
 def build(kit: Kit, te_version: str, node: Node, target: Path, args: argparse.Namespace) -> Path:
     """Compile transformer_engine_torch into WHEELS_DIR/built/<key>/ (and --export); returns the wheel."""
     out_dir = Path(tempfile.mkdtemp(prefix="te-torch-wheel-"))
     bp = build_plan(sys.executable, kit.sdist, out_dir, target, args.jobs, dict(os.environ))
     if bp.problems:
-        raise BootstrapError("cannot compile transformer_engine_torch:\n  " + "\n  ".join(bp.problems), EXIT_NO_TE)
+        raise InstallError("cannot compile transformer_engine_torch:\n  " + "\n  ".join(bp.problems), EXIT_NO_TE)
     log = out_dir.with_suffix(".log")
     say(f"compiling {kit.sdist.name} against torch {node.torch} (MAX_JOBS={bp.env['MAX_JOBS']}, up to "
         f"{args.build_timeout:.0f} s; log {log})")
@@ -456,11 +488,11 @@ def build(kit: Kit, te_version: str, node: Node, target: Path, args: argparse.Na
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()
-            raise BootstrapError(f"the compile took more than {args.build_timeout:.0f} s and was stopped "
+            raise InstallError(f"the compile took more than {args.build_timeout:.0f} s and was stopped "
                                  f"(--build-timeout); log {log}", EXIT_NO_TE) from None
     built = sorted(out_dir.glob(f"{TE_TORCH}-*.whl"))
     if rc != 0 or not built:
-        raise BootstrapError(f"the compile failed (exit {rc}); last lines of {log}:\n"
+        raise InstallError(f"the compile failed (exit {rc}); last lines of {log}:\n"
                              + log.read_text()[-3000:], EXIT_NO_TE)
     seconds = time.perf_counter() - t0
     rec = build_record(te_version, node.torch, node.cp_tag, node.cuda, bp, seconds)
@@ -482,18 +514,18 @@ def versions_block(target: Path) -> None:
 def check_kit(args: argparse.Namespace) -> tuple[Kit, Node, str]:
     root = Path(args.wheels_dir).resolve()
     if not root.is_dir():
-        raise BootstrapError(f"WHEELS_DIR {args.wheels_dir}: not a folder (make a kit with "
+        raise InstallError(f"WHEELS_DIR {args.wheels_dir}: not a folder (make a kit with "
                              f"scripts/offline/make_kit.sh {args.wheels_dir} --python X.Y --torch V --arch sm_NN)", EXIT_BAD_KIT)
     try:
         kit = inventory(root)
     except ValueError as e:
-        raise BootstrapError(str(e), EXIT_BAD_KIT) from None
+        raise InstallError(str(e), EXIT_BAD_KIT) from None
     node = node_info()
     issues = problems(kit, set(node.installed))
     if node.torch is None:
-        issues.append(f"this Python ({sys.executable}) has no torch: run bootstrap with the node's PyTorch Python")
+        issues.append(f"this Python ({sys.executable}) has no torch: run install.py with the node's PyTorch Python")
     if issues:
-        raise BootstrapError("the kit cannot be used:\n  " + "\n  ".join(issues), EXIT_BAD_KIT)
+        raise InstallError("the kit cannot be used:\n  " + "\n  ".join(issues), EXIT_BAD_KIT)
     te_version = kit.te_version() or importlib.metadata.version("transformer_engine")
     return kit, node, te_version
 
@@ -509,15 +541,15 @@ def install_te(kit: Kit, wheels: list[Path], choice: Choice, te_version: str, no
     if ok:
         return
     if args.no_build:
-        raise BootstrapError("transformer_engine_torch is not usable and --no-build was given", EXIT_NO_TE)
+        raise InstallError("transformer_engine_torch is not usable and --no-build was given", EXIT_NO_TE)
     if kit.sdist is None:
-        raise BootstrapError(f"no {TE_TORCH}-{te_version}.tar.gz in the kit to compile", EXIT_NO_TE)
+        raise InstallError(f"no {TE_TORCH}-{te_version}.tar.gz in the kit to compile", EXIT_NO_TE)
     install(wheels, target)  # the build finds TE's core and cudnn-frontend headers here
     dest = build(kit, te_version, node, target, args)
     install([*wheels, dest], target)
     ok, message = import_check(target)
     if not ok:
-        raise BootstrapError(f"the compiled {dest.name} does not import either:\n{message}", EXIT_NO_TE)
+        raise InstallError(f"the compiled {dest.name} does not import either:\n{message}", EXIT_NO_TE)
     say("TE: " + message)
 
 
@@ -533,13 +565,17 @@ def run(args: argparse.Namespace) -> int:
         how = "built for this torch (build record)" if choice.recorded else "no build record: kept only if it imports"
         say(f"{TE_TORCH}: {choice.wheel.path.relative_to(kit.root)} ({how})")
     elif kit.sdist is None:
-        raise BootstrapError(f"no {TE_TORCH} wheel fits torch {node.torch} / {node.cp_tag} and the kit "
+        raise InstallError(f"no {TE_TORCH} wheel fits torch {node.torch} / {node.cp_tag} and the kit "
                              f"has no {TE_TORCH}-{te_version}.tar.gz to compile one", EXIT_BAD_KIT)
     wheels = [w.path for w in kit.wheels]
     if args.dry_run:
         return dry_run(kit, wheels, choice, target, args)
     try:
         install_te(kit, wheels, choice, te_version, node, target, args)
+        ok, message = kernel_check(target)
+        if not ok:  # the extension imports, its kernels fail (e.g. a core library without this GPU's code)
+            raise InstallError(f"TE imports but its kernels do not run on this GPU:\n{message}", EXIT_NO_TE)
+        say("TE kernels: " + message)
     finally:  # the versions block, also when TE is not usable: what the node has is worth knowing then too
         versions_block(target)
     say(f"ready: export PYTHONPATH={target}:$REPO/src")
@@ -565,8 +601,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return run(args)
-    except BootstrapError as e:
-        print(f"[bootstrap] error: {e}", file=sys.stderr, flush=True)
+    except InstallError as e:
+        print(f"[install] error: {e}", file=sys.stderr, flush=True)
         return e.code
 
 
