@@ -40,3 +40,23 @@ def test_torchao_fp8_resume_matches_the_uninterrupted_run(tmp_path, recipe):
     assert sorted(resumed) == list(range(11, 21))
     worst = max(abs(resumed[s] - a[s]) / abs(a[s]) for s in a)
     assert worst <= max(2 * noise, 1e-3), (worst, noise)
+
+
+@pytest.mark.parametrize("compile_", ["0", "1"])
+def test_the_fp8_check_passes_a_torchao_run_and_records_its_gemm_kernels(tmp_path, compile_):
+    """The "is FP8 on?" check on a real torchao run, eager and compiled (where Inductor names the casts after their
+    ops and cuBLASLt names FP8 GEMMs nvjet_qq... with CUDA 13): it passes, records every GEMM kernel with calls and
+    time, and finds FP8 evidence (aten::_scaled_mm calls, or a GEMM kernel named as FP8). What this run records is
+    what confirms the kernel names the check knows."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "llama_fp8", "train", "--model", "tiny", "--model_impl", "hf", "--device", "cuda",
+           "--fp8", "1", "--fp8_backend", "torchao", "--fp8_recipe", "tensorwise", "--compile", compile_,
+           "--dataset", "synthetic", "--max_steps", "3", "--run_dir", str(run_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (check,) = [r for r in records if r["type"] == "fp8_check"]
+    assert check["problems"] == [], json.dumps(check)
+    assert check["gemm_kernels"] and all(g["calls"] > 0 for g in check["gemm_kernels"]), json.dumps(check)
+    assert check["scaled_mm_calls"] > 0 or check["fp8_gemm_kernels"] > 0, json.dumps(check["gemm_kernels"])
+    assert check["notes"] == [], check["notes"]
