@@ -12,6 +12,7 @@ from pathlib import Path
 import install
 import kit_fakes as fakes
 import pytest
+import te_wheel
 from kit_fakes import read_jsonl
 
 INSTALL = Path(install.__file__)
@@ -54,7 +55,7 @@ def test_prebuilt_wheel_for_this_torch_is_installed_and_imports(tmp_path, capfd,
     assert (target / "torchao" / "__init__.py").is_file() and (target / "datasets_fake").is_dir()
     assert "no build record: kept only if it imports" in out and "TE: transformer_engine.pytorch imports" in out
     assert "TE kernels: no CUDA device: TE's kernels not run" in out  # on a GPU: one FP8 te.Linear step
-    assert not (tmp_path / "build.jsonl").exists() and not (kit / install.BUILT_DIR).exists()  # no compile
+    assert not (tmp_path / "build.jsonl").exists() and not (kit / te_wheel.BUILT_DIR).exists()  # no compile
     assert out.count("== versions") == 1
     assert "GPU                 no GPU" in out and "compute capability  no GPU" in out
     assert "Transformer Engine  9.9.0" in out and "torchao             0.0.1" in out
@@ -107,13 +108,13 @@ def test_compiles_when_no_wheel_fits_then_reuses_the_compiled_wheel(tmp_path):
     assert includes[0] == str((tmp_path / "cuda" / "include").resolve())
     for pkg in ("cudnn", "nccl", "cu13"):
         assert str(tmp_path / "node_site" / "nvidia" / pkg / "include") in includes
-    key = install.build_key(fakes.TE_VERSION, fakes.torch_version(), fakes.CP)
-    [wheel] = (kit / install.BUILT_DIR / key).glob("*.whl")
-    record = json.loads(install.record_path(wheel).read_text())
+    key = te_wheel.build_key(fakes.TE_VERSION, fakes.torch_version(), fakes.CP)
+    [wheel] = (kit / te_wheel.BUILT_DIR / key).glob("*.whl")
+    record = json.loads(te_wheel.record_path(wheel).read_text())
     assert (record["torch"], record["python"], record["te_version"]) == (fakes.torch_version(), fakes.CP, "9.9.0")
-    assert record["sha256"] == install.sha256(wheel)
+    assert record["sha256"] == te_wheel.sha256(wheel)
     assert sorted(p.name for p in (tmp_path / "out" / "built" / key).iterdir()) == sorted(
-        [wheel.name, install.record_path(wheel).name])
+        [wheel.name, te_wheel.record_path(wheel).name])
 
     second = run_script([kit, tmp_path / "site"], env)
     assert second.returncode == 0, second.stdout + second.stderr
@@ -209,7 +210,7 @@ def test_build_timeout_stops_the_compile(tmp_path, capfd, monkeypatch):
     kit = fakes.kit(tmp_path / "kit", prebuilt_for=None, build_log=tmp_path / "build.jsonl")
     code, _, err = run_main([kit, tmp_path / "site", "--build-timeout", "0.2"], capfd)
     assert code == install.EXIT_NO_TE and "more than 0 s" in err and "--build-timeout" in err
-    assert not (kit / install.BUILT_DIR).exists()
+    assert not (kit / te_wheel.BUILT_DIR).exists()
 
 
 def test_the_cuda_toolkit_is_the_one_with_headers_not_a_wrapper_on_path(tmp_path):
@@ -219,35 +220,35 @@ def test_the_cuda_toolkit_is_the_one_with_headers_not_a_wrapper_on_path(tmp_path
     wrapper.parent.mkdir()
     wrapper.write_text(f'#!/bin/sh\nexec {real}/bin/nvcc "$@"\n')
     wrapper.chmod(0o755)
-    assert install.find_cuda_home({"PATH": str(wrapper.parent), "CUDA_HOME": real}) == Path(real).resolve()
-    found = install.find_cuda_home({"PATH": str(wrapper.parent)})
+    assert te_wheel.find_cuda_home({"PATH": str(wrapper.parent), "CUDA_HOME": real}) == Path(real).resolve()
+    found = te_wheel.find_cuda_home({"PATH": str(wrapper.parent)})
     assert found != tmp_path  # the wrapper's folder has no include/cuda_runtime.h: passed over
 
 
 def test_compile_prerequisites_are_named(tmp_path, monkeypatch):
 
-    monkeypatch.setattr(install, "BUILD_IMPORTS", ("import torch", "import no_such_build_module"))
-    monkeypatch.setattr(install, "find_cuda_home", lambda env: None)
-    plan = install.build_plan(sys.executable, tmp_path / "te.tar.gz", tmp_path, tmp_path, None, {})
+    monkeypatch.setattr(te_wheel, "BUILD_IMPORTS", ("import torch", "import no_such_build_module"))
+    monkeypatch.setattr(te_wheel, "find_cuda_home", lambda env: None)
+    plan = te_wheel.build_plan(sys.executable, tmp_path / "te.tar.gz", tmp_path, tmp_path, None, {})
     assert any("no CUDA toolkit" in p for p in plan.problems)
     assert [p for p in plan.problems if "import" in p] == [
         "the build cannot import no_such_build_module -> ModuleNotFoundError(\"No module named 'no_such_build_module'\")"
         " (add the missing wheel to the kit)"]
     assert any("no cuDNN headers" in p for p in plan.problems)
-    assert int(plan.env["MAX_JOBS"]) == install.cpu_count() >= 1
+    assert int(plan.env["MAX_JOBS"]) == te_wheel.cpu_count() >= 1
 
 
 # --- wheel selection, without installing -------------------------------------------------------------
 def test_wheel_names_and_platforms():
-    w = install.parse_wheel(Path("torchao-0.18.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"))
+    w = te_wheel.parse_wheel(Path("torchao-0.18.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"))
     assert (w.name, w.version, w.py, w.abi) == ("torchao", "0.18.0", "cp310", "abi3")
-    assert install.runs_on(w, "cp312", "x86_64") and not install.runs_on(w, "cp312", "aarch64")
-    te = install.parse_wheel(Path("transformer_engine_torch-2.20.2-cp312-cp312-linux_x86_64.whl"))
-    assert install.runs_on(te, "cp312", "x86_64") and not install.runs_on(te, "cp311", "x86_64")
-    assert install.parse_wheel(Path("multiprocess-0.70.19-py312-none-any.whl")).py == "py312"
+    assert te_wheel.runs_on(w, "cp312", "x86_64") and not te_wheel.runs_on(w, "cp312", "aarch64")
+    te = te_wheel.parse_wheel(Path("transformer_engine_torch-2.20.2-cp312-cp312-linux_x86_64.whl"))
+    assert te_wheel.runs_on(te, "cp312", "x86_64") and not te_wheel.runs_on(te, "cp311", "x86_64")
+    assert te_wheel.parse_wheel(Path("multiprocess-0.70.19-py312-none-any.whl")).py == "py312"
     with pytest.raises(ValueError, match="not a wheel file name"):
-        install.parse_wheel(Path("readme.whl"))
-    assert install.build_key("2.20.2", "2.11.0+cu130", "cp312") == "te2.20.2-torch2.11.0_cu130-cp312"
+        te_wheel.parse_wheel(Path("readme.whl"))
+    assert te_wheel.build_key("2.20.2", "2.11.0+cu130", "cp312") == "te2.20.2-torch2.11.0_cu130-cp312"
 
 
 def test_choice_prefers_a_recorded_build_and_passes_over_others_with_reasons(tmp_path):
@@ -257,23 +258,23 @@ def test_choice_prefers_a_recorded_build_and_passes_over_others_with_reasons(tmp
     for torch_version in ("2.11.0+cu130", "2.12.0+cu130"):
         sub = tmp_path / torch_version
         sub.mkdir()
-        install.save_build(fakes.te_torch_wheel(sub, torch_version), kit_dir,
+        te_wheel.save_build(fakes.te_torch_wheel(sub, torch_version), kit_dir,
                            {"te_version": fakes.TE_VERSION, "torch": torch_version, "python": fakes.CP})
-    kit = install.inventory(kit_dir)
-    pick = install.choose_te_torch(kit, fakes.TE_VERSION, "2.12.0+cu130", fakes.CP, "x86_64")
+    kit = te_wheel.inventory(kit_dir)
+    pick = te_wheel.choose_te_torch(kit, fakes.TE_VERSION, "2.12.0+cu130", fakes.CP, "x86_64")
     assert pick.recorded and "torch2.12.0_cu130" in str(pick.wheel.path)
     assert any("'2.11.0+cu130' != '2.12.0+cu130'" in n for n in pick.notes)
-    pick = install.choose_te_torch(kit, fakes.TE_VERSION, "2.13.0", fakes.CP, "x86_64")
+    pick = te_wheel.choose_te_torch(kit, fakes.TE_VERSION, "2.13.0", fakes.CP, "x86_64")
     assert not pick.recorded and pick.wheel.path.parent == kit_dir  # only the unrecorded one is left
-    pick = install.choose_te_torch(kit, "1.0.0", "2.13.0", fakes.CP, "x86_64")
+    pick = te_wheel.choose_te_torch(kit, "1.0.0", "2.13.0", fakes.CP, "x86_64")
     assert pick.wheel is None and all("the kit's TE is 1.0.0" in n for n in pick.notes)
     # a record whose sha256 is not the wheel's (the wheel was replaced) does not count
-    [built] = (kit_dir / install.BUILT_DIR).glob("*2.12.0*/*.whl")
+    [built] = (kit_dir / te_wheel.BUILT_DIR).glob("*2.12.0*/*.whl")
     built.write_bytes(built.read_bytes() + b"\0")
-    pick = install.choose_te_torch(install.inventory(kit_dir), fakes.TE_VERSION, "2.12.0+cu130", fakes.CP, "x86_64")
+    pick = te_wheel.choose_te_torch(te_wheel.inventory(kit_dir), fakes.TE_VERSION, "2.12.0+cu130", fakes.CP, "x86_64")
     assert not pick.recorded and any("sha256 differs" in n for n in pick.notes)
 
 
 def test_a_wheel_without_a_build_record_is_unrecorded(tmp_path):
     wheel = fakes.te_torch_wheel(tmp_path, "y")
-    assert install.read_record(wheel) is None  # an unknown hash without a record: unrecorded
+    assert te_wheel.read_record(wheel) is None  # an unknown hash without a record: unrecorded
