@@ -127,7 +127,8 @@ def test_speedup_memory_and_noise_band_match_an_independent_computation(tmp_path
     # the band (wider than the 0.1 % tolerance) decided: PASS although the gap exceeds the tolerance
     assert abs(gap) > 0.1 and v["within"] and s["verdict"] == "PASS" and "decided by the noise band" in s["verdict_line"]
     report = (tmp_path / "o" / "report.md").read_text()
-    assert f"**Speed-up B/A: {sp['text']}**" in report and "3 pairs" in sp["text"]
+    assert f"**Speed-up B/A (samples/s): {sp['text']}**" in report and "3 pairs" in sp["text"]
+    assert s["speedup"] == sp["overall"]["ratio"]  # summary.json's one speed-up is the headline's
     assert "Noise band (BF16 vs BF16 across seeds" in report and "| 3 | 3 |" in report   # pair 3, seed 3
     # goodput of an arm: its runs' parts summed; productive is the 3rd part (3 + seed s in run s)
     wall = sum(sum(i + 1 + seed for i in range(len(goodput.PARTS))) for seed in seeds)

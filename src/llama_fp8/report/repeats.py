@@ -27,6 +27,15 @@ SPEED_METRICS = [("samples_per_sec", "speed-up (samples/s)"),
                  ("tflops_per_device", "TFLOPS/GPU"),
                  ("mfu_vs_bf16_peak", "MFU (vs BF16 peak)")]
 GAP_KINDS = (("train", "train_gap_pct", "train_loss_a"), ("validation", "val_gap_pct", "val_loss_a"))
+# Window rates a run is summarised by as work / time (stats.rate): every speed metric, and samples/s per device.
+RATE_KEYS = frozenset(k for k, _ in SPEED_METRICS) | {"samples_per_sec_per_device", "mfu_vs_fp8_peak"}
+HEADLINE = "samples_per_sec"  # the speed-up a report states as its result
+
+
+def headline(speed_: dict[str, Any]) -> float | None:
+    """The one speed-up of an A/B: B/A of samples/s (the point of ``speed``'s across-pair interval)."""
+    overall = speed_[HEADLINE]["overall"]
+    return overall["ratio"] if overall else None
 
 
 def kept(run: Run, warmup: int, key: str) -> list[float]:
