@@ -1,12 +1,13 @@
-"""The one table of image versions: NGC PyTorch tag -> PyTorch, Transformer Engine, CUDA, NCCL, minimum driver,
-and the AWS EFA installer that goes with it. The README's table is generated from it (between the
+"""The one table of image versions: NGC PyTorch tag -> PyTorch, CUDA, cuDNN, NCCL, Transformer Engine, Python,
+minimum driver, and the AWS EFA installer that goes with it. The README's table is generated from it (between the
 ``<!-- ngc:start -->`` markers; tests/cluster/test_ngc.py checks it is current) and its FP8 columns are computed
 from the FP8 recipe table (precision/recipes.py), never written by hand.
 
-Every value names its source. ``None`` as source means *not confirmed*: the value is what we expect but no
-NVIDIA/AWS page we could read states it; the README prints "not confirmed" next to it. The image build checks
-the real versions against this table (``check-image`` below) and prints them, so a confirmed row is one build
-away: copy the printed versions here with the image build as the source.
+Every value names its source (a ``Source``: the page, and whether it is NVIDIA's/AWS's own or a third party's
+public file that records what it found in the image); the README numbers them. ``None`` as source means *not
+confirmed*: the value is what we expect but no page we could read states it; ``None`` as value means we found
+none. The image build checks the real versions against this table (``check-image`` below) and prints them, so
+a confirmed row is one build away: copy the printed versions here with the image build as the source.
 
     python -m llama_fp8.cluster.ngc table                 # the README table
     python -m llama_fp8.cluster.ngc update-readme README.md
