@@ -40,7 +40,10 @@ from llama_fp8.errors import EXIT_BAD_CONFIG, EXIT_NONFINITE, EXIT_REQUEUE
 from llama_fp8.telemetry import heartbeat
 
 OUTCOME_ENV = "LLAMA_FP8_OUTCOME_DIR"
-"""Folder where each node's launcher writes its final decision (``node<N>``: code, action, line)."""
+"""Folder where each node's launcher writes its final decision (``node<N>``: code, action, line). Actions: ``done``,
+``fail`` (not requeued), ``requeue`` (a checkpoint was saved: always requeued), ``retry`` (requeue without a new
+checkpoint: a signal during a restart, the rendezvous host lost; requeued at most MAX_REQUEUES times), ``closed``
+(another node ended the job: its own line says why)."""
 NOT_RESTARTED = {EXIT_BAD_CONFIG: "a bad flag, config or data file", EXIT_NONFINITE: "a non-finite loss",
                  EXIT_REQUEUE: "a checkpoint saved after SIGUSR1/SIGTERM"}
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -144,7 +147,7 @@ class JobAgent(LocalElasticAgent):
     # --- torch's extension points ------------------------------------------------------------------------------
     def _start_workers(self, worker_group: WorkerGroup):
         if JobAgent.signalled is not None:  # no new attempt after a time-limit or preemption signal
-            raise JobStop(EXIT_REQUEUE, "requeue", f"{JobAgent.signalled.name} arrived during a restart: no new "
+            raise JobStop(EXIT_REQUEUE, "retry", f"{JobAgent.signalled.name} arrived during a restart: no new "
                           "checkpoint to save; exit 85 so that the job is requeued and resumes from the latest "
                           "complete checkpoint")
         for old in self.progress_dir.glob("rank*"):
@@ -200,9 +203,11 @@ class JobAgent(LocalElasticAgent):
         where = f"in step {point[1]}" if point[0] == "step" else "during start-up"
         if stuck:
             say(f"{node}: {'; '.join(stuck)}; the other ranks failed waiting for it")
-        if JobAgent.signalled is not None:
-            self._stop(EXIT_REQUEUE, "requeue", f"{node}: {what} after {JobAgent.signalled.name}: not restarting; "
-                       f"exit 85, the batch script requeues the job, which resumes from the latest complete checkpoint")
+        if JobAgent.signalled is not None:  # a time limit or preemption: requeue, never restart in place
+            saved = EXIT_REQUEUE in codes
+            self._stop(EXIT_REQUEUE, "requeue" if saved else "retry", f"{node}: {what} after "
+                       f"{JobAgent.signalled.name}: not restarting; exit 85, the batch script requeues the job, which "
+                       f"resumes from {'that' if saved else 'the latest complete'} checkpoint")
             return
         deterministic = sorted(c for c in codes if c in NOT_RESTARTED and c != EXIT_REQUEUE)
         if deterministic:

@@ -186,7 +186,7 @@ lf_preflight() {  # lf_preflight TRAIN_ARGS...
 # (is_host, explicit: names and addresses need not match); losing it ends the step, and the job is requeued.
 lf_is_hyperpod() { [[ -d /opt/sagemaker_cluster ]]; }
 
-lf_train() {  # lf_train TRAIN_ARGS... ; returns 0, 85 (requeue me: checkpoint saved, or a node lost) or a failure's code
+lf_train() {  # lf_train TRAIN_ARGS... ; returns 0, 85 (requeue me) or a failure's code (lf_outcome)
     local resume=() rc
     if lf_is_hyperpod; then
         # SageMaker HyperPod: replace faulty nodes and resume. An srun flag (sbatch rejects it), and it only
@@ -213,35 +213,37 @@ lf_train() {  # lf_train TRAIN_ARGS... ; returns 0, 85 (requeue me: checkpoint s
 
 # ---- after the training step: the launchers' decisions (LF_OUTCOME_DIR/node<N>: "CODE ACTION LINE"), one line
 # saying what happened and what comes next, and the code for the calling script. A failure that a restart cannot
-# fix (ACTION fail) wins over a requeue; a checkpoint saved after a signal (85) is always requeued; a lost
-# rendezvous host or a launcher that died without a word (its node gone, SIGKILL) is requeued at most MAX_REQUEUES
-# times for the job (Slurm requeues a node failure by itself: NODE_FAIL with --requeue).
+# fix (ACTION fail) wins over a requeue; a checkpoint saved after a signal (requeue) is always requeued; a requeue
+# that saved nothing new (retry: a signal during a restart, the rendezvous host lost) or a launcher that died
+# without a word (its node gone, SIGKILL) is requeued at most MAX_REQUEUES times for the job, so that a node that
+# breaks every attempt cannot requeue it forever (Slurm requeues a node failure by itself: NODE_FAIL, --requeue).
 lf_outcome() {  # lf_outcome SRUN_RC -> return 0, 85 or the failure's code
-    local rc=$1 f code action line fail="" failcode=0 requeue="" lost="" count=0 cap=${MAX_REQUEUES:-3} counter
+    local rc=$1 f code action line fail="" failcode=0 requeue="" retry="" files=0 count=0 cap=${MAX_REQUEUES:-3} counter
     for f in "$LF_OUTCOME_DIR"/node*; do
         [[ -f "$f" ]] || continue
+        files=$((files + 1))
         read -r code action line <"$f" || true
         case "$action" in
             fail) fail=$line; failcode=$code ;;
             requeue) requeue=$line ;;
-            requeue-lost) lost=$line ;;
+            retry) retry=$line ;;
         esac
     done
     if [[ -n "$fail" ]]; then
         echo "job $SLURM_JOB_ID: $fail; not requeued"
         return "$failcode"
     fi
-    if [[ -n "$requeue" ]] || ((rc == EXIT_REQUEUE)); then
-        echo "job $SLURM_JOB_ID: ${requeue:-training exited 85}"
+    if [[ -n "$requeue" ]] || ((files == 0 && rc == EXIT_REQUEUE)); then  # no files: $LF_OUTCOME_DIR not writable
+        echo "job $SLURM_JOB_ID: ${requeue:-training saved a checkpoint and exited 85}"
         return "$EXIT_REQUEUE"
     fi
-    if ((rc == 0)); then return 0; fi
+    if [[ -z "$retry" ]] && ((rc == 0)); then return 0; fi
     counter="$PWD/logs/llama-fp8-requeues_$SLURM_JOB_ID"
     if [[ -f "$counter" ]]; then count=$(wc -l <"$counter"); fi
-    line=${lost:-"the training step ended with code $rc without a decision from every launcher (a node or the first node's launcher was lost)"}
+    line=${retry:-"the training step ended with code $rc without a decision from every launcher (a node or the first node's launcher was lost)"}
     if ((count >= cap)); then
-        echo "job $SLURM_JOB_ID: $line; not requeued: $count requeue(s) for lost nodes already (MAX_REQUEUES=$cap)"
-        return "$rc"
+        echo "job $SLURM_JOB_ID: $line; not requeued: $count requeue(s) without a new checkpoint already (MAX_REQUEUES=$cap)"
+        return $((rc == 0 || rc == EXIT_REQUEUE ? 1 : rc))
     fi
     echo "requeue $((count + 1)) of $cap: $line" >>"$counter"
     echo "job $SLURM_JOB_ID: $line; requeue $((count + 1)) of $cap (MAX_REQUEUES)"

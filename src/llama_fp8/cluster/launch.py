@@ -87,7 +87,7 @@ def run_torchrun(torchrun_args: list[str]) -> int:
         code, action, line = 1, "closed", "another node ended the job (its line says why)"
         elastic.say(line)
     except (RendezvousConnectionError, RendezvousTimeoutError, dist.DistNetworkError, dist.DistStoreError) as e:
-        code, action = EXIT_HOST_LOST, "requeue-lost"
+        code, action = EXIT_HOST_LOST, "retry"
         line = (f"lost the rendezvous ({type(e).__name__}): its host, the first node's launcher, is gone; this "
                 f"allocation cannot restart the job, the batch script requeues it")
         elastic.say(line)
