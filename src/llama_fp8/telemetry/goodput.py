@@ -64,6 +64,23 @@ def last_logged_step(metrics_path: Path, max_bytes: int = 64 << 20) -> int:
     return last
 
 
+def written_by_this_job(metrics_path: Path, env: dict[str, str] | None = None, max_bytes: int = 1 << 20) -> bool:
+    """Whether the first attempt recorded in ``metrics_path`` was this same job: the Slurm job id of its meta record
+    equals ours (a requeue), or torchrun's run id does (a restart inside the job). Reads at most ``max_bytes``."""
+    env = os.environ if env is None else env
+    try:
+        with metrics_path.open("rb") as f:
+            first = f.read(max_bytes).decode("utf-8", errors="replace").split("\n", 1)[0]
+        rec = json.loads(first)
+    except (OSError, ValueError):
+        return False
+    repro = rec.get("repro") if isinstance(rec, dict) and rec.get("type") == "meta" else None
+    if not isinstance(repro, dict):
+        return False
+    return any(env.get(var) and repro.get(key) == env.get(var)
+               for key, var in (("slurm_job_id", "SLURM_JOB_ID"), ("elastic_run_id", "TORCHELASTIC_RUN_ID")))
+
+
 class Goodput:
     """The clock of one attempt; ``begin`` at the first step, ``end_step`` after each, ``timed`` around
     evaluation and checkpoints, ``record`` at the end."""
