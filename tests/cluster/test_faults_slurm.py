@@ -66,10 +66,6 @@ class Job:
         path = self.run / "metrics.jsonl"
         return [(r["step"], r["time"]) for r in read_jsonl(path) if r["type"] == "train"] if path.is_file() else []
 
-    def wait_for_step(self, step: int, timeout: float = 180) -> None:
-        self.wait(timeout, until=lambda i: any(s >= step for s, _ in self.train_times()))
-        assert any(s >= step for s, _ in self.train_times()), f"job {self.id} never reached step {step}"
-
 
 def submit(cluster, folder: Path, **env) -> Job:
     """sbatch the training script on both nodes with ``env`` added (faults: LLAMA_FP8_FAULT...)."""
@@ -189,7 +185,7 @@ def test_worker_exiting_1_restarts_in_the_job(cluster, reference, tmp_path):
 
 
 def launcher_pid(job: Job, node_id: int) -> int:
-    """The pid of ``llama_fp8 launch`` on node ``node_id`` of the job (both nodes are this host)."""
+    """The pid of ``python -m llama_fp8 launch`` on node ``node_id`` of the job (both nodes are this host)."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -198,19 +194,30 @@ def launcher_pid(job: Job, node_id: int) -> int:
             env = dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes().split(b"\0") if b"=" in kv)
         except OSError:
             continue
-        if b"launch" in cmd and env.get(b"SLURM_JOB_ID") == job.id.encode() and \
-                env.get(b"SLURM_NODEID") == str(node_id).encode() and b"llama_fp8" in b" ".join(cmd):
+        if cmd[1:4] == [b"-m", b"llama_fp8", b"launch"] and env.get(b"SLURM_JOB_ID") == job.id.encode() and \
+                env.get(b"SLURM_NODEID") == str(node_id).encode():
             return int(proc.name)
     raise AssertionError(f"no llama_fp8 launch of job {job.id} on node {node_id}")
 
 
+def pause_at_step_4(job: Job) -> None:
+    """Wait until both ranks of the first attempt hold in step 4 (``PAUSE``): the test acts at a known step
+    however fast the machine trains."""
+    job.wait(180, until=lambda i: all((job.faults / f"paused.step.rank{r}").exists() for r in (0, 1)))
+    assert all((job.faults / f"paused.step.rank{r}").exists() for r in (0, 1)), job.text()[-3000:]
+
+
+PAUSE = "pause@step:step=4:once"
+
+
 def test_rendezvous_host_killed_requeues_and_resumes(cluster, reference, tmp_path):
-    """(d) the first node's launcher (the rendezvous host) SIGKILLed after step 3: nothing in the allocation can
+    """(d) the first node's launcher (the rendezvous host) SIGKILLed in step 4: nothing in the allocation can
     restart the job; the batch script requeues it (requeue 1 of MAX_REQUEUES) and the next attempt resumes."""
-    job = submit(cluster, tmp_path)
-    job.wait_for_step(3)
+    job = submit(cluster, tmp_path, LLAMA_FP8_FAULT=PAUSE)
+    pause_at_step_4(job)
     os.kill(launcher_pid(job, 0), signal.SIGKILL)
     killed = time.time()
+    (job.faults / "release").touch()
     release_requeued(job.id, job.env)
     info = job.wait()
     assert_completed(info, job.log)
@@ -226,10 +233,10 @@ def test_rendezvous_host_killed_requeues_and_resumes(cluster, reference, tmp_pat
 
 
 def test_node_marked_down_is_requeued_by_slurm_and_resumes(cluster, reference, tmp_path):
-    """(e) the second node set DOWN after step 3 (as an admin or a health check does): Slurm kills the job and
+    """(e) the second node set DOWN in step 4 (as an admin or a health check does): Slurm kills the job and
     requeues it (NODE_FAIL, --requeue); once the node is back the job resumes from its latest checkpoint."""
-    job = submit(cluster, tmp_path)
-    job.wait_for_step(3)
+    job = submit(cluster, tmp_path, LLAMA_FP8_FAULT=PAUSE)
+    pause_at_step_4(job)
     scontrol = ["scontrol", "update", "NodeName=n2"]
     subprocess.run([*scontrol, "State=DOWN", "Reason=llama-fp8 test"], env=job.env, check=True)
     try:
@@ -251,7 +258,9 @@ def test_sigusr1_during_a_restart_requeues(cluster, reference, tmp_path):
     """(f) rank 1 killed in step 4; while the workers restart, the time-limit warning (SIGUSR1) reaches the job:
     no new attempt is started (or the new one saves at once), exit 85, the script requeues, the job resumes."""
     job = submit(cluster, tmp_path, LLAMA_FP8_FAULT="kill@step:step=4:rank=1:once")
-    job.wait(180, until=lambda i: bool(restart_lines(job)))
+    deadline = time.monotonic() + 180
+    while not restart_lines(job) and time.monotonic() < deadline:  # fast: the new workers take seconds to start
+        time.sleep(0.1)
     assert restart_lines(job), job.text()[-3000:]
     subprocess.run(["scancel", "--signal=USR1", job.id], env=job.env, check=True)
     release_requeued(job.id, job.env)

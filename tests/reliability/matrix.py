@@ -97,11 +97,11 @@ MATRIX: dict[str, tuple[str, str, str]] = {
         FAULT, "Slurm: rank 0 exits 1 (an exception) in step 5",
         "every rank restarts in the job from step_4, COMPLETED, bitwise"),
     "test_rendezvous_host_killed_requeues_and_resumes": (
-        FAULT, "Slurm: the first node's launcher (the rendezvous host) SIGKILLed after step 3",
+        FAULT, "Slurm: the first node's launcher (the rendezvous host) SIGKILLed in step 4",
         "the allocation cannot continue; the batch script requeues the job (at most MAX_REQUEUES times), which "
         "resumes, COMPLETED, bitwise"),
     "test_node_marked_down_is_requeued_by_slurm_and_resumes": (
-        FAULT, "Slurm: the second node set DOWN after step 3",
+        FAULT, "Slurm: the second node set DOWN in step 4",
         "Slurm requeues the job (NODE_FAIL, --requeue); when the node is back it resumes, COMPLETED, bitwise"),
     "test_sigusr1_during_a_restart_requeues": (
         FAULT, "Slurm: rank 1 killed in step 4, then SIGUSR1 (the time-limit warning) while the workers restart",
