@@ -78,7 +78,8 @@ def worker_pids(job: str) -> list[int]:
     return pids
 
 
-def run_job(folder: Path, env: dict, args: list[str], every: float | None, max_kills: int, seed: int) -> dict:
+def run_job(folder: Path, env: dict, args: list[str], steps: int, every: float | None, max_kills: int,
+            seed: int) -> dict:
     """Submit the job; with ``every``, SIGKILL a random worker every ``every`` s once the attempt has completed a
     step. Returns wall time (Slurm's start to end), kill times, the run's records."""
     (folder / "logs").mkdir(parents=True)
@@ -93,8 +94,10 @@ def run_job(folder: Path, env: dict, args: list[str], every: float | None, max_k
         info = job_info(job, env)
         if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
             break
-        times = [r["time"] for r in records(run) if r.get("type") == "train" and "time" in r]
-        if every and len(kills) < max_kills and times:
+        train = [r for r in records(run) if r.get("type") == "train" and "time" in r]
+        times = [r["time"] for r in train]
+        running = train and max(r["step"] for r in train) < steps  # never during the last step's save and exit
+        if every and len(kills) < max_kills and running:
             progressed = not kills or max(times) > kills[-1]
             if next_kill is None and progressed:
                 next_kill = max(times[0], kills[-1] if kills else 0.0) + every
@@ -156,8 +159,8 @@ def main() -> int:
                  "32", "--train_batch_size", "2", "--max_steps", str(args.steps), "--checkpoint_freq",
                  str(args.checkpoint_freq), "--logging_freq", "1", "--process_group_timeout", "60"]
         with tempfile.TemporaryDirectory(prefix="llama-fp8-bench-goodput-") as tmp:
-            free = run_job(Path(tmp) / "free", env, train, None, 0, args.seed)
-            hit = run_job(Path(tmp) / "faulted", env, train, args.every, args.max_kills, args.seed)
+            free = run_job(Path(tmp) / "free", env, train, args.steps, None, 0, args.seed)
+            hit = run_job(Path(tmp) / "faulted", env, train, args.steps, args.every, args.max_kills, args.seed)
     finally:
         if own:
             lc.down(cluster)

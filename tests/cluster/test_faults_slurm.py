@@ -184,8 +184,10 @@ def test_worker_exiting_1_restarts_in_the_job(cluster, reference, tmp_path):
                   f"uninterrupted run", 0)
 
 
-def launcher_pid(job: Job, node_id: int) -> int:
-    """The pid of ``python -m llama_fp8 launch`` on node ``node_id`` of the job (both nodes are this host)."""
+def job_pids(job: Job, node_id: int, command: str) -> list[int]:
+    """Pids of ``python -m llama_fp8 COMMAND`` (``launch``, ``train``) of the job on node ``node_id`` (both
+    nodes are this host)."""
+    pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -194,10 +196,10 @@ def launcher_pid(job: Job, node_id: int) -> int:
             env = dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes().split(b"\0") if b"=" in kv)
         except OSError:
             continue
-        if cmd[1:4] == [b"-m", b"llama_fp8", b"launch"] and env.get(b"SLURM_JOB_ID") == job.id.encode() and \
-                env.get(b"SLURM_NODEID") == str(node_id).encode():
-            return int(proc.name)
-    raise AssertionError(f"no llama_fp8 launch of job {job.id} on node {node_id}")
+        if [b"-m", b"llama_fp8", command.encode()] in (cmd[1:4], cmd[2:5]) and \
+                env.get(b"SLURM_JOB_ID") == job.id.encode() and env.get(b"SLURM_NODEID") == str(node_id).encode():
+            pids.append(int(proc.name))
+    return pids
 
 
 def pause_at_step_4(job: Job) -> None:
@@ -215,8 +217,15 @@ def test_rendezvous_host_killed_requeues_and_resumes(cluster, reference, tmp_pat
     restart the job; the batch script requeues it (requeue 1 of MAX_REQUEUES) and the next attempt resumes."""
     job = submit(cluster, tmp_path, LLAMA_FP8_FAULT=PAUSE)
     pause_at_step_4(job)
-    os.kill(launcher_pid(job, 0), signal.SIGKILL)
+    (launcher,) = job_pids(job, 0, "launch")
+    workers = job_pids(job, 0, "train")
+    assert len(workers) == 1, workers
+    os.kill(launcher, signal.SIGKILL)
     killed = time.time()
+    # The node's processes die with it. (Slurm's cgroup tracking would kill the orphaned worker when the step ends;
+    # this cluster tracks processes by parentage, and a worker whose launcher died has no parent in the step.)
+    os.kill(workers[0], signal.SIGKILL)
+    job.wait(120, until=lambda i: i.get("Restarts") == "1")
     (job.faults / "release").touch()
     release_requeued(job.id, job.env)
     info = job.wait()
@@ -229,7 +238,7 @@ def test_rendezvous_host_killed_requeues_and_resumes(cluster, reference, tmp_pat
                   f"the training step ended (\"requeue 1 of 3 (MAX_REQUEUES)\"), the job was requeued and resumed "
                   f"from the latest checkpoint (kill -> next step {back_to_training(job, killed):.0f} s, 2 s of it "
                   f"Slurm's hold of a requeued job as the test shortened it); COMPLETED; losses of steps 1-{STEPS} "
-                  f"and final weights bitwise equal to the uninterrupted run", None)
+                  f"and final weights bitwise equal to the uninterrupted run", 1)
 
 
 def test_node_marked_down_is_requeued_by_slurm_and_resumes(cluster, reference, tmp_path):
@@ -241,8 +250,9 @@ def test_node_marked_down_is_requeued_by_slurm_and_resumes(cluster, reference, t
     subprocess.run([*scontrol, "State=DOWN", "Reason=llama-fp8 test"], env=job.env, check=True)
     try:
         job.wait(120, until=lambda i: i.get("Restarts") == "1")
-    finally:
-        subprocess.run([*scontrol, "State=RESUME"], env=job.env, check=True)
+    finally:  # back in service: slurmd re-registers it by itself here (ReturnToService=2), then this is refused
+        subprocess.run([*scontrol, "State=RESUME"], env=job.env, check=False, capture_output=True)
+    (job.faults / "release").touch()
     release_requeued(job.id, job.env)
     info = job.wait()
     assert_completed(info, job.log)
@@ -251,7 +261,7 @@ def test_node_marked_down_is_requeued_by_slurm_and_resumes(cluster, reference, t
     matrix.record("test_node_marked_down_is_requeued_by_slurm_and_resumes",
                   f"Slurm requeued the job (Restarts=1); after the node's return it resumed from the latest "
                   f"checkpoint; COMPLETED; losses of steps 1-{STEPS} and final weights bitwise equal to the "
-                  f"uninterrupted run", None)
+                  f"uninterrupted run", 1)
 
 
 def test_sigusr1_during_a_restart_requeues(cluster, reference, tmp_path):
@@ -273,7 +283,7 @@ def test_sigusr1_during_a_restart_requeues(cluster, reference, tmp_path):
                ("not restarting" in ln or "arrived" in ln))
     matrix.record("test_sigusr1_during_a_restart_requeues",
                   f"\"{how.split(': ', 1)[1][:150]}\"; requeued, resumed; COMPLETED; losses of steps 1-{STEPS} and "
-                  f"final weights bitwise equal to the uninterrupted run", None)
+                  f"final weights bitwise equal to the uninterrupted run", 1)
 
 
 def test_deterministic_failure_is_not_restarted(cluster, tmp_path):
