@@ -69,11 +69,12 @@ def worker_pids(job: str) -> list[int]:
         if not proc.name.isdigit():
             continue
         try:
-            cmd = (proc / "cmdline").read_bytes()
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
             env = (proc / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"llama_fp8\0train" in cmd and f"SLURM_JOB_ID={job}".encode() in env:
+        # `python -u -m llama_fp8 train` (not the launcher, whose command line ends with the same words)
+        if [b"-m", b"llama_fp8", b"train"] in (cmd[1:4], cmd[2:5]) and f"SLURM_JOB_ID={job}".encode() in env:
             pids.append(int(proc.name))
     return pids
 
@@ -117,19 +118,18 @@ def run_job(folder: Path, env: dict, args: list[str], steps: int, every: float |
 
 
 def per_failure(recs: list[dict], kills: list[float]) -> list[dict]:
-    """For each kill: seconds to the next completed step, and steps lost (last logged before it minus the step
-    the next attempt resumed from)."""
+    """For each kill: seconds to the next completed step, and the steps lost: the last step logged before the
+    kill minus the step the next attempt resumed from (its first logged step - 1: every step is logged here)."""
+    train = [r for r in recs if r.get("type") == "train" and isinstance(r.get("time"), (int, float))]
     out = []
     for t in kills:
-        before = [r["step"] for r in recs if r.get("type") == "train" and r.get("time", 1e30) < t]
-        after = [r["time"] for r in recs if r.get("type") == "train" and r.get("time", 0) > t]
-        metas = [i for i, r in enumerate(recs) if r.get("type") == "meta"]
-        # the attempt that follows the kill: the first meta record written after the last step before it
-        last_i = max((i for i, r in enumerate(recs) if r.get("type") == "train" and r.get("time", 1e30) < t), default=0)
-        nxt = next((recs[i] for i in metas if i > last_i), None)
-        if not after or nxt is None:
+        before = [r["step"] for r in train if r["time"] < t]
+        after = [r for r in train if r["time"] > t]
+        if not after:
             continue
-        out.append({"restart_s": min(after) - t, "steps_lost": max(before, default=0) - nxt["start_step"]})
+        first = min(after, key=lambda r: r["time"])
+        out.append({"restart_s": first["time"] - t, "last_step": max(before, default=0),
+                    "resumed_from": first["step"] - 1, "steps_lost": max(before, default=0) - (first["step"] - 1)})
     return out
 
 
@@ -188,7 +188,7 @@ def main() -> int:
     print(json.dumps({"bench": "goodput", "ratio": ratio, "wall_faultfree_s": free["wall_s"],
                       "wall_faulted_s": hit["wall_s"], "kills": len(hit["kills"]), "every_s": args.every,
                       "restart_s": restart, "restart_median_s": statistics.median(restart) if restart else None,
-                      "restart_max_s": restart[-1] if restart else None, "steps_lost": lost,
+                      "restart_max_s": restart[-1] if restart else None, "steps_lost": lost, "failures": fails,
                       "steps_lost_mean": statistics.mean(lost) if lost else None,
                       "steps_lost_expected": args.checkpoint_freq / 2, "checkpoint_freq": args.checkpoint_freq,
                       "steps": args.steps, "save_s": save_s, "step_s": step_s, "mtbf_s": mtbf,
