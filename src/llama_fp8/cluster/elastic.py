@@ -227,8 +227,10 @@ class JobAgent(LocalElasticAgent):
             return
         left = spec.max_restarts - rnd
         if left <= 0:
-            self._stop(code, "fail", f"{node}: {what} {where}; the job's {spec.max_restarts} restart(s) are used "
-                       f"up: not restarting, the job ends with exit {code}")
+            budget = (f"the job's {spec.max_restarts} restart(s) are used up" if spec.max_restarts else
+                      "restarts are off (--max_restarts 0)")
+            self._stop(code, "fail", f"{node}: {what} {where}; {budget}: not restarting, the job ends with exit "
+                       f"{code}")
             return
         self._remaining_restarts = left  # _invoke_run takes one off as it restarts
         say(f"{node}: {what} {where}; restarting the workers of every node (restart {rnd + 1} of "
