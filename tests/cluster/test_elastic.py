@@ -182,6 +182,9 @@ def test_lf_outcome_requeues_what_it_should_and_caps_the_rest(tmp_path):
     assert rc == 3 and "rank 0: NaN; not requeued" in out
     # a checkpoint saved after a signal: always requeued, whatever srun said
     assert outcome_rc(tmp_path, {"node1": "85 requeue saved"}, 143)[0] == 85
+    # a launcher that failed by itself before deciding (it could not even start): its code, not requeued
+    rc, out = outcome_rc(tmp_path, {}, 1)
+    assert rc == 1 and "failed with code 1 before its launchers decided (the error is above); not requeued" in out
     # nothing saved (a lost rendezvous host, a launcher killed without a word): MAX_REQUEUES times, then no more
     rc, out = outcome_rc(tmp_path, {}, 137, max_requeues=2)
     assert rc == 85 and "requeue 1 of 2 (MAX_REQUEUES)" in out

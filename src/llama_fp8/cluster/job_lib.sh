@@ -214,9 +214,10 @@ lf_train() {  # lf_train TRAIN_ARGS... ; returns 0, 85 (requeue me) or a failure
 # ---- after the training step: the launchers' decisions (LF_OUTCOME_DIR/node<N>: "CODE ACTION LINE"), one line
 # saying what happened and what comes next, and the code for the calling script. A failure that a restart cannot
 # fix (ACTION fail) wins over a requeue; a checkpoint saved after a signal (requeue) is always requeued; a requeue
-# that saved nothing new (retry: a signal during a restart, the rendezvous host lost) or a launcher that died
-# without a word (its node gone, SIGKILL) is requeued at most MAX_REQUEUES times for the job, so that a node that
-# breaks every attempt cannot requeue it forever (Slurm requeues a node failure by itself: NODE_FAIL, --requeue).
+# that saved nothing new (retry: a signal during a restart, the rendezvous host lost) or a launcher killed without
+# a word (srun's code >= 128: its node gone, SIGKILL) is requeued at most MAX_REQUEUES times for the job, so that a
+# node that breaks every attempt cannot requeue it forever (Slurm requeues a node failure by itself: NODE_FAIL,
+# --requeue); a launcher that failed by itself before deciding (srun's code < 128) is not requeued.
 lf_outcome() {  # lf_outcome SRUN_RC -> return 0, 85 or the failure's code
     local rc=$1 f code action line fail="" failcode=0 requeue="" retry="" files=0 count=0 cap=${MAX_REQUEUES:-3} counter
     for f in "$LF_OUTCOME_DIR"/node*; do
@@ -237,10 +238,15 @@ lf_outcome() {  # lf_outcome SRUN_RC -> return 0, 85 or the failure's code
         echo "job $SLURM_JOB_ID: ${requeue:-training saved a checkpoint and exited 85}"
         return "$EXIT_REQUEUE"
     fi
-    if [[ -z "$retry" ]] && ((rc == 0)); then return 0; fi
+    if [[ -z "$retry" ]] && ((rc < 128)); then  # no decision and no signal: a launcher failed by itself
+        if ((rc != 0)); then
+            echo "job $SLURM_JOB_ID: the training step failed with code $rc before its launchers decided (the error is above); not requeued"
+        fi
+        return "$rc"
+    fi
     counter="$PWD/logs/llama-fp8-requeues_$SLURM_JOB_ID"
     if [[ -f "$counter" ]]; then count=$(wc -l <"$counter"); fi
-    line=${retry:-"the training step ended with code $rc without a decision from every launcher (a node or the first node's launcher was lost)"}
+    line=${retry:-"the training step ended with code $rc, a launcher killed before it decided (the first node's launcher or a node lost)"}
     if ((count >= cap)); then
         echo "job $SLURM_JOB_ID: $line; not requeued: $count requeue(s) without a new checkpoint already (MAX_REQUEUES=$cap)"
         return $((rc == 0 || rc == EXIT_REQUEUE ? 1 : rc))
