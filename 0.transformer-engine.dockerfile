@@ -9,11 +9,11 @@
 #            image cannot run our defaults (llama_fp8.cluster.ngc check-image).
 #   EFA_INSTALLER_VERSION  the AWS EFA installer whose aws-ofi-nccl release names that NCCL
 #            (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-changelog.html).
-ARG NGC_TAG=25.12-py3
+ARG NGC_TAG=26.09-py3
 FROM nvcr.io/nvidia/pytorch:${NGC_TAG}
 
 ARG NGC_TAG
-ARG EFA_INSTALLER_VERSION=1.49.0
+ARG EFA_INSTALLER_VERSION=1.50.0
 ARG EFA_INSTALLER_SHA256=
 ARG EFA_INSTALLER_ARGS=
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]

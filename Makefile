@@ -1,5 +1,6 @@
-# make demo | make test | make lint | make bench | make test-te
-# Each target creates and uses .venv itself. torch is the CPU build 2.13.0: never a CUDA torch here.
+# make demo | make test | make lint | make bench | make test-te | make test-torch214
+# Each target creates and uses .venv itself. torch is the CPU build 2.13.0: never a CUDA torch here
+# (test-torch214 has its own venv, see there).
 # Where plain pip would pick a CUDA wheel for torch==2.13.0 (most Linux x86 hosts without a local
 # wheel), point TORCH_INDEX at PyTorch's CPU wheel index: make demo TORCH_INDEX=<url>.
 SHELL := /bin/bash
@@ -11,7 +12,7 @@ TORCH_INDEX ?=
 EXTRAS ?= torchao,report,slurm,tensorboard,wandb,dev
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench test-te install clean
+.PHONY: demo test test-fast lint bench test-te test-torch214 install clean
 
 install: $(STAMP)
 
@@ -41,6 +42,39 @@ bench: $(STAMP)
 test-te:
 	bash scripts/setup_te_venv.sh
 	$${TE_VENV:-.venv-te}/bin/python -m pytest -q -m te tests/models/te
+
+# The torch of the NGC image line (26.09: NVIDIA's 2.14 build) beside the pinned CPU 2.13: the tests that cover
+# what a torch upgrade can break (FSDP2, DTensor/TP, DCP checkpoints and their safe reader, torchao FP8,
+# torch.compile, the fault matrix's checkpoint rows), in their own venv, on CPU. torch 2.14.1 here is the
+# CUDA build from local disk (as for test-te); elsewhere point TORCH_INDEX at PyTorch's CPU wheel index so pip
+# never fetches a multi-GB CUDA build: make test-torch214 TORCH_INDEX=<url>.
+TORCH214_VENV ?= .venv-torch214
+TORCH214_SPEC ?= torch==2.14.1
+TORCH214_TESTS ?= \
+	tests/parallel/test_distributed.py::test_two_rank_fsdp_trains_agrees_and_shards \
+	'tests/parallel/test_nd.py::test_tensor_parallel_trains_like_fsdp_and_one_rank[fp8]' \
+	tests/parallel/test_nd.py::test_resume_reshards_between_layouts \
+	tests/parallel/test_nd.py::test_causal_sdpa_for_context_parallelism_gives_hfs_logits \
+	tests/parallel/test_nd.py::test_mesh_dims_fill_rank_coordinates_and_groups \
+	tests/parallel/test_scale.py::test_compile_per_block_trains_like_eager \
+	tests/parallel/test_scale.py::test_fp8_all_gather_tracks_plain_fp8 \
+	tests/parallel/test_scale.py::test_activation_checkpointing_wraps_every_block \
+	tests/checkpoint/test_save_resume.py::test_resume_reproduces_the_uninterrupted_run_bitwise \
+	tests/checkpoint/test_save_resume.py::test_hf_export_gives_the_trained_models_logits \
+	tests/checkpoint/test_save_resume.py::test_dcp_metadata_is_read_with_an_allow_list \
+	tests/checkpoint/test_save_resume.py::test_per_rank_state_round_trips_exactly_without_pickles \
+	tests/checkpoint/test_hostile_files.py \
+	tests/checkpoint/test_block_reads.py \
+	tests/reliability/test_damaged_checkpoints.py \
+	tests/precision/test_precision.py \
+	tests/models/test_common.py \
+	tests/models/te/test_te_model.py \
+	tests/models/te/test_te_master_weights.py
+
+test-torch214:
+	@$(MAKE) --no-print-directory install VENV=$(TORCH214_VENV) TORCH_SPEC="$(TORCH214_SPEC)" EXTRAS=torchao,dev
+	CUDA_VISIBLE_DEVICES= $(TORCH214_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=15 \
+		-m "not gpu and not te and not slurm" $(TORCH214_TESTS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Build the training image and import it for Enroot/Pyxis:
 #   scripts/build_image.sh                         # -> ./llama-fp8.sqsh (+ llama-fp8.sqsh.sha256)
-#   TAG=llama-fp8:25.12 OUT=/fsx/images/llama-fp8.sqsh scripts/build_image.sh --build-arg NGC_TAG=25.12-py3
+#   TAG=llama-fp8:26.09 OUT=/fsx/images/llama-fp8.sqsh scripts/build_image.sh --build-arg NGC_TAG=26.09-py3
 #   scripts/build_image.sh --print-context         # the files docker would get, one per line (no docker needed)
 #   scripts/build_image.sh --context-tar ctx.tar   # write that build context as a tar and stop
 # Extra arguments go to `docker build`. Put OUT on a file system every node can read.

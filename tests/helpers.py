@@ -19,7 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def cli_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO / "src"))
+    # src/ first, then what the caller had: a node without network installs TE/torchao into a folder on it.
+    paths = [str(REPO / "src"), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_PROCID"):
         env.pop(k, None)
     env.update(extra)

@@ -4,15 +4,17 @@
     python scripts/gpu/results.py --check         # exit 1 if the committed page is not what the results give
     python scripts/gpu/results.py --take-back OUT [--results FILE] [--wheels .whl]
 
-The page: one section per GPU + versions key: the versions, the test outcomes, the GEMM benchmark, the
-training A/B tables (FP8/BF16 within one implementation, and HF BF16 -> TE FP8), MFU, memory, the loss gap at
-the last step, save/resume, the profile, the issue's goals against what was measured, and what failed. Only
-what a record holds is printed; nothing is estimated.
+The page: one section per GPU and versions key: the versions, the test outcomes (save/resume under each recipe
+among them), the GEMM benchmark, the training A/B tables (FP8/BF16 within one implementation, and HF BF16 -> TE
+FP8), MFU, memory, the loss gap at the last step, the profile, the issue's goals against what was measured, and
+what failed. A speed-up is the A/B report's one definition: B's samples/s rate over A's, a run's rate being
+work / time over its windows after the warm-up (steps.summarize, llama_fp8.report.compare.summarize_run);
+only runs of one GPU are compared. Only what a record holds is printed; nothing is estimated.
 
 --take-back OUT (the node's output folder, as it came back): the records the node added (lines of
 OUT/<results name> that the local file lacks) are appended to the local results file, so a local file that
 moved on meanwhile loses nothing; a compiled transformer_engine_torch (OUT/built/<key>/: the wheel and its
-build record) goes to WHEELS/built/<key>/, where the next bootstrap finds it instead of compiling; then the
+build record) goes to WHEELS/built/<key>/, where the next install finds it instead of compiling; then the
 page is regenerated and the new records' outcomes are printed.
 """
 
@@ -53,8 +55,14 @@ def pct(x) -> str:
     return fmt(None if x is None else 100 * x, ".1f", " %")
 
 
-def ratio(a, b) -> str:
-    return f"{a / b:.2f}x" if a and b else "n/a"
+def speedup(rec: dict | None, base: dict | None) -> float | None:
+    """The A/B report's speed-up of ``rec`` over ``base``: the ratio of their samples/s rates (one GPU)."""
+    a, b = base and base.get("samples_per_sec"), rec and rec.get("samples_per_sec")
+    return b / a if a and b else None
+
+
+def ratio(x: float | None) -> str:
+    return f"{x:.2f}x" if x else "n/a"
 
 
 def first_line(text: str | None, n: int = 160) -> str:
@@ -125,7 +133,7 @@ def loss_gap(rec: dict, base: dict | None) -> str:
 
 def train_table(cells: dict[str, dict]) -> list[str]:
     out = ["| configuration | tokens/s/GPU | samples/s | TFLOPS/GPU | MFU (BF16 peak) | peak mem GiB | "
-           "loss at last step | FP8/BF16 same impl | vs HF BF16 | loss gap vs same-impl BF16 |",
+           "loss at last step | speed-up vs same-impl BF16 | vs HF BF16 | loss gap vs same-impl BF16 |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for v in VARIANTS:
         rec = cells.get(v.name)
@@ -135,13 +143,12 @@ def train_table(cells: dict[str, dict]) -> list[str]:
             out.append(f"| {v.name} | {rec['status']}: {first_line(rec.get('message'), 120)} | | | | | | | | |")
             continue
         same, hf = baselines(cells, rec) if rec.get("fp8") else (None, cells.get("hf-bf16"))
-        tps = rec.get("tokens_per_sec_per_device")
         out.append(
-            f"| {v.name} | {fmt(tps, ',.0f')} | {fmt(rec.get('samples_per_sec'), '.2f')} | "
+            f"| {v.name} | {fmt(rec.get('tokens_per_sec_per_device'), ',.0f')} | {fmt(rec.get('samples_per_sec'), '.2f')} | "
             f"{fmt(rec.get('tflops_per_device'), '.1f')} | {pct(rec.get('mfu_vs_bf16_peak'))} | "
             f"{fmt(rec.get('mem_peak_gib'), '.1f')} | {fmt(rec.get('last_loss'), '.4f')} (step {rec.get('last_step')}) | "
-            f"{ratio(tps, same and same.get('tokens_per_sec_per_device')) if rec.get('fp8') else ''} | "
-            f"{ratio(tps, hf and hf.get('tokens_per_sec_per_device')) if v.name != 'hf-bf16' else ''} | "
+            f"{ratio(speedup(rec, same)) if rec.get('fp8') else ''} | "
+            f"{ratio(speedup(rec, hf)) if v.name != 'hf-bf16' else ''} | "
             f"{loss_gap(rec, same) if rec.get('fp8') else ''} |")
     return out
 
@@ -161,19 +168,6 @@ def train_section(units: dict[str, dict]) -> list[str]:
                  f"{any_rec.get('warmup_steps')} warm-up") if any_rec else "no run completed"
         out += [f"#### {model}, {data} data", "", shape, "", *train_table(cells), ""]
     out.append("Commands: the `command` field of each record in the results file.")
-    return out
-
-
-def resume_section(units: dict[str, dict]) -> list[str]:
-    recs = [r for r in units.values() if r.get("kind") == "resume"]
-    if not recs:
-        return ["Not measured."]
-    out = ["| configuration | saved at k | resumed from | run-to-run noise (max abs) | resume gap (max abs) | "
-           "outcome |", "|---|---|---|---|---|---|"]
-    for r in recs:
-        why = r.get("reason") or first_line(r.get("message"), 120)
-        out.append(f"| {r['variant']} | {r.get('k', 'n/a')} | {r.get('resumed_from_step', 'n/a')} | "
-                   f"{fmt(r.get('noise_abs'), '.3g')} | {fmt(r.get('gap_abs'), '.3g')} | {r['status']}: {why} |")
     return out
 
 
@@ -212,10 +206,10 @@ def goals_section(units: dict[str, dict]) -> list[str]:
     for impl, fp8, base in (("te", "te-fp8-current", "te-bf16"), ("te", "te-fp8-delayed", "te-bf16"),
                             ("hf", "hf-fp8-tensorwise", "hf-bf16-compile"), ("hf", "hf-fp8-rowwise", "hf-bf16-compile"),
                             ("cross", "te-fp8-current", "hf-bf16"), ("cross", "te-fp8-delayed", "hf-bf16")):
-        a, b = cell("llama3.2-3b", "synthetic", fp8), cell("llama3.2-3b", "synthetic", base)
-        r = a["tokens_per_sec_per_device"] / b["tokens_per_sec_per_device"] if a and b else None
+        r = speedup(cell("llama3.2-3b", "synthetic", fp8), cell("llama3.2-3b", "synthetic", base))
         need = 1.5 if impl == "cross" else 1.3
-        rows.append((f"llama3.2-3b tokens/s {fp8} / {base} >= {need}x", fmt(r, ".2f", "x"), verdict(r, (r or 0) >= need)))
+        rows.append((f"llama3.2-3b speed-up {fp8} over {base} >= {need}x", fmt(r, ".2f", "x"),
+                     verdict(r, (r or 0) >= need)))
     for variant, base in (("te-fp8-delayed", "te-bf16"), ("te-fp8-current", "te-bf16"),
                           ("hf-fp8-tensorwise", "hf-bf16-compile")):
         gaps = []
@@ -226,10 +220,11 @@ def goals_section(units: dict[str, dict]) -> list[str]:
         worst = max(gaps) if gaps else None
         rows.append((f"{variant} loss within 1 % of {base} after 100 steps (real text, worst model)", pct(worst),
                      verdict(worst, (worst or 0) <= 0.01)))
-    resumes = [r for r in units.values() if r.get("kind") == "resume" and r.get("fp8")]
+    resumes = [r for r in units.values() if r.get("kind") == "test" and "resume_matches" in r.get("nodeid", "")
+               and r["status"] != "skipped"]
     ok = [r for r in resumes if r["status"] == "passed"]
-    rows.append(("resume under every FP8 recipe matches the uninterrupted run (within noise)",
-                 f"{len(ok)} of {len(resumes)} recipes" if resumes else "n/a",
+    rows.append(("resume under every FP8 recipe matches the uninterrupted run (within noise; GPU tests)",
+                 f"{len(ok)} of {len(resumes)} tests" if resumes else "n/a",
                  verdict(resumes or None, len(ok) == len(resumes))))
     return ["| goal | measured | |", "|---|---|---|"] + [f"| {g} | {m} | {v} |" for g, m, v in rows]
 
@@ -241,10 +236,10 @@ def failures_section(units: dict[str, dict]) -> list[str]:
     return [f"- `{r['unit']}`: {r['status']}: {first_line(r.get('reason') or r.get('message'), 200)}" for r in bad]
 
 
-def key_section(key: str, records: list[dict]) -> list[str]:
+def key_section(key: str, gpu: str, records: list[dict]) -> list[str]:
     units = latest(records)
     vrec = units.get("versions")
-    name = vrec["versions"].get("gpu", key) if vrec else key
+    name = gpu or (vrec["versions"].get("gpu", key) if vrec else key)
     dates = sorted(r["date"] for r in records if r.get("date"))
     out = [f"## {name} (results key `{key}`)", "",
            f"Measured {dates[0][:10]} to {dates[-1][:10]}." if dates else "", "", *versions_table(vrec), ""]
@@ -252,7 +247,6 @@ def key_section(key: str, records: list[dict]) -> list[str]:
                         ("Tests (`pytest -m gpu`)", tests_section(units)),
                         ("FP8 GEMM benchmark (`benchmarks/bench_linear.py`)", bench_section(units)),
                         ("Training A/B (`python -m llama_fp8 train`)", train_section(units)),
-                        ("Save at step k, resume to 2k", resume_section(units)),
                         ("Where the time goes (profile)", profile_section(units)),
                         ("What failed or did not run", failures_section(units))):
         out += [f"### {title}", "", *body, ""]
@@ -263,16 +257,18 @@ def render(paths: list[Path]) -> str:
     records = [r for p in sorted(paths) for r in runs.load(p)]
     if not records:
         return HEADER + "\n" + NO_VISIT + "\n" + MULTI_GPU
-    by_key: dict[str, list[dict]] = {}
-    for r in records:
-        by_key.setdefault(r["key"], []).append(r)
+    by_key: dict[tuple[str, str], list[dict]] = {}
+    for r in records:  # one section per GPU and key: numbers of two GPUs are never compared
+        by_key.setdefault((r["key"], r.get("gpu") or ""), []).append(r)
     order = sorted(by_key, key=lambda k: min((r.get("date") or "") for r in by_key[k]))
     body = [f"Results of `scripts/gpu/verify.py` from {', '.join(f'`{p.name}`' for p in sorted(paths))}, "
             "one section per GPU and versions. MFU is against the GPU's dense BF16 peak from the trainer's table "
-            "(H100 SXM: 989.4 TFLOPS), also for FP8 runs. Throughput excludes the warm-up steps. A loss is the trainer's "
-            "logged value: the mean over its logging window (5 steps in the A/B matrix).", ""]
-    for key in order:
-        body += key_section(key, by_key[key])
+            "(H100 SXM: 989.4 TFLOPS), also for FP8 runs. Throughput is each run's rate (work / time) over its "
+            "logged windows after the warm-up; a speed-up is the ratio of two runs' samples/s rates, as in the A/B "
+            "report. A loss is the trainer's logged value: the mean over its logging window (5 steps in the A/B "
+            "matrix).", ""]
+    for key, gpu in order:
+        body += key_section(key, gpu, by_key[(key, gpu)])
     return HEADER + "\n" + "\n".join(body).rstrip() + "\n\n" + MULTI_GPU
 
 

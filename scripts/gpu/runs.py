@@ -6,18 +6,19 @@ Time box: the command gets its own process group; at the limit the whole group i
 run would answer SIGTERM by writing a checkpoint, time we do not have), and after a normal exit anything it
 left behind (data-loader workers, torchrun children) is killed too, so that the next command finds the GPU free.
 
-Results file: JSON lines, only ever appended to. Every record names the ``key`` (GPU + versions,
-versions.key) it was measured under, the ``unit`` it belongs to (``train/llama3.2-1b/synthetic/te-fp8-current``,
-``test:tests/...::name``, ...), its ``kind`` and ``status``. A unit is *done* for a key when a record of it with
-a final status exists: the next visit on the same GPU and versions skips it, so a visit cut short loses only
-the unit it was in. Final: passed, failed, skipped (pytest's), refused (a configuration that must be refused,
+Results file: JSON lines, only ever appended to. Every record names the ``key`` (GPU architecture + library
+versions, versions.key) it was measured under, the ``gpu`` it ran on, the ``unit`` it belongs to
+(``train/llama3.2-1b/synthetic/te-fp8-current``, ``test:tests/...::name``, ...), its ``kind`` and ``status``. A
+unit is *done* for a key when a record of it with a final status exists, a measurement (train, bench, profile)
+only when it was made on the same GPU (a number from an H100 is not an H200's): the next command skips what is
+done, so a visit cut short loses only the unit it was in. Final: passed, failed, skipped (pytest's), refused (a configuration that must be refused,
 and was), timeout (the unit's own limit), error (the harness could not run it). Not final, tried again:
 interrupted (the command's budget ran out inside the unit), unavailable (a precondition missing).
 
 pytest plugin (``-p runs``, with scripts/gpu on PYTHONPATH): one record per test as soon as it is over, so a
 run killed half-way keeps the outcomes it had, and the tests already recorded for this key are deselected.
-Environment (set by steps.py): GPU_VERIFY_RESULTS (the results file), GPU_VERIFY_KEY, GPU_VERIFY_CURRENT (a file
-naming the running test: read after a kill), GPU_VERIFY_RETRY (1: run again the tests whose last record failed
+Environment (set by steps.py): GPU_VERIFY_RESULTS (the results file), GPU_VERIFY_KEY, GPU_VERIFY_GPU (the GPU's
+name), GPU_VERIFY_CURRENT (a file naming the running test: read after a kill), GPU_VERIFY_RETRY (1: run again the tests whose last record failed
 or timed out), GPU_VERIFY_MIRROR (optional mirror folder).
 """
 
@@ -110,6 +111,7 @@ def timebox(cmd: list[str], timeout: float, log: Path, env: dict[str, str] | Non
 
 FINAL = frozenset({"passed", "failed", "skipped", "refused", "timeout", "error"})
 RETRYABLE = frozenset({"failed", "timeout", "error"})  # what --retry runs again
+MEASURED = frozenset({"train", "bench", "profile"})  # kinds whose numbers belong to one GPU
 SCHEMA = 1
 
 
@@ -128,11 +130,13 @@ def load(path: Path) -> list[dict]:
     return out
 
 
-def done(records: list[dict], key: str, retry: bool = False) -> set[str]:
-    """Units with a final record for ``key`` (with ``retry``: minus those whose last record is retryable)."""
+def done(records: list[dict], key: str, retry: bool = False, gpu: str | None = None) -> set[str]:
+    """Units with a final record for ``key``, measurements only from ``gpu`` when given (with ``retry``: minus
+    those whose last record is retryable)."""
     last: dict[str, str] = {}
     for r in records:
-        if r.get("key") == key and r.get("status") in FINAL and "unit" in r:
+        same_gpu = gpu is None or r.get("kind") not in MEASURED or r.get("gpu") == gpu
+        if r.get("key") == key and r.get("status") in FINAL and "unit" in r and same_gpu:
             last[r["unit"]] = r["status"]
     return {u for u, s in last.items() if not (retry and s in RETRYABLE)}
 
@@ -177,6 +181,7 @@ class Context:
     python: str
     store: Store
     key: str
+    gpu: str
     opts: units.Options
     env: dict[str, str]
     budget: Budget
@@ -226,11 +231,11 @@ def unit_of(nodeid: str) -> str:
 
 
 class Recorder:
-    def __init__(self, results: Path, key: str, current: Path | None, retry: bool, mirror: Path | None,
+    def __init__(self, results: Path, key: str, gpu: str, current: Path | None, retry: bool, mirror: Path | None,
                  rootpath: Path):
         self.store = Store(results, mirror)
         self.rootpath = rootpath
-        self.key = key
+        self.key, self.gpu = key, gpu
         self.current = current
         self.retry = retry
         self.reports: dict[str, list] = {}
@@ -277,7 +282,7 @@ class Recorder:
         return str((self.rootpath / nodeid.split("::")[0]).resolve())
 
     def _write(self, nodeid: str, status: str, seconds: float, message: str, phase: str) -> None:
-        self.store.append({"key": self.key, "unit": unit_of(nodeid), "kind": "test", "nodeid": nodeid,
+        self.store.append({"key": self.key, "gpu": self.gpu, "unit": unit_of(nodeid), "kind": "test", "nodeid": nodeid,
                            "file": self.file_of(nodeid), "status": status, "seconds": round(seconds, 2),
                            "message": message, "phase": phase})
 
@@ -296,7 +301,8 @@ def pytest_configure(config):
     current = os.environ.get("GPU_VERIFY_CURRENT")
     mirror = os.environ.get("GPU_VERIFY_MIRROR")
     config.pluginmanager.register(
-        Recorder(Path(results), os.environ["GPU_VERIFY_KEY"], Path(current) if current else None,
+        Recorder(Path(results), os.environ["GPU_VERIFY_KEY"], os.environ.get("GPU_VERIFY_GPU", ""),
+                 Path(current) if current else None,
                  os.environ.get("GPU_VERIFY_RETRY") == "1", Path(mirror) if mirror else None, config.rootpath),
         "gpu_verify_recorder")
 

@@ -1,10 +1,11 @@
-"""The runners of verify.py's steps: ``pytest -m gpu``, ``bench_linear.py``, the training A/B matrix, save at
-step k and resume to 2k, and one profiled configuration. Each takes the visit's Context and a Unit and returns
+"""The runners of verify.py's steps: ``pytest -m gpu``, ``bench_linear.py``, the training A/B matrix and one
+profiled configuration. Each takes the visit's Context and a Unit and returns
 the record's fields (``status`` and the numbers); every command is time-boxed by Context.run.
 
 A run's numbers are the report's: throughput, TFLOPS and MFU are ``llama_fp8.report.compare.summarize_run``
-(what ``python -m llama_fp8 compare`` prints: the median of the per-window rates over logged steps after the
-warm-up), the run is read by ``llama_fp8.report.runs.load_run``, and a profile's kernel shares come from
+(what ``python -m llama_fp8 compare`` reports: each rate over the logged windows after the warm-up as work /
+time, so the ratio of two runs' samples/s is the report's one speed-up), the run is read by
+``llama_fp8.report.runs.load_run``, and a profile's kernel shares come from
 ``llama_fp8.report.trace``: a results page and an A/B report of the same run give the same numbers.
 """
 
@@ -14,7 +15,6 @@ import importlib.util
 import json
 import os
 import shlex
-import shutil
 import time
 from pathlib import Path
 
@@ -35,7 +35,8 @@ def pytest_cmd(ctx: Context, args: list[str]) -> list[str]:
 
 
 def pytest_env(ctx: Context, current: Path) -> dict[str, str]:
-    env = {"GPU_VERIFY_RESULTS": str(ctx.store.path), "GPU_VERIFY_KEY": ctx.key, "GPU_VERIFY_CURRENT": str(current),
+    env = {"GPU_VERIFY_RESULTS": str(ctx.store.path), "GPU_VERIFY_KEY": ctx.key, "GPU_VERIFY_GPU": ctx.gpu,
+           "GPU_VERIFY_CURRENT": str(current),
            "GPU_VERIFY_RETRY": "1" if ctx.retry else "0",  # scripts/gpu for the plugin (-p runs): pytest's alone
            "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parent), ctx.env.get("PYTHONPATH")) if p)}
     if ctx.mirror is not None:
@@ -54,7 +55,7 @@ def run_pytest(ctx: Context, unit: units.Unit) -> dict:
         earlier = [r for r in ctx.store.records() if r.get("key") == ctx.key and r.get("unit") == test_unit]
         # killed by the budget: tried again next time, but only once (a test longer than any budget is a timeout)
         status = "timeout" if killed == "timeout" or earlier else "interrupted"
-        ctx.store.append({"key": ctx.key, "unit": test_unit, "kind": "test", **running, "status": status,
+        ctx.store.append({"key": ctx.key, "gpu": ctx.gpu, "unit": test_unit, "kind": "test", **running, "status": status,
                           "seconds": round(out.seconds, 1), "message": f"killed inside this test ({killed})",
                           "phase": "run"})
     tests = [r for r in ctx.store.records() if r.get("key") == ctx.key and r.get("kind") == "test"
@@ -169,27 +170,6 @@ def train_outcome(out: runs.Outcome, killed: str | None, variant: units.Variant,
 MIRROR_TRACE_MAX = 15 * 2**20  # keep each file the output folder carries back small (16 MiB)
 
 
-# --- d: save at k, resume to 2k --------------------------------------------------------------------------
-def run_resume(ctx: Context, unit: units.Unit) -> dict:
-    deadline = time.monotonic() + unit.timeout_s
-    variant = units.VARIANT[unit.info["variant"]]
-    root = fresh_dir(ctx.work / "runs" / slug(unit.id))
-    commands = {}
-    for phase in ("u1", "u2", "p1", "p2"):
-        cmd = ctx.train_cmd(units.resume_flags(ctx.opts, variant, root / phase, phase, root / "ckpt"))
-        commands[phase] = shlex.join(cmd)
-        out, killed = ctx.run(f"{slug(unit.id)}_{phase}", cmd, deadline)
-        if killed or out.returncode != 0:
-            shutil.rmtree(root / "ckpt", ignore_errors=True)
-            return {**unit.info, "commands": commands, **failure(out, killed, f"resume run {phase}")}
-    try:
-        result = compare_resume(root / "u1", root / "u2", root / "p1", root / "p2", ctx.opts.resume_k)
-    except MetricsError as e:
-        result = {"status": "error", "message": str(e)}
-    shutil.rmtree(root / "ckpt", ignore_errors=True)  # GBs of optimizer state: not kept
-    return {**unit.info, "commands": commands, **result}
-
-
 # --- profile ---------------------------------------------------------------------------------------------
 def run_profile(ctx: Context, unit: units.Unit) -> dict:
     deadline = time.monotonic() + unit.timeout_s
@@ -274,47 +254,3 @@ def summarize(run_dir: Path, warmup: int) -> dict:
             "alloc_retries": max((r.get("alloc_retries", 0) for r in train), default=0),
             "losses": [[r["step"], r["loss"]] for r in train], "last_step": train[-1]["step"],
             "last_loss": train[-1]["loss"], "val_losses": [[r["step"], r["val_loss"]] for r in run.val]}
-
-
-def losses_by_step(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in load(run_dir).train}
-
-
-def max_gap(a: dict[int, float], b: dict[int, float], steps: range) -> tuple[float, float] | None:
-    """(max |a-b|, max |a-b|/|b|) over ``steps``; None if a step is missing in either."""
-    if any(s not in a or s not in b for s in steps):
-        return None
-    diffs = [(abs(a[s] - b[s]), abs(a[s] - b[s]) / max(abs(b[s]), 1e-12)) for s in steps]
-    return max(d for d, _ in diffs), max(r for _, r in diffs)
-
-
-RESUME_NOISE_FACTOR, RESUME_REL_FLOOR = 2.0, 1e-3
-
-
-def compare_resume(u1: Path, u2: Path, p1: Path, p2: Path, k: int) -> dict:
-    """Save at step k and resume to 2k (p1 then p2) against two uninterrupted runs (u1, u2).
-
-    noise = the largest relative difference between the two uninterrupted runs over steps k+1..2k; gap = the
-    largest relative difference between the resumed run and u1 there. passed: the resumed run started at step
-    k and gap <= max(2 * noise, 1e-3), the criterion of the GPU test
-    tests/models/te/test_te_gpu.py::test_te_fp8_resume_matches_the_uninterrupted_run, so that both give one
-    answer to one question."""
-    a, b, first, resumed = (losses_by_step(d) for d in (u1, u2, p1, p2))
-    second_half = range(k + 1, 2 * k + 1)
-    start = load(p2).meta.get("start_step")
-    noise, gap = max_gap(b, a, second_half), max_gap(resumed, a, second_half)
-    before = max_gap(first, a, range(1, k + 1))
-    out = {"k": k, "resumed_from_step": start, "noise_abs": noise and noise[0], "noise_rel": noise and noise[1],
-           "gap_abs": gap and gap[0], "gap_rel": gap and gap[1], "gap_before_save_abs": before and before[0],
-           "losses": {name: sorted(d.items()) for name, d in
-                      (("uninterrupted", a), ("uninterrupted_again", b), ("until_save", first), ("resumed", resumed))}}
-    if start != k:
-        return {**out, "status": "failed", "reason": f"the resumed run started at step {start}, not {k}"}
-    if noise is None or gap is None:
-        return {**out, "status": "failed", "reason": "a run lacks logged losses for steps k+1..2k"}
-    allowed = max(RESUME_NOISE_FACTOR * noise[1], RESUME_REL_FLOOR)
-    if gap[0] == 0:
-        return {**out, "status": "passed", "reason": "exact"}
-    if gap[1] <= allowed:
-        return {**out, "status": "passed", "reason": f"relative gap {gap[1]:.2g} <= max(2 x noise, 1e-3) = {allowed:.2g}"}
-    return {**out, "status": "failed", "reason": f"relative gap {gap[1]:.2g} > max(2 x noise, 1e-3) = {allowed:.2g}"}

@@ -1,8 +1,9 @@
 """What a GPU visit runs, as a list of units in a fixed order, and the command line of each.
 
-Steps, in order: pytest (``pytest -m gpu``, the TE tests first, then the rest), bench
-(``benchmarks/bench_linear.py``), train (the A/B matrix through ``python -m llama_fp8 train``), resume (save
-at step k, resume to 2k), profile (one configuration under the trainer's profiler). A unit's id names it in the results file; ``verify.py --match`` selects ids by glob.
+Steps, in order: pytest (``pytest -m gpu``, the TE tests first, then the rest: save/resume under each recipe is
+one of them), bench (``benchmarks/bench_linear.py``), train (the A/B matrix through ``python -m llama_fp8
+train``), profile (one configuration under the trainer's profiler). A unit's id names it in the results file;
+``verify.py --match`` selects ids by glob.
 
 Two plans: ``first`` (a first visit to a GPU node: the essentials in about 25 minutes of the node's time, in
 three commands; ``first_visit_seconds`` adds it up) and ``all`` (everything, over later visits).
@@ -15,7 +16,7 @@ import fnmatch
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STEPS = ("pytest", "bench", "train", "resume", "profile")
+STEPS = ("pytest", "bench", "train", "profile")
 PLANS = ("first", "all")
 SEED = 1234
 TOKENS = 8192  # bench_linear rows: the training batch below (2 sequences of 4096)
@@ -72,10 +73,6 @@ VARIANTS = (
     Variant("te-fp8-mxfp8", "te", True, "mxfp8", expect="refuse"),
 )
 VARIANT = {v.name: v for v in VARIANTS}
-# Save/resume: each TE recipe and torchao (eager: compile changes nothing about what is saved), and TE BF16
-# as the control.
-RESUME_VARIANTS = ("te-fp8-delayed", "te-fp8-current", "te-fp8-block", "hf-fp8-tensorwise", "hf-fp8-rowwise",
-                   "te-bf16")
 # The GPU test that compares TE and HF logits at 4096 tokens through the build path from a save_pretrained
 # checkpoint (--init_from_hf): one of the first visit's TE value tests.
 HF_INIT_TEST = "tests/models/te/test_te_gpu.py::test_te_logits_match_hf_at_4096_tokens_through_the_build_path"
@@ -93,9 +90,9 @@ TE_VALUE_TESTS = (f"{_TE_GPU}test_te_logits_match_hf", HF_INIT_TEST,
 FIRST_CELLS = (("llama3.2-1b", ("hf-bf16", "hf-fp8-tensorwise", "te-bf16", "te-fp8-current")),
                ("llama3.2-3b", ("te-bf16", "te-fp8-current")))
 FIRST_BENCH_MODEL = "llama3.2-3b"
-# What each command of a visit pays besides its units (a guess, seconds): a fresh node start (the node is
-# idle between commands) and bootstrap (installing the kit with a prebuilt TE extension, the versions probe).
-NODE_START_S, BOOTSTRAP_S = 120, 45
+# What each command of a visit pays besides its units (a guess, seconds): a fresh node start (the node is idle
+# between commands) and the install (the kit with a prebuilt TE extension, one TE FP8 step, the versions probe).
+NODE_START_S, INSTALL_S = 120, 45
 VISIT_COMMAND_S = 540  # one command's budget (visit.sh VISIT_SECONDS)
 BENCH_SETS = (("current", "tensorwise"), ("delayed", "rowwise"), ("block", "tensorwise"))
 
@@ -112,10 +109,6 @@ class Options:
     warmup: int = 10
     logging_freq: int = 5
     train_batch_size: int = 2
-    resume_k: int = 10
-    # Small enough that four runs and a checkpoint (~2 GB with AdamW states) fit a few minutes.
-    resume_model: tuple[str, ...] = ("--model", "llama3.2-1b", "--num_layers", "2", "--vocab_size", "32768",
-                                     "--max_context_width", "2048")
     profile_cell: str = "llama3.2-1b/synthetic/te-fp8-current"
     profile_steps: str = "21:23"
 
@@ -150,22 +143,6 @@ def train_flags(opts: Options, model: str, data: str, variant: Variant, run_dir:
     return out
 
 
-def resume_flags(opts: Options, variant: Variant, run_dir: Path, phase: str, ckpt: Path) -> list[str]:
-    """u1/u2: uninterrupted to 2k; p1: to k with a checkpoint at k; p2: resume from it to 2k. The LR schedule
-    spans 2k steps in all four (--lr_decay_iters), so p1 is the first half of u1."""
-    k = opts.resume_k
-    base = [*opts.resume_model, "--seed", str(SEED), "--device", opts.device, "--train_batch_size",
-            str(opts.train_batch_size), "--logging_freq", "1", "--lr_decay_iters", str(2 * k), "--dataset",
-            "synthetic", *dataclasses.replace(variant, compile=False).flags(), "--run_dir", str(run_dir)]
-    if phase in ("u1", "u2"):
-        return base + ["--max_steps", str(2 * k)]
-    if phase == "p1":
-        return base + ["--max_steps", str(k), "--checkpoint_freq", str(k), "--checkpoint_dir", str(ckpt)]
-    if phase == "p2":
-        return base + ["--max_steps", str(2 * k), "--checkpoint_dir", str(ckpt)]
-    raise ValueError(f"unknown resume phase {phase!r}")
-
-
 def profile_flags(opts: Options, run_dir: Path, demo: tuple[Path, Path] | None) -> list[str]:
     """The profiled matrix cell, run two steps past the profiled ones."""
     model, data, variant = opts.profile_cell.split("/")
@@ -189,7 +166,8 @@ def bench_unit(te: str, ao: str, models: str | None = None) -> Unit:
 
 def first_plan() -> list[Unit]:
     """A first visit, in the order that proves the essentials first: the TE value tests, the 1B A/B core cells,
-    the 3B TE cells (the MFU goal), one GEMM benchmark. (The versions block and TE import come from bootstrap.)"""
+    the 3B TE cells (the MFU goal), one GEMM benchmark. (The versions block and one TE FP8 step come from the
+    install.)"""
     units = [Unit("pytest/te-values", "pytest", 300, 540, {"args": list(TE_VALUE_TESTS)})]
     units += [train_unit(model, "synthetic", VARIANT[v]) for model, names in FIRST_CELLS for v in names]
     return units + [bench_unit("current", "tensorwise", FIRST_BENCH_MODEL)]
@@ -202,12 +180,11 @@ def plan(opts: Options, which: str = "all") -> list[Unit]:
     units = [Unit(f"pytest/{name}", "pytest", 300, 540, {"args": list(args)}) for name, args in PYTEST_SETS]
     units += [bench_unit(te, ao) for te, ao in BENCH_SETS]
     units += [train_unit(model, data, v) for model in opts.models for data in opts.data for v in VARIANTS]
-    units += [Unit(f"resume/{name}", "resume", 150, 480, VARIANT[name].fields()) for name in RESUME_VARIANTS]
     units.append(Unit(f"profile/{opts.profile_cell}", "profile", 150, 480, {"cell": opts.profile_cell}))
     return units
 
 
-def pack(units: list[Unit], command_s: float = VISIT_COMMAND_S - BOOTSTRAP_S) -> list[list[Unit]]:
+def pack(units: list[Unit], command_s: float = VISIT_COMMAND_S - INSTALL_S) -> list[list[Unit]]:
     """How verify.py's budget rule splits ``units`` over commands of ``command_s`` seconds each (by their
     estimates): a unit starts only when what is left covers its estimate, except the first of a command."""
     commands: list[list[Unit]] = []
@@ -222,10 +199,10 @@ def pack(units: list[Unit], command_s: float = VISIT_COMMAND_S - BOOTSTRAP_S) ->
 
 
 def first_visit_seconds(units: list[Unit] | None = None) -> tuple[int, float]:
-    """(commands, node seconds) a first visit needs by the estimates: each command pays a node start and
-    bootstrap, then runs what fits."""
+    """(commands, node seconds) a first visit needs by the estimates: each command pays a node start and the
+    install, then runs what fits."""
     commands = pack(first_plan() if units is None else units)
-    return len(commands), sum(NODE_START_S + BOOTSTRAP_S + sum(u.estimate_s for u in c) for c in commands)
+    return len(commands), sum(NODE_START_S + INSTALL_S + sum(u.estimate_s for u in c) for c in commands)
 
 
 def select(units: list[Unit], only: tuple[str, ...] | None, match: tuple[str, ...] | None) -> list[Unit]:

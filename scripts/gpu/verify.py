@@ -3,11 +3,11 @@
     python scripts/gpu/verify.py [--plan first|all] [--only STEP,...] [--match GLOB]... [--budget-seconds S]
                                  [--list] [--dry-run]
 
-Runs the units of units.py in order (pytest -m gpu, bench_linear, the training A/B matrix, save/resume,
-profile) and appends one record per unit (per test for pytest) to the results file
-(default docs/gpu-results/results.jsonl) as soon as the unit ends. A unit already recorded with a final
-status for this GPU + versions (versions.key) is skipped, so running the same command again continues
-where the last one stopped. Each unit has its own time limit, and no unit is started with less of
+Runs the units of units.py in order (pytest -m gpu, bench_linear, the training A/B matrix, profile) and
+appends one record per unit (per test for pytest) to the results file (default docs/gpu-results/results.jsonl)
+as soon as the unit ends. A unit already recorded with a final status for this GPU architecture + versions
+(versions.key; a measurement: on this very GPU) is skipped, so running the same command again continues where
+the last one stopped. Each unit has its own time limit, and no unit is started with less of
 --budget-seconds left than it is expected to take.
 
 Exit codes: 0 every selected unit is recorded; 10 the budget ran out first (run again); 2 bad arguments;
@@ -27,14 +27,16 @@ import tarfile
 import time
 from pathlib import Path
 
-import bootstrap
-import runs
-import steps
-import units
-import versions
-
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
+sys.path.insert(0, str(REPO / "scripts" / "offline"))  # the versions block and the install's offline settings
+
+import install  # noqa: E402
+import runs  # noqa: E402
+import steps  # noqa: E402
+import units  # noqa: E402
+import versions  # noqa: E402
+
 EXIT_MORE, EXIT_VERSIONS = 10, 3
 
 
@@ -64,7 +66,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--text-steps", type=int, default=d.text_steps, help="steps of a real-text cell")
     p.add_argument("--warmup-steps", type=int, default=d.warmup, help="first steps left out of the timing")
     p.add_argument("--logging-freq", type=int, default=d.logging_freq, help="--logging_freq of the matrix runs")
-    p.add_argument("--resume-k", type=int, default=d.resume_k, help="save at step k, resume to 2k")
     p.add_argument("--profile-cell", default=d.profile_cell, help="matrix cell to profile (model/data/variant)")
     p.add_argument("--profile-steps", default=d.profile_steps, help="--profile_steps A:B of that run")
     args = p.parse_args(argv)
@@ -86,7 +87,7 @@ def check_args(args: argparse.Namespace) -> str | None:
     bad = [d for d in args.data.split(",") if d not in units.DATA]
     if bad:
         return f"--data {','.join(bad)}: valid: {', '.join(units.DATA)}"
-    for name in ("max_steps", "text_steps", "logging_freq", "resume_k"):
+    for name in ("max_steps", "text_steps", "logging_freq"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1"
     if not 0 <= args.warmup_steps < min(args.max_steps, args.text_steps):
@@ -107,12 +108,12 @@ def check_args(args: argparse.Namespace) -> str | None:
 def options(args: argparse.Namespace) -> units.Options:
     return units.Options(device=args.device, models=tuple(args.models.split(",")), data=tuple(args.data.split(",")),
                              max_steps=args.max_steps, text_steps=args.text_steps, warmup=args.warmup_steps,
-                             logging_freq=args.logging_freq, resume_k=args.resume_k, profile_cell=args.profile_cell,
+                             logging_freq=args.logging_freq, profile_cell=args.profile_cell,
                              profile_steps=args.profile_steps)
 
 
 def child_env(work: Path) -> dict[str, str]:
-    env = {**os.environ, **bootstrap.OFFLINE_ENV, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+    env = {**os.environ, **install.OFFLINE_ENV, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_DATASETS_CACHE": str(work / "hf_datasets"), "HF_HOME": str(work / "hf_home")}
     # not scripts/gpu: its plain module names (runs, units, ...) must not shadow packages; pytest adds it
     paths = [str(REPO / "src"), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
@@ -138,7 +139,7 @@ def provenance() -> dict:
 def probe_versions(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict:
     path = work / "versions.json"
     path.unlink(missing_ok=True)
-    out = runs.timebox([args.python, str(HERE / "versions.py"), "--json", str(path)], 180,
+    out = runs.timebox([args.python, versions.__file__, "--json", str(path)], 180,
                           work / "logs" / "versions.log", env, REPO)
     if out.returncode != 0 or not path.is_file():
         raise SystemExit(f"verify: the versions probe failed ({out.returncode}):\n{out.tail()}")
@@ -161,7 +162,7 @@ def bundle_logs(work: Path, mirror: Path | None) -> None:
 
 
 RUNNERS = {"pytest": steps.run_pytest, "bench": steps.run_bench, "train": steps.run_train,
-           "resume": steps.run_resume, "profile": steps.run_profile}
+           "profile": steps.run_profile}
 
 
 def commands_of(ctx: runs.Context, unit: units.Unit) -> list[str]:
@@ -177,16 +178,14 @@ def commands_of(ctx: runs.Context, unit: units.Unit) -> list[str]:
         cmds = [steps.bench_cmd(ctx, unit)]
     elif unit.step == "train":
         cmds = [ctx.train_cmd(units.train_flags(ctx.opts, unit.info["model"], unit.info["data"], v, root, demo))]
-    elif unit.step == "resume":
-        cmds = [ctx.train_cmd(units.resume_flags(ctx.opts, v, root / p, p, root / "ckpt"))
-                for p in ("u1", "u2", "p1", "p2")]
     else:
         cmds = [ctx.train_cmd(units.profile_flags(ctx.opts, root, demo))]
     return [shlex.join(c) for c in cmds]
 
 
-def list_units(selected: list[units.Unit], records: list[dict], key: str) -> None:
-    last = {r["unit"]: r["status"] for r in records if r.get("key") == key and "unit" in r}
+def list_units(selected: list[units.Unit], records: list[dict], key: str, gpu: str) -> None:
+    last = {r["unit"]: r["status"] for r in records if r.get("key") == key and "unit" in r
+            and (r.get("kind") not in runs.MEASURED or r.get("gpu") == gpu)}
     for u in selected:
         print(f"{last.get(u.id, 'pending'):<12} ~{u.estimate_s:>4.0f}s  {u.id}")
 
@@ -204,26 +203,27 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         print(e, file=sys.stderr)
         return EXIT_VERSIONS
-    key = found["key"]
-    stamp = {**provenance(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    key, gpu = found["key"], found["gpu"]
+    stamp = {**provenance(), "gpu": gpu, "driver": found.get("driver"),
+             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     opts = options(args)
     only = tuple(s for s in (args.only or "").split(",") if s) or None
     selected = units.select(units.plan(opts, args.plan), only, tuple(args.match) if args.match else None)
     records = store.records()
     if args.list:
-        list_units(selected, records, key)
+        list_units(selected, records, key, gpu)
         return 0
-    ctx = runs.Context(REPO, work, args.python, store, key, opts, env, budget, mirror, args.retry)
-    pending = [u for u in selected if u.id not in runs.done(records, key, args.retry)]
+    ctx = runs.Context(REPO, work, args.python, store, key, gpu, opts, env, budget, mirror, args.retry)
+    pending = [u for u in selected if u.id not in runs.done(records, key, args.retry, gpu)]
     if args.dry_run:
         for u in pending:
             print(f"# {u.id} (~{u.estimate_s:.0f} s, limit {u.timeout_s:.0f} s)")
             print("\n".join(commands_of(ctx, u)))
         return 0
-    if not any(r.get("key") == key and r.get("unit") == "versions" for r in records):
+    if not any(r.get("key") == key and r.get("gpu") == gpu and r.get("unit") == "versions" for r in records):
         store.append({"key": key, "unit": "versions", "kind": "versions", "status": "passed", "versions": found,
                       **stamp})
-    print(f"[verify] key {key}: {len(pending)} of {len(selected)} selected units to run", flush=True)
+    print(f"[verify] key {key} on {gpu}: {len(pending)} of {len(selected)} selected units to run", flush=True)
     return run_units(ctx, pending, stamp)
 
 

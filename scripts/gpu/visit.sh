@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One command of a GPU visit on a node: install the offline kit, then run one slice of verify.py inside a time
-# budget, results and logs written to $OUT (the output folder that comes back from the node).
+# One command of a GPU visit on a node: install the offline kit (scripts/offline/install.py, which also runs one
+# TE FP8 forward+backward), then run one slice of verify.py inside a time budget, results and logs written to
+# $OUT (the output folder that comes back from the node).
 #   bash scripts/gpu/visit.sh [verify.py flags]     e.g. --plan first     or     --match 'train/llama3.2-1b/*'
 # Environment: WHEELS (the kit, default .whl; relative paths are the repo's), SITE (install target, default
 # /tmp/site), VISIT_SECONDS (the whole command's budget, default 540), PYTHON (default python3), OUT (where
 # results and logs go: the output folder that comes back from the node; default /tmp/llama-fp8-out).
-# Exit code: verify.py's (0 slice done, 10 budget ran out: run the same command again), or bootstrap's 2.
+# Exit code: verify.py's (0 slice done, 10 budget ran out: run the same command again), or install.py's 2.
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 out=${OUT:-/tmp/llama-fp8-out}
@@ -19,18 +20,18 @@ export PYTHONUNBUFFERED=1
 if [[ -f $wheels/MANIFEST.json ]] && ! "$py" "$repo/scripts/offline/kit.py" verify "$wheels"; then
     exit 2
 fi
-"$py" "$repo/scripts/gpu/bootstrap.py" "$wheels" "$site" --export "$out/built" 2>&1 | tee "$out/bootstrap.log"
+"$py" "$repo/scripts/offline/install.py" "$wheels" "$site" --export "$out/built" 2>&1 | tee "$out/install.log"
 rc=${PIPESTATUS[0]}
 if (( rc == 3 )); then
     echo "visit: Transformer Engine is not usable (see above); the torchao and HF runs go on, TE units will fail"
 elif (( rc != 0 )); then
-    echo "visit: bootstrap failed with exit code $rc"
+    echo "visit: install.py failed with exit code $rc"
     exit "$rc"
 fi
 export PYTHONPATH="$site:$repo/src${PYTHONPATH:+:$PYTHONPATH}"
 budget=$(( ${VISIT_SECONDS:-540} - SECONDS - 15 ))
 if (( budget < 60 )); then
-    echo "visit: only ${budget} s left after bootstrap: nothing started"
+    echo "visit: only ${budget} s left after the install: nothing started"
     exit 10
 fi
 "$py" "$repo/scripts/gpu/verify.py" --mirror "$out" --budget-seconds "$budget" "$@"

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Install AWS EFA userspace (libfabric, rdma-core) and the aws-ofi-nccl NCCL plugin into the image, unless the
 # base image already has both. Run by 0.transformer-engine.dockerfile:
-#   EFA_INSTALLER_VERSION=1.49.0 scripts/image/install_efa.sh
+#   EFA_INSTALLER_VERSION=1.50.0 scripts/image/install_efa.sh
 # Environment:
 #   EFA_INSTALLER_VERSION  required; https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-changelog.html
 #   EFA_INSTALLER_SHA256   optional: the tarball must have this digest
@@ -12,7 +12,7 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-: "${EFA_INSTALLER_VERSION:?set EFA_INSTALLER_VERSION, e.g. 1.49.0}"
+: "${EFA_INSTALLER_VERSION:?set EFA_INSTALLER_VERSION, e.g. 1.50.0}"
 read -r -a EXTRA <<<"${EFA_INSTALLER_ARGS:-}"
 
 ROOT=${EFA_ROOT:-/}  # where to look for an existing install (a fake root folder in the tests)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compile Transformer Engine's torch extension (transformer_engine_torch) from the kit's sdist against the
 # node's torch and Python, on a connected machine, into KIT/built/ with a build record, so that the node
-# installs it instead of compiling (scripts/gpu/bootstrap.py takes a wheel whose record names its exact torch).
+# installs it instead of compiling (install.py takes a wheel whose record names its exact torch).
 #   bash scripts/offline/build_te_torch.sh KIT PYTHON_VERSION TORCH_VERSION CUDA_MAJOR
 # Needs: pythonX.Y on PATH (or PYTHON_BIN), CUDA_HOME with nvcc of that CUDA major; downloads torch and its
 # CUDA libraries (their headers: cuDNN, NCCL) into a throw-away virtual environment. MAX_JOBS: compile jobs.

@@ -11,7 +11,7 @@
 # --arch: the node's GPU (sm_90: H100/H200, sm_100: B200; repeat for several); --cuda: the CUDA major of TE's
 # core wheel (transformer_engine_cu12 or _cu13, matching the node's torch); --build-te: also compile TE's torch
 # extension here (needs nvcc of that CUDA, CUDA_HOME; takes a while on few cores), else the node compiles it
-# (scripts/gpu/bootstrap.py does). DIR must be new or a kit made by this script (never overwrites anything
+# (install.py does). DIR must be new or a kit made by this script (never overwrites anything
 # else). Then carry DIR to the node and run scripts/offline/install_kit.sh there.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

@@ -6,8 +6,9 @@ fault injection hooks for tests and drills (inert unless their environment varia
     LLAMA_FP8_FAULT="ACTION@POINT[:step=N][:rank=R][:seconds=S][:once]"   (several: separated by ";")
 
 ACTION is ``kill`` (SIGKILL this process: a crash or an OOM kill), ``hang`` (stop making progress, as a
-rank stuck in a kernel or a dead network link; only SIGKILL ends it), ``sleep`` (``seconds``, then go
-on: a slow rank) or ``pause`` (announce ``$LLAMA_FP8_FAULT_DIR/paused.POINT.rankR``, then wait until
+rank stuck in a kernel or a dead network link; only SIGKILL ends it), ``stop`` (SIGSTOP this process: a rank
+frozen dead, deaf to every signal but SIGKILL), ``raise`` (an exception: the rank exits 1), ``sleep``
+(``seconds``, then go on: a slow rank) or ``pause`` (announce ``$LLAMA_FP8_FAULT_DIR/paused.POINT.rankR``, then wait until
 ``$LLAMA_FP8_FAULT_DIR/release`` exists: a test can act at that exact moment). ``once`` fires only if
 ``$LLAMA_FP8_FAULT_DIR/fired.POINT.rankR`` does not exist yet, and creates it (a requeued job runs clean).
 POINT is one of ``POINTS``. Without ``step`` the fault fires at every pass through the point (once with
@@ -48,7 +49,7 @@ POINTS = {
     "save.pruning": "a save (rank 0): an old checkpoint renamed for deletion, before its files are deleted",
     "save.async_in_flight": "an async save: state staged, the background write under way, training resumes",
 }
-ACTIONS = ("kill", "hang", "sleep", "pause")
+ACTIONS = ("kill", "hang", "stop", "raise", "sleep", "pause")
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,10 @@ def _fire(f: Fault, rank: int, step: int | None, folder: Path) -> None:
         h.flush()
     if f.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif f.action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif f.action == "raise":
+        raise RuntimeError(f"fault injection ({FAULT_ENV}): an error at {f.point}, step {step}, rank {rank}")
     elif f.action == "sleep":
         time.sleep(f.seconds)
     elif f.action == "pause":

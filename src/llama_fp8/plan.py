@@ -25,6 +25,7 @@ from llama_fp8.config import TrainConfig
 from llama_fp8.errors import AgreedError, ConfigError
 from llama_fp8.parallel import DistEnv, ParallelDims
 from llama_fp8.precision import PrecisionChoice
+from llama_fp8.telemetry import goodput
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,10 @@ def decide_dirs(cfg: TrainConfig) -> tuple[Path, Path, Path | None]:
     run_dir = Path(cfg.run_dir or config_mod.default_run_dir())
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else run_dir / "checkpoints"
     resume = checkpoint.find_resume(cfg.resume_from_checkpoint, ckpt_dir)
-    if (run_dir / "metrics.jsonl").exists() and resume is None:
+    # An earlier attempt of this same job (a restart inside the allocation, a requeue) that failed before its first
+    # checkpoint starts over in its own run dir; the steps it had done count as restart loss (telemetry/goodput.py).
+    earlier = goodput.written_by_this_job(run_dir / "metrics.jsonl")
+    if (run_dir / "metrics.jsonl").exists() and resume is None and not earlier:
         raise ConfigError(f"--run_dir {run_dir} already holds metrics.jsonl and there is no checkpoint to resume "
                           f"from in {ckpt_dir}; choose a new --run_dir (nothing was overwritten)")
     try:

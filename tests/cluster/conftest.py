@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-from slurm_helpers import REPO, local_cluster, unavailable
+from slurm_helpers import local_cluster, make_job_env, unavailable
 
 
 @pytest.fixture(scope="session")
@@ -26,11 +23,4 @@ def cluster(tmp_path_factory):
 @pytest.fixture
 def job_env(cluster):
     """Environment for sbatch/srun clients: cluster conf, repo code, quiet single-threaded torch."""
-    env = cluster.env()
-    env.update(REPO_DIR=str(REPO), VENV=str(Path(sys.executable).parent.parent), OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO / "src"))
-    for key in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
-        env.pop(key)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
+    return make_job_env(cluster)

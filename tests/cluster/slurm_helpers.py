@@ -45,6 +45,18 @@ def unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
+def make_job_env(cluster) -> dict[str, str]:
+    """Environment for sbatch/srun clients: cluster conf, repo code, quiet single-threaded torch."""
+    env = cluster.env()
+    env.update(REPO_DIR=str(REPO), VENV=str(Path(sys.executable).parent.parent), OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO / "src"))
+    for key in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
+        env.pop(key)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
 def sbatch(args: list[str], env: dict[str, str], cwd: Path) -> str:
     """Submit; return the job id."""
     proc = subprocess.run(["sbatch", "--parsable", *args], env=env, cwd=cwd, capture_output=True, text=True,

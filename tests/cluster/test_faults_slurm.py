@@ -1,58 +1,301 @@
-"""A rank that stops making progress, on a real Slurm (two slurmd on this host, CPU): the job fails once
---process_group_timeout has passed, saying so, and after `scontrol requeue` it resumes from the last
-complete checkpoint and finishes. The row of the fault matrix (tests/reliability/matrix.py)."""
+"""Crashes and hangs inside a Slurm allocation, for real: `sbatch 1.train_llama.sbatch` on the local cluster (two
+slurmd on this host), 2 nodes x 1 CPU rank, the smaller-than-tiny model, 8 steps, a checkpoint every 2. Each fault
+is injected into a running job; the job must end COMPLETED with every step's loss and the final model and
+optimizer shards bit for bit those of one uninterrupted job (the shared ``reference``), or, for a deterministic
+failure, fail once with its message. These are rows of the fault matrix (tests/reliability/matrix.py)."""
 
 from __future__ import annotations
 
-import datetime
+import os
+import random
+import signal
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from slurm_helpers import REPO, SMALL, batch_lines, release_requeued, sbatch, wait_job
+from slurm_helpers import (
+    REPO,
+    SMALL,
+    assert_completed,
+    job_info,
+    make_job_env,
+    read_jsonl,
+    release_requeued,
+    sbatch,
+    wait_job,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
+import faultkit  # noqa: E402 - losses and shard checksums, as the rest of the fault matrix compares them
 import matrix  # noqa: E402 - the fault matrix's row recorder lives with the matrix
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-TIMEOUT = 20
+STEPS, TIMEOUT = 8, 15  # --process_group_timeout of every job here: the hang tests' detection time
+ARGS = [*SMALL, "--max_steps", str(STEPS), "--checkpoint_freq", "2", "--logging_freq", "1", "--seed", "3",
+        "--lr_decay_iters", str(STEPS), "--process_group_timeout", str(TIMEOUT)]
 
 
-def ended_at(info: dict[str, str]) -> float:
-    return datetime.datetime.strptime(info["EndTime"], "%Y-%m-%dT%H:%M:%S").timestamp()
+@dataclass
+class Job:
+    id: str
+    env: dict[str, str]
+    dir: Path
+
+    @property
+    def log(self) -> Path:
+        return self.dir / "logs" / f"llama-fp8_{self.id}.out"
+
+    @property
+    def run(self) -> Path:
+        return self.dir / "run"
+
+    @property
+    def faults(self) -> Path:
+        return self.dir / "faults"
+
+    def text(self) -> str:
+        return self.log.read_text() if self.log.is_file() else ""
+
+    def wait(self, timeout: float = 300, until=None) -> dict[str, str]:
+        return wait_job(self.id, self.env, timeout=timeout, until=until)
+
+    def train_times(self) -> list[tuple[int, float]]:
+        path = self.run / "metrics.jsonl"
+        return [(r["step"], r["time"]) for r in read_jsonl(path) if r["type"] == "train"] if path.is_file() else []
 
 
-def test_rank_hangs_in_a_collective_on_slurm(job_env, tmp_path):
-    (tmp_path / "logs").mkdir()
-    run, faults = tmp_path / "run", tmp_path / "faults"
-    faults.mkdir()
-    # `once`: the fault fires in the first attempt only (its marker file survives the requeue).
-    env = dict(job_env, NPROC_PER_NODE="2", SKIP_PREFLIGHT="1", LLAMA_FP8_FAULT="hang@step:step=5:rank=1:once",
-               LLAMA_FP8_FAULT_DIR=str(faults))
-    job = sbatch(["--nodes=1", str(REPO / "1.train_llama.sbatch"), *SMALL, "--max_steps", "8", "--checkpoint_freq",
-                  "2", "--process_group_timeout", str(TIMEOUT), "--run_dir", str(run)], env, tmp_path)
-    log = tmp_path / "logs" / f"llama-fp8_{job}.out"
-    info = wait_job(job, env, timeout=300)
-    text = log.read_text()
-    assert info["JobState"] == "FAILED", f"{info}\n{text[-3000:]}"
-    hung_at = (faults / "fired.step.rank1").stat().st_mtime
-    # Rank 0's next collective gives up after the timeout, naming it; torchrun then stops the hung rank
-    # (SIGTERM, then SIGKILL after its 30 s grace period: a rank stuck for real ignores SIGTERM too).
+def submit(cluster, folder: Path, **env) -> Job:
+    """sbatch the training script on both nodes with ``env`` added (faults: LLAMA_FP8_FAULT...)."""
+    (folder / "logs").mkdir(parents=True)
+    (folder / "faults").mkdir()
+    base = make_job_env(cluster)
+    env = dict(base, NPROC_PER_NODE="1", SKIP_PREFLIGHT="1", LLAMA_FP8_FAULT_DIR=str(folder / "faults"), **env)
+    job = sbatch(["--nodes=2", str(REPO / "1.train_llama.sbatch"), *ARGS, "--run_dir", str(folder / "run")], env,
+                 folder)
+    return Job(job, env, folder)
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory) -> faultkit.Reference:
+    """The uninterrupted job every faulted job must end equal to (same layout, same flags)."""
+    job = submit(cluster, tmp_path_factory.mktemp("reference"))
+    assert_completed(job.wait(), job.log)
+    return faultkit.Reference(job.run, faultkit.losses(job.run),
+                              faultkit.shard_sums(job.run / "checkpoints" / f"step_{STEPS}"))
+
+
+def assert_bitwise(job: Job, ref: faultkit.Reference) -> None:
+    """Every step's loss (its last value: a step redone after a restart counts once) and the final model and
+    optimizer shards equal the uninterrupted job's."""
+    got = faultkit.losses(job.run)
+    assert sorted(got) == list(range(1, STEPS + 1)), got
+    assert got == ref.losses, (got, ref.losses)
+    assert faultkit.shard_sums(job.run / "checkpoints" / f"step_{STEPS}") == ref.final
+
+
+def fired_at(job: Job, point: str, rank: int) -> float:
+    return (job.faults / f"fired.{point}.rank{rank}").stat().st_mtime
+
+
+def back_to_training(job: Job, since: float) -> float:
+    """Seconds from ``since`` (a fault) to the first step completed after it (the restarted attempt's)."""
+    return min(t for _, t in job.train_times() if t > since) - since
+
+
+def attempts(job: Job) -> int:
+    return sum(r["type"] == "meta" for r in read_jsonl(job.run / "metrics.jsonl"))
+
+
+def restart_lines(job: Job) -> list[str]:
+    return [ln for ln in job.text().splitlines() if "restarting the workers of every node" in ln]
+
+
+def test_worker_sigkilled_twice_restarts_in_the_job(cluster, reference, tmp_path):
+    """(a) SIGKILL of a worker at two random steps (rank 1, then rank 0): two restarts inside the allocation."""
+    first, second = random.sample(range(2, STEPS), 2)
+    job = submit(cluster, tmp_path, LLAMA_FP8_FAULT=f"kill@step:step={first}:rank=1:once;kill@step:step={second}:rank=0:once")
+    info = job.wait()
+    assert_completed(info, job.log)
+    assert info["Restarts"] == "0", "recovered inside the allocation, not by a requeue"
+    assert len(restart_lines(job)) == 2 and "restart 2 of 3 for the job" in job.text(), job.text()[-3000:]
+    assert "(killed by SIGKILL)" in restart_lines(job)[0]
+    assert_bitwise(job, reference)
+    kills = sorted([fired_at(job, "step", 1), fired_at(job, "step", 0)])
+    back = [back_to_training(job, t) for t in kills]
+    matrix.record("test_worker_sigkilled_twice_restarts_in_the_job",
+                  f"kills in steps {first} and {second}: 2 restarts in the job (restart 2 of 3), COMPLETED, no "
+                  f"requeue; kill -> next step {back[0]:.0f} s and {back[1]:.0f} s; losses of steps 1-{STEPS} and "
+                  f"final weights bitwise equal to the uninterrupted run", max((first - 1) % 2, (second - 1) % 2))
+
+
+def test_worker_sigstopped_is_detected_and_restarted(cluster, reference, tmp_path):
+    """(b) a worker frozen by SIGSTOP in step 5: the other rank's collective times out, every rank restarts (the
+    stopped one is killed with SIGKILL, which it cannot ignore) and the log names the rank that stopped."""
+    job = submit(cluster, tmp_path, LLAMA_FP8_FAULT="stop@step:step=5:rank=1:once")
+    info = job.wait()
+    assert_completed(info, job.log)
+    text = job.text()
+    assert "rank 1 (pid" in text and "stopped moving: stopped (SIGSTOP) in step 5" in text, text[-3000:]
+    assert f"a collective did not complete within --process_group_timeout={TIMEOUT} s" in text
+    assert len(restart_lines(job)) == 1 and info["Restarts"] == "0"
+    assert_bitwise(job, reference)
+    back = back_to_training(job, fired_at(job, "step", 1))
+    assert back <= TIMEOUT + 30, f"{back:.0f} s from the stop to training again (bound: timeout + restart)"
+    matrix.record("test_worker_sigstopped_is_detected_and_restarted",
+                  f"rank 0's collective timed out after {TIMEOUT} s; \"rank 1 (pid ...) stopped moving: stopped "
+                  f"(SIGSTOP) in step 5\"; SIGKILL, restart in the job; stop -> next step {back:.0f} s; losses of "
+                  f"steps 1-{STEPS} and final weights bitwise equal to the uninterrupted run", 0)
+
+
+def test_rank_hangs_in_a_collective_on_slurm(cluster, reference, tmp_path):
+    """A rank stuck outside collectives (a sleep loop in step 5, deaf to SIGTERM): rank 0 waits for it in the
+    step's collective, gives up after --process_group_timeout naming it, and every rank restarts."""
+    job = submit(cluster, tmp_path, LLAMA_FP8_FAULT="hang@step:step=5:rank=1:once")
+    info = job.wait()
+    assert_completed(info, job.log)
+    text = job.text()
     assert f"Timed out waiting {TIMEOUT * 1000}ms" in text, text[-3000:]
-    assert f"a collective did not complete within --process_group_timeout={TIMEOUT} s" in text, text[-3000:]
-    failed_after = ended_at(info) - hung_at
-    assert TIMEOUT - 2 <= failed_after <= TIMEOUT + 60, failed_after
-    assert batch_lines(log)[-1] == 4 and (run / "checkpoints" / "step_4" / "COMPLETE").is_file()
-
-    subprocess.run(["scontrol", "requeue", job], env=env, check=True)
-    release_requeued(job, env)
-    info = wait_job(job, env, timeout=300)
-    text = log.read_text()
-    assert (info.get("JobState"), info.get("ExitCode")) == ("COMPLETED", "0:0"), f"{info}\n{text[-3000:]}"
-    assert "resumed from" in text and "Training finished: 8 steps" in text
-    assert batch_lines(log) == [1, 2, 3, 4, 5, 6, 7, 8], batch_lines(log)  # the requeue went on after step_4
+    assert "stopped moving" in text and "in step 5, no progress for" in text, text[-3000:]
+    assert len(restart_lines(job)) == 1 and info["Restarts"] == "0"
+    assert_bitwise(job, reference)
+    back = back_to_training(job, fired_at(job, "step", 1))
+    assert back <= TIMEOUT + 30, back
     matrix.record("test_rank_hangs_in_a_collective_on_slurm",
-                  f"job FAILED {failed_after:.0f} s after the hang; rank 0: \"a collective did not complete within "
-                  f"--process_group_timeout={TIMEOUT} s ... (Timed out waiting {TIMEOUT * 1000}ms ...)\"; step_4 intact; after scontrol requeue: resumed from "
-                  f"step_4, steps 5-8 trained, COMPLETED", 0)
+                  f"rank 0: \"a collective did not complete within --process_group_timeout={TIMEOUT} s (Timed out "
+                  f"waiting {TIMEOUT * 1000}ms ...)\"; rank 1 named (\"stopped moving ... in step 5\"), killed, "
+                  f"restart in the job; hang -> next step {back:.0f} s; losses of steps 1-{STEPS} and final weights "
+                  f"bitwise equal to the uninterrupted run", 0)
+
+
+def test_worker_exiting_1_restarts_in_the_job(cluster, reference, tmp_path):
+    """(c) a worker exits 1 (an exception) in step 5: every rank restarts and resumes from step_4."""
+    job = submit(cluster, tmp_path, LLAMA_FP8_FAULT="raise@step:step=5:rank=0:once")
+    info = job.wait()
+    assert_completed(info, job.log)
+    assert len(restart_lines(job)) == 1 and "rank 0 (exit 1) in step 5" in restart_lines(job)[0]
+    assert "resumed from" in job.text() and info["Restarts"] == "0"
+    assert_bitwise(job, reference)
+    matrix.record("test_worker_exiting_1_restarts_in_the_job",
+                  f"\"rank 0 (exit 1) in step 5; restarting the workers of every node (restart 1 of 3 for the "
+                  f"job)\"; resumed from step_4; losses of steps 1-{STEPS} and final weights bitwise equal to the "
+                  f"uninterrupted run", 0)
+
+
+def job_pids(job: Job, node_id: int, command: str) -> list[int]:
+    """Pids of ``python -m llama_fp8 COMMAND`` (``launch``, ``train``) of the job on node ``node_id`` (both
+    nodes are this host)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            env = dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if [b"-m", b"llama_fp8", command.encode()] in (cmd[1:4], cmd[2:5]) and \
+                env.get(b"SLURM_JOB_ID") == job.id.encode() and env.get(b"SLURM_NODEID") == str(node_id).encode():
+            pids.append(int(proc.name))
+    return pids
+
+
+def pause_at_step_4(job: Job) -> None:
+    """Wait until both ranks of the first attempt hold in step 4 (``PAUSE``): the test acts at a known step
+    however fast the machine trains."""
+    job.wait(180, until=lambda i: all((job.faults / f"paused.step.rank{r}").exists() for r in (0, 1)))
+    assert all((job.faults / f"paused.step.rank{r}").exists() for r in (0, 1)), job.text()[-3000:]
+
+
+PAUSE = "pause@step:step=4:once"
+
+
+def test_rendezvous_host_killed_requeues_and_resumes(cluster, reference, tmp_path):
+    """(d) the first node's launcher (the rendezvous host) SIGKILLed in step 4: nothing in the allocation can
+    restart the job; the batch script requeues it (requeue 1 of MAX_REQUEUES) and the next attempt resumes."""
+    job = submit(cluster, tmp_path, LLAMA_FP8_FAULT=PAUSE)
+    pause_at_step_4(job)
+    (launcher,) = job_pids(job, 0, "launch")
+    workers = job_pids(job, 0, "train")
+    assert len(workers) == 1, workers
+    os.kill(launcher, signal.SIGKILL)
+    killed = time.time()
+    # The node's processes die with it. (Slurm's cgroup tracking would kill the orphaned worker when the step ends;
+    # this cluster tracks processes by parentage, and a worker whose launcher died has no parent in the step.)
+    os.kill(workers[0], signal.SIGKILL)
+    job.wait(120, until=lambda i: i.get("Restarts") == "1")
+    (job.faults / "release").touch()
+    release_requeued(job.id, job.env)
+    info = job.wait()
+    assert_completed(info, job.log)
+    text = job.text()
+    assert info["Restarts"] == "1" and "requeue 1 of 3 (MAX_REQUEUES)" in text, text[-3000:]
+    assert "resumed from" in text
+    assert_bitwise(job, reference)
+    matrix.record("test_rendezvous_host_killed_requeues_and_resumes",
+                  f"the training step ended (\"requeue 1 of 3 (MAX_REQUEUES)\"), the job was requeued and resumed "
+                  f"from the latest checkpoint (kill -> next step {back_to_training(job, killed):.0f} s, 2 s of it "
+                  f"Slurm's hold of a requeued job as the test shortened it); COMPLETED; losses of steps 1-{STEPS} "
+                  f"and final weights bitwise equal to the uninterrupted run", 1)
+
+
+def test_node_marked_down_is_requeued_by_slurm_and_resumes(cluster, reference, tmp_path):
+    """(e) the second node set DOWN in step 4 (as an admin or a health check does): Slurm kills the job and
+    requeues it (NODE_FAIL, --requeue); once the node is back the job resumes from its latest checkpoint."""
+    job = submit(cluster, tmp_path, LLAMA_FP8_FAULT=PAUSE)
+    pause_at_step_4(job)
+    scontrol = ["scontrol", "update", "NodeName=n2"]
+    subprocess.run([*scontrol, "State=DOWN", "Reason=llama-fp8 test"], env=job.env, check=True)
+    try:
+        job.wait(120, until=lambda i: i.get("Restarts") == "1")
+    finally:  # back in service: slurmd re-registers it by itself here (ReturnToService=2), then this is refused
+        subprocess.run([*scontrol, "State=RESUME"], env=job.env, check=False, capture_output=True)
+    (job.faults / "release").touch()
+    release_requeued(job.id, job.env)
+    info = job.wait()
+    assert_completed(info, job.log)
+    assert info["Restarts"] == "1" and "resumed from" in job.text()
+    assert_bitwise(job, reference)
+    matrix.record("test_node_marked_down_is_requeued_by_slurm_and_resumes",
+                  f"Slurm requeued the job (Restarts=1); after the node's return it resumed from the latest "
+                  f"checkpoint; COMPLETED; losses of steps 1-{STEPS} and final weights bitwise equal to the "
+                  f"uninterrupted run", 1)
+
+
+def test_sigusr1_during_a_restart_requeues(cluster, reference, tmp_path):
+    """(f) rank 1 killed in step 4; while the workers restart, the time-limit warning (SIGUSR1) reaches the job:
+    no new attempt is started (or the new one saves at once), exit 85, the script requeues, the job resumes."""
+    job = submit(cluster, tmp_path, LLAMA_FP8_FAULT="kill@step:step=4:rank=1:once")
+    deadline = time.monotonic() + 180
+    while not restart_lines(job) and time.monotonic() < deadline:  # fast: the new workers take seconds to start
+        time.sleep(0.1)
+    assert restart_lines(job), job.text()[-3000:]
+    subprocess.run(["scancel", "--signal=USR1", job.id], env=job.env, check=True)
+    release_requeued(job.id, job.env)
+    info = job.wait()
+    assert_completed(info, job.log)
+    text = job.text()
+    assert "received SIGUSR1" in text and "requeueing job" in text and info["Restarts"] == "1", text[-3000:]
+    assert_bitwise(job, reference)
+    how = next(ln for ln in text.splitlines() if "llama-fp8 launch:" in ln and "SIGUSR1" in ln and
+               ("not restarting" in ln or "arrived" in ln))
+    matrix.record("test_sigusr1_during_a_restart_requeues",
+                  f"\"{how.split(': ', 1)[1][:150]}\"; requeued, resumed; COMPLETED; losses of steps 1-{STEPS} and "
+                  f"final weights bitwise equal to the uninterrupted run", 1)
+
+
+def test_deterministic_failure_is_not_restarted(cluster, tmp_path):
+    """(g) a non-finite loss from step 3 on: exit 3 on every rank, no restart, no requeue, one message."""
+    job = submit(cluster, tmp_path, LLAMA_FP8_FAULT_NAN_AT_STEP="3")
+    info = job.wait()
+    text = job.text()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "3:0", "0"), text[-3000:]
+    assert "(exit 3 (a non-finite loss)) in step 3: a restart would fail the same way; not restarting, the job " \
+        "ends with exit 3; not requeued" in text, text[-3000:]
+    assert "not requeued" in text and not restart_lines(job) and attempts(job) == 1
+    assert job_info(job.id, job.env).get("Restarts") == "0"
+    matrix.record("test_deterministic_failure_is_not_restarted",
+                  "FAILED, exit 3, once: \"rank R (exit 3 (a non-finite loss)) in step 3: a restart would fail the "
+                  "same way; not restarting, the job ends with exit 3\"; not requeued", None)

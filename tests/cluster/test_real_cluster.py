@@ -62,11 +62,12 @@ def test_sbatch_two_nodes_rendezvous(job_env, tmp_path):
 
 def fake_package(root: Path) -> Path:
     """A repo whose `train` asks for a requeue (exit 85) on the first attempt and succeeds after it;
-    the launcher modules (__main__, cluster/, config/ and the FP8 recipe table it reads) are the real ones."""
+    the launcher modules (__main__, cluster/, config/, the FP8 recipe table it reads and the progress-file format
+    in telemetry/) are the real ones."""
     pkg = root / "src" / "llama_fp8"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    for name in ("__main__.py", "cluster", "config", "errors.py", "configs", "precision"):
+    for name in ("__main__.py", "cluster", "config", "errors.py", "configs", "precision", "telemetry"):
         (pkg / name).symlink_to(REPO / "src" / "llama_fp8" / name)
     (pkg / "train.py").write_text(
         "import os\n"

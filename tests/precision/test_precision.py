@@ -144,6 +144,29 @@ def test_te_fp8_parameters_refuse_what_te_cannot_do_before_building(monkeypatch)
         P.resolve(cfg_for(*ag), TE, cuda)
 
 
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_te_fp8_parameters_with_activation_checkpointing_are_refused_naming_both_flags(monkeypatch, recipe):
+    """FSDP2 re-gathers a resharded block for backward with only TE's transposed FP8 data (Float8Tensor's
+    fsdp_pre_all_gather/fsdp_post_all_gather, update_usage on SM < 10); TE's checkpoint then recomputes the
+    forward inside backward, which needs the row-wise data: "Cannot generate FP8 data, even from FP8 data
+    transpose". Refused when the plan is made, before anything is built; either flag alone is fine."""
+    from llama_fp8.models.te import recipes as te_recipes
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "cuda", "12.9")
+    monkeypatch.setattr(te_recipes, "te_import", lambda: object())
+    monkeypatch.setattr(te_recipes, "te_version", lambda: "2.20.2")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    cuda, base = torch.device("cuda", 0), ["--fp8", "1", "--fp8_recipe", recipe]
+    with pytest.raises(C.ConfigError) as e:
+        P.resolve(cfg_for(*base, "--fp8_all_gather", "1", "--activation_checkpointing", "1"), TE, cuda)
+    msg = str(e.value)
+    assert "--fp8_all_gather 1" in msg and "--activation_checkpointing 1" in msg
+    assert "--activation_checkpointing 0" in msg and "--fp8_all_gather 0" in msg  # the two ways out
+    assert P.resolve(cfg_for(*base, "--fp8_all_gather", "1"), TE, cuda).all_gather is True
+    assert P.resolve(cfg_for(*base, "--activation_checkpointing", "1"), TE, cuda).all_gather is False
+
+
 def test_the_recipe_table_is_static_data():
     """Parsing flags needs no backend and no model: the table module imports nothing of this package, and
     every backend's rows (TE's included) are in it."""

@@ -80,10 +80,35 @@ MATRIX: dict[str, tuple[str, str, str]] = {
     "test_checkpoint_dir_not_writable": (
         FAULT, "--checkpoint_dir on a read-only file system",
         "refused at start-up on every rank, before the model is built (exit 2, one message naming the dir)"),
+    # --- inside a Slurm allocation: 2 nodes x 1 rank, `sbatch 1.train_llama.sbatch` (tests/cluster/test_faults_slurm.py)
+    "test_worker_sigkilled_twice_restarts_in_the_job": (
+        FAULT, "Slurm: SIGKILL of a worker at two random steps (rank 1, then rank 0)",
+        "every rank restarts inside the allocation twice (the job's budget: 3), resumes from the latest complete "
+        "checkpoint each time, COMPLETED without a requeue, bitwise"),
+    "test_worker_sigstopped_is_detected_and_restarted": (
+        FAULT, "Slurm: rank 1 frozen by SIGSTOP in step 5; --process_group_timeout 15",
+        "rank 0's collective times out, the stopped rank is named and SIGKILLed, every rank restarts in the job "
+        "within the timeout + a restart, COMPLETED, bitwise"),
     "test_rank_hangs_in_a_collective_on_slurm": (
-        FAULT, "Slurm (2 ranks): rank 1 stops making progress in step 5; --process_group_timeout 20",
-        "rank 0's collective fails after 20 s naming the timeout; the job fails; after scontrol requeue it "
-        "resumes from step_4 and finishes"),
+        FAULT, "Slurm: rank 1 stuck outside collectives (a loop deaf to SIGTERM) in step 5; --process_group_timeout 15",
+        "rank 0's collective fails after 15 s naming the timeout; rank 1 named, killed; every rank restarts in the "
+        "job, COMPLETED, bitwise"),
+    "test_worker_exiting_1_restarts_in_the_job": (
+        FAULT, "Slurm: rank 0 exits 1 (an exception) in step 5",
+        "every rank restarts in the job from step_4, COMPLETED, bitwise"),
+    "test_rendezvous_host_killed_requeues_and_resumes": (
+        FAULT, "Slurm: the first node's launcher (the rendezvous host) SIGKILLed in step 4",
+        "the allocation cannot continue; the batch script requeues the job (at most MAX_REQUEUES times), which "
+        "resumes, COMPLETED, bitwise"),
+    "test_node_marked_down_is_requeued_by_slurm_and_resumes": (
+        FAULT, "Slurm: the second node set DOWN in step 4",
+        "Slurm requeues the job (NODE_FAIL, --requeue); when the node is back it resumes, COMPLETED, bitwise"),
+    "test_sigusr1_during_a_restart_requeues": (
+        FAULT, "Slurm: rank 1 killed in step 4, then SIGUSR1 (the time-limit warning) while the workers restart",
+        "no restart after the signal: exit 85, the script requeues, the job resumes, COMPLETED, bitwise"),
+    "test_deterministic_failure_is_not_restarted": (
+        FAULT, "Slurm: a non-finite loss from step 3 on (every attempt would hit it)",
+        "exit 3 once, not restarted, not requeued: the job FAILED with one line saying why"),
     # --- damaged checkpoints and unsafe files (1 rank, in-process) --------------------------------------------
     "test_damaged_latest_checkpoint_falls_back[truncated shard]": (
         BAD_INPUT, "the latest checkpoint's .distcp shard truncated to half",

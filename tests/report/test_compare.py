@@ -1,4 +1,4 @@
-"""`llama_fp8 compare`: medians, losses, verdict, plots, the log-line parser and input errors."""
+"""`llama_fp8 compare`: rates, the one speed-up, losses, verdict, plots, the log-line parser and input errors."""
 
 from __future__ import annotations
 
@@ -88,9 +88,15 @@ def cell_value(cell: str) -> float:
     return float(cell.replace("%", "").replace("x", "").strip())
 
 
-# --- the table equals the JSONL's medians -----------------------------------------------------------
+# --- the table equals the JSONL's rates; one speed-up ---------------------------------------------------
+def rate(values) -> float:
+    """A run's rate over its windows: work / time, the harmonic mean of the (equal-length) window rates."""
+    values = list(values)
+    return len(values) / sum(1 / v for v in values)
+
+
 @pytest.mark.parametrize("warmup", [None, 7])
-def test_table_numbers_are_medians_recomputed_from_jsonl(tmp_path, warmup, capsys):
+def test_table_numbers_are_rates_recomputed_from_jsonl_and_the_report_states_one_speed_up(tmp_path, warmup, capsys):
     a = make_run(tmp_path / "bf16run", "bf16", speed=40.0, peak=989.4, seed=1)
     b = make_run(tmp_path / "fp8run", "fp8-torchao-rowwise", speed=60.0, peak=989.4, seed=2)
     flags = [] if warmup is None else ["--warmup_steps_excluded", str(warmup)]
@@ -98,30 +104,36 @@ def test_table_numbers_are_medians_recomputed_from_jsonl(tmp_path, warmup, capsy
                                       "--out", str(tmp_path / "out"), *flags)
     assert rc == 0
     excluded = 4 if warmup is None else warmup   # default: ceil(10 % of 40 steps) = 4
-    for key, label, pct in [("samples_per_sec", "samples/s (global)", False),
-                            ("tokens_per_sec_per_device", "tokens/s/device", False),
-                            ("tflops_per_device", "TFLOPS/device", False),
-                            ("mfu_vs_bf16_peak", "MFU vs BF16 peak", True),
-                            ("data_wait_frac", "data-wait share", True)]:
+    for key, label, pct, reduce in [("samples_per_sec", "samples/s (global)", False, rate),
+                                    ("tokens_per_sec_per_device", "tokens/s/device", False, rate),
+                                    ("tflops_per_device", "TFLOPS/device", False, rate),
+                                    ("mfu_vs_bf16_peak", "MFU vs BF16 peak", True, rate),
+                                    ("data_wait_frac", "data-wait share", True, statistics.median)]:
         cells = table_row(report, label)
         for side, recs, cell in (("run_a", a, cells[0]), ("run_b", b, cells[1])):
-            med = statistics.median(r[key] for r in recs if r["step"] > excluded)
-            assert summary[side][key] == med, (key, side)
+            want = reduce([r[key] for r in recs if r["step"] > excluded])
+            assert summary[side][key] == pytest.approx(want, rel=1e-12), (key, side)
             shown = cell_value(cell) / (100 if pct else 1)
-            assert shown == pytest.approx(med, rel=5e-4, abs=5e-5 if pct else 0), (key, side, cell)
+            assert shown == pytest.approx(want, rel=5e-4, abs=5e-5 if pct else 0), (key, side, cell)
     # MFU vs the FP8 peak exists for the FP8 run only; the other side is n/a, never invented
     fp8_cells = table_row(report, "MFU vs FP8 peak")
     assert fp8_cells[0] == "n/a" and summary["run_a"]["mfu_vs_fp8_peak"] is None
     assert cell_value(fp8_cells[1]) / 100 == pytest.approx(
-        statistics.median(r["mfu_vs_fp8_peak"] for r in b if r["step"] > excluded), rel=5e-4)
+        rate(r["mfu_vs_fp8_peak"] for r in b if r["step"] > excluded), rel=5e-4)
     assert summary["run_b"]["mem_peak_gib"] == max(r["mem_peak_gib"] for r in b)
+    # one speed-up: B's samples/s rate over A's, the table's own numbers, stated once as the headline
     speedup = summary["run_b"]["samples_per_sec"] / summary["run_a"]["samples_per_sec"]
-    assert summary["speedup"] == pytest.approx(speedup) and 1.3 < speedup < 1.7
-    assert f"{speedup:.4g}x" in report
+    assert summary["speedup"] == pytest.approx(speedup, rel=1e-12) and 1.3 < speedup < 1.7
+    assert summary["ab"]["speed"]["samples_per_sec"]["overall"]["ratio"] == pytest.approx(speedup, rel=1e-12)
+    headline = [ln for ln in report.splitlines() if "speed-up" in ln.lower() and ln.startswith("**")]
+    assert headline == [f"**Speed-up B/A (samples/s): {summary['ab']['speed']['samples_per_sec']['text']}**"]
+    assert f"{speedup:.3g}x, 95 % CI" in headline[0]
+    assert "median samples/s" not in report and "| B/A |" not in report.split("## Loss")[0]  # no second ratio
     assert summary["run_a"]["label"] == "bf16" and summary["run_b"]["label"] == "fp8-torchao-rowwise"
     assert summary["run_a"]["warmup_steps_excluded"] == excluded
     out = capsys.readouterr().out
     assert f"report: {tmp_path / 'out' / 'report.md'}" in out and "throughput.png" in out
+    assert f"speedup B/A: {summary['ab']['speed']['samples_per_sec']['text']}" in out
 
 
 def test_cpu_run_shows_na_for_mfu(tmp_path):
@@ -129,7 +141,7 @@ def test_cpu_run_shows_na_for_mfu(tmp_path):
     make_run(tmp_path / "b", "fp8-torchao-tensorwise", peak=None)
     rc, summary, report = run_compare(str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "o"))
     assert rc == 0
-    assert table_row(report, "MFU vs BF16 peak") == ["n/a", "n/a", "n/a"]
+    assert table_row(report, "MFU vs BF16 peak") == ["n/a", "n/a"]
     assert summary["run_a"]["mfu_vs_bf16_peak"] is None and summary["run_b"]["mfu_vs_fp8_peak"] is None
 
 
@@ -257,10 +269,10 @@ def test_compare_reads_plain_slurm_logs(tmp_path):
     assert summary["run_a"]["label"] == "bf16" and summary["run_a"]["kind"] == "log"   # from the file name
     assert summary["run_b"]["label"] == "fp8-torchao-rowwise"   # from train.py's start-up line
     assert summary["run_a"]["samples_per_sec"] == pytest.approx(
-        statistics.median(round(r["samples_per_sec"], 2) for r in a if r["step"] > 4))
+        rate(round(r["samples_per_sec"], 2) for r in a if r["step"] > 4))
     assert summary["run_a"]["tokens_per_sec_per_device"] is None     # the three-field format has none
     assert summary["run_b"]["tokens_per_sec_per_device"] == pytest.approx(
-        statistics.median(round(r["tokens_per_sec_per_device"], 1) for r in b if r["step"] > 4))
+        rate(round(r["tokens_per_sec_per_device"], 1) for r in b if r["step"] > 4))
     assert summary["loss"]["val_loss_b"] == 6.0 and summary["loss"]["val_loss_a"] is None
 
 
@@ -358,7 +370,7 @@ def test_compare_two_real_cpu_runs(tmp_path):
         warm = summary[side]["warmup_steps_excluded"]
         assert warm == 1
         for key in ("samples_per_sec", "tokens_per_sec_per_device", "tflops_per_device"):
-            assert summary[side][key] == statistics.median(r[key] for r in recs if r["step"] > warm)
+            assert summary[side][key] == pytest.approx(rate(r[key] for r in recs if r["step"] > warm), rel=1e-12)
         assert summary[side]["mfu_vs_bf16_peak"] is None   # CPU: no peak, no MFU
     for png in ("throughput", "tflops", "train_loss", "val_loss"):
         assert (tmp_path / "rep" / f"{png}.png").read_bytes()[:8] == PNG_SIGNATURE

@@ -42,7 +42,10 @@ def test_report_shows_coverage_bytes_exclusions_mfu_and_the_worst_layers(tmp_pat
     check = {"fp8_linears": 13, "linears": 15, "fp8_flop_share": 0.5,
              "high_precision": {"lm_head": "output head", "model.layers.0.mlp.up_proj": "user exception "
                                 "(--fp8_exclude model.layers.0.*)"},
-             "all_gather_bytes": {"bfloat16": 2 * 2**20, "float8_e4m3fn": 2**20}, "problems": []}
+             "all_gather_bytes": {"bfloat16": 2 * 2**20, "float8_e4m3fn": 2**20}, "problems": [],
+             "gemm_kernels": [{"name": "nvjet_qqtst_128x256_128x6_1x2_h_bz_coopA_TNT", "calls": 42, "ms": 8.4,
+                               "fp8": True}], "gemm_kernel_names": 1, "fp8_gemm_kernels": 1, "scaled_mm_calls": 42,
+             "notes": ["a note"]}
     write_run(tmp_path / "a", "bf16")
     write_run(tmp_path / "b", "fp8-torchao-tensorwise", stats=stats, check=check)
     assert compare.main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "out")]) == 0
@@ -52,6 +55,9 @@ def test_report_shows_coverage_bytes_exclusions_mfu_and_the_worst_layers(tmp_pat
     assert "user exception (--fp8_exclude model.layers.0.*): model.layers.0.mlp.up_proj (1)" in section
     assert "FSDP all-gather bytes per step (this rank's inputs): bfloat16 2.00 MiB, float8_e4m3fn 1.00 MiB" in section
     assert "--fp8_exclude asked: `model.layers.0.*`; resolved: ['model.layers.0.*']" in section
+    assert ("GEMM kernels in the profiled step: 1 (1 named as FP8); aten::_scaled_mm calls: 42; most time: "
+            "nvjet_qqtst_128x256_128x6_1x2_h_bz_coopA_TNT x42 8.4 ms") in section
+    assert "- note: a note" in section
     assert "dense BF16 peak 989.4 TFLOPS, MFU(fp8 peak) against the dense FP8 peak 1978.9 TFLOPS" in section
     assert "causal attention counted in full" in section
     worst = [ln.split(" | ")[0].lstrip("| ") for ln in section.splitlines() if ln.startswith("| model.layers.")]

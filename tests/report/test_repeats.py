@@ -127,7 +127,8 @@ def test_speedup_memory_and_noise_band_match_an_independent_computation(tmp_path
     # the band (wider than the 0.1 % tolerance) decided: PASS although the gap exceeds the tolerance
     assert abs(gap) > 0.1 and v["within"] and s["verdict"] == "PASS" and "decided by the noise band" in s["verdict_line"]
     report = (tmp_path / "o" / "report.md").read_text()
-    assert f"**Speed-up B/A: {sp['text']}**" in report and "3 pairs" in sp["text"]
+    assert f"**Speed-up B/A (samples/s): {sp['text']}**" in report and "3 pairs" in sp["text"]
+    assert s["speedup"] == sp["overall"]["ratio"]  # summary.json's one speed-up is the headline's
     assert "Noise band (BF16 vs BF16 across seeds" in report and "| 3 | 3 |" in report   # pair 3, seed 3
     # goodput of an arm: its runs' parts summed; productive is the 3rd part (3 + seed s in run s)
     wall = sum(sum(i + 1 + seed for i in range(len(goodput.PARTS))) for seed in seeds)
@@ -160,3 +161,32 @@ def test_an_odd_number_of_runs_is_refused(tmp_path, capsys):
     paths, _ = make_pairs(tmp_path, [1, 2], fp8_shift=0.0)
     assert C.main([*paths[:3], "--out", str(tmp_path / "o")]) == 2
     assert "RUN_B is missing" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_goodput_section_shows_time_lost_to_restarts_and_the_checkpoint_interval(tmp_path):
+    """A run restarted twice (a meta record per attempt, steps redone): the report gives the gaps from the last
+    step before each restart to the first after, and, from the save cost (checkpoint time / saves), the
+    Young/Daly interval for 1, 6 and 24 h between failures."""
+    paths, _ = make_pairs(tmp_path, [1], 0.0)
+    metrics = Path(paths[1]) / "metrics.jsonl"
+    recs = [json.loads(x) for x in metrics.read_text().splitlines()]
+    t = 1000.0
+    for r in recs:
+        if r["type"] == "train":
+            r["time"], t = t, t + 1.0
+    meta, train, good = recs[0], recs[1:-1], recs[-1]
+    redo = [dict(r, time=r["time"] + 30.0) for r in train[9:]]        # killed after step 20, resumed at 10
+    redo2 = [dict(r, time=r["time"] + 80.0) for r in train[29:]]      # and after step 40 (its end), resumed at 30
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in [meta, *train[:20], meta, *redo, meta, *redo2, good]))
+    (Path(paths[1]) / "config.yaml").write_text(yaml.safe_dump({"asked": {"seed": 1, "fp8": True,
+                                                                          "checkpoint_freq": 10}}))
+    run(paths, tmp_path / "o")
+    report = (tmp_path / "o" / "report.md").read_text()
+    # gaps: 1019 -> 1039 (20 s), 1069 -> 1109 (40 s)
+    assert "| restarts: time from the last step before to the first after | none | 2: 60.0 s (median 40.0, " \
+           "max 40.0) |" in report, report
+    from llama_fp8.telemetry.goodput import checkpoint_interval
+    save = (good["checkpoint_sync_s"] + good["checkpoint_async_s"]) / 4   # 40 steps, every 10: 4 saves
+    t1 = checkpoint_interval(save, 3600)
+    assert f"(a save blocks training {save:.2f} s; Young/Daly): MTBF 1 h -> every {t1 / 60:.1f} min, " \
+           f"{(t1 / 2 + 40.0) / 60:.1f} min lost per failure" in report

@@ -54,3 +54,45 @@ def test_last_logged_step_reads_only_the_tail_and_survives_junk(tmp_path):
 def test_first_log_step():
     assert goodput.first_log_step(0, 5, 100) == 5 and goodput.first_log_step(6, 5, 100) == 10
     assert goodput.first_log_step(98, 5, 99) == 99 and goodput.first_log_step(10, 5, 100) == 15
+
+
+def test_restart_gaps_measure_last_step_before_to_first_step_after():
+    recs = [{"type": "meta"}, {"type": "train", "step": 1, "time": 10.0}, {"type": "train", "step": 2, "time": 11.0},
+            {"type": "goodput"}, {"type": "meta"}, {"type": "train", "step": 2, "time": 19.5},
+            {"type": "train", "step": 3, "time": 20.0}, {"type": "meta"}, {"type": "train", "step": 3},
+            {"type": "train", "step": 4, "time": 26.0}]
+    assert goodput.restart_gaps(recs) == [8.5, 6.0]
+    assert goodput.restart_gaps(recs[:3]) == []  # one attempt: no restart
+
+
+def test_checkpoint_interval_is_youngs_to_first_order_and_daly_beyond():
+    young = (2 * 10 * 3600) ** 0.5
+    daly = goodput.checkpoint_interval(10, 3600)
+    assert daly == pytest.approx(young * (1 + (10 / 7200) ** 0.5 / 3 + 10 / 7200 / 9) - 10)
+    assert young - 10 < daly < young
+    # as the save gets cheap relative to the MTBF, Daly -> Young
+    assert goodput.checkpoint_interval(0.01, 86400) == pytest.approx((2 * 0.01 * 86400) ** 0.5, rel=1e-3)
+    # a save as long as two MTBFs: checkpoint once per MTBF
+    assert goodput.checkpoint_interval(7200, 3600) == 3600
+    # the interval Daly gives maximizes the expected useful fraction (numerically, within 1 %)
+    def useful(t, d=30.0, m=6 * 3600.0, r=60.0):
+        return t / (t + d) * (1 - goodput.expected_loss_per_failure(t + d, r) / m)
+    best = max(range(60, 7200, 5), key=useful)
+    assert goodput.checkpoint_interval(30, 6 * 3600) == pytest.approx(best, rel=0.05)
+    with pytest.raises(ValueError):
+        goodput.checkpoint_interval(0, 3600)
+    assert goodput.expected_loss_per_failure(600, 20) == 320
+
+
+def test_written_by_this_job_reads_the_first_meta_record(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"type": "meta", "repro": {"slurm_job_id": "42", "elastic_run_id": "abc"}}\n{"type": "train"}\n')
+    assert goodput.written_by_this_job(path, {"SLURM_JOB_ID": "42"})
+    assert goodput.written_by_this_job(path, {"TORCHELASTIC_RUN_ID": "abc"})
+    assert not goodput.written_by_this_job(path, {"SLURM_JOB_ID": "43", "TORCHELASTIC_RUN_ID": "xyz"})
+    assert not goodput.written_by_this_job(path, {})  # no ids on either side: another run's, refused
+    path.write_text('{"type": "meta", "repro": {"slurm_job_id": null}}\n')
+    assert not goodput.written_by_this_job(path, {"SLURM_JOB_ID": ""})
+    path.write_bytes(b"\xff garbage")
+    assert not goodput.written_by_this_job(path, {"SLURM_JOB_ID": "42"})
+    assert not goodput.written_by_this_job(tmp_path / "missing.jsonl", {"SLURM_JOB_ID": "42"})

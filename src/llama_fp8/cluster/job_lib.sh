@@ -4,8 +4,9 @@
 # is expanded as ${a[@]+"${a[@]}"} (bash < 4.4 calls "${a[@]}" of an empty array an unbound variable).
 #
 # Reads (all optional; README: Environment variables): IMAGE, CONTAINER_MOUNTS, LLAMA_FP8_CONTAINER, KEEP_CONTAINER,
-# HOST_PYTHON, VENV, REPO_DIR, DEVICE, NPROC_PER_NODE, RDZV_PORT, SKIP_PREFLIGHT, PREFLIGHT_REPORT, NCCL_NET.
-# Sets: DEVICE DEVICE_ARGS NPROC_PER_NODE CPUS PY WHERE CONTAINER_ARGS RDZV_ADDR RDZV_PORT.
+# HOST_PYTHON, VENV, REPO_DIR, DEVICE, NPROC_PER_NODE, RDZV_PORT, SKIP_PREFLIGHT, PREFLIGHT_REPORT, NCCL_NET,
+# MAX_RESTARTS, MAX_REQUEUES.
+# Sets: DEVICE DEVICE_ARGS NPROC_PER_NODE CPUS PY WHERE CONTAINER_ARGS RDZV_ADDR RDZV_PORT LF_OUTCOME_DIR.
 
 # shellcheck disable=SC2034  # read by the scripts that source this file
 EXIT_REQUEUE=85  # llama_fp8.errors.EXIT_REQUEUE: a checkpoint was saved after SIGUSR1/SIGTERM, requeue me
@@ -41,8 +42,14 @@ lf_setup_devices() {
     fi
     if [[ "$DEVICE" == cuda ]]; then
         NPROC_PER_NODE=${NPROC_PER_NODE:-$gpus}
-        export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+        # 3: on a timeout or an NCCL error the watchdog aborts the communicator and ends the process without the
+        # clean-up that can itself hang; the launcher then restarts every rank.
+        export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}
         export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+        # NCCL's flight recorder: the last collectives of every rank, dumped on a timeout into the run folder's
+        # comm_traces/ (training sets TORCH_FR_DUMP_TEMP_FILE there); `torch.distributed.flight_recorder` reads them.
+        export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-20000}
+        export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
     else
         NPROC_PER_NODE=${NPROC_PER_NODE:-2}
     fi
@@ -200,22 +207,81 @@ lf_estimate() {  # lf_estimate TRAIN_ARGS...
     return 0
 }
 
-# ---- training: one `llama_fp8 launch` (torchrun that keeps the workers' exit code) per node.
+# ---- training: one `llama_fp8 launch` per node: torchrun's elastic agent (llama_fp8/cluster/elastic.py). When a
+# worker dies or fails it restarts the workers of every node in this allocation, which resume from the latest
+# complete checkpoint, up to MAX_RESTARTS times for the job; exit 2 (bad config or data), 3 (non-finite loss), the
+# same step failing twice and a SIGUSR1/SIGTERM are never restarted. The first node's launcher hosts the rendezvous
+# (is_host, explicit: names and addresses need not match); losing it ends the step, and the job is requeued.
 lf_is_hyperpod() { [[ -d /opt/sagemaker_cluster ]]; }
 
-lf_train() {  # lf_train TRAIN_ARGS... ; returns training's exit code (85 = checkpoint saved, requeue me)
-    local resume=()
+lf_train() {  # lf_train TRAIN_ARGS... ; returns 0, 85 (requeue me) or a failure's code (lf_outcome)
+    local resume=() rc
     if lf_is_hyperpod; then
         # SageMaker HyperPod: replace faulty nodes and resume. An srun flag (sbatch rejects it), and it only
         # applies to the step that carries it: the training step.
         resume=(--auto-resume=1)
     fi
-    srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task="$CPUS" --kill-on-bad-exit=1 \
+    # Each node's launcher writes its final decision here (code, requeue|fail, one line); srun's own exit code
+    # cannot carry it: it is 143 as soon as one node ends before the others (--kill-on-bad-exit).
+    LF_OUTCOME_DIR="$PWD/logs/llama-fp8-outcome_$SLURM_JOB_ID"
+    rm -rf "$LF_OUTCOME_DIR"
+    mkdir -p "$LF_OUTCOME_DIR"
+    # shellcheck disable=SC2016  # expanded by the task's shell, on its node: node 0 hosts the rendezvous store
+    LLAMA_FP8_OUTCOME_DIR="$LF_OUTCOME_DIR" \
+        srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task="$CPUS" --kill-on-bad-exit=1 \
         ${CONTAINER_ARGS[@]+"${CONTAINER_ARGS[@]}"} ${resume[@]+"${resume[@]}"} \
+        bash -c 'PET_RDZV_CONF="is_host=$((SLURM_NODEID == 0))" exec "$@"' lf_node \
         "${PY[@]}" -m llama_fp8 launch \
-        --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE" \
+        --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE" --max_restarts="${MAX_RESTARTS:-3}" \
         --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ADDR:$RDZV_PORT" --rdzv_id="$SLURM_JOB_ID" \
         -m llama_fp8 train ${DEVICE_ARGS[@]+"${DEVICE_ARGS[@]}"} "$@"
+    rc=$?
+    lf_outcome "$rc"
+}
+
+# ---- after the training step: the launchers' decisions (LF_OUTCOME_DIR/node<N>: "CODE ACTION LINE"), one line
+# saying what happened and what comes next, and the code for the calling script. A failure that a restart cannot
+# fix (ACTION fail) wins over a requeue; a checkpoint saved after a signal (requeue) is always requeued; a requeue
+# that saved nothing new (retry: a signal during a restart, the rendezvous host lost) or a launcher killed without
+# a word (srun's code >= 128: its node gone, SIGKILL) is requeued at most MAX_REQUEUES times for the job, so that a
+# node that breaks every attempt cannot requeue it forever (Slurm requeues a node failure by itself: NODE_FAIL,
+# --requeue); a launcher that failed by itself before deciding (srun's code < 128) is not requeued.
+lf_outcome() {  # lf_outcome SRUN_RC -> return 0, 85 or the failure's code
+    local rc=$1 f code action line fail="" failcode=0 requeue="" retry="" files=0 count=0 cap=${MAX_REQUEUES:-3} counter
+    for f in "$LF_OUTCOME_DIR"/node*; do
+        [[ -f "$f" ]] || continue
+        files=$((files + 1))
+        read -r code action line <"$f" || true
+        case "$action" in
+            fail) fail=$line; failcode=$code ;;
+            requeue) requeue=$line ;;
+            retry) retry=$line ;;
+        esac
+    done
+    if [[ -n "$fail" ]]; then
+        echo "job $SLURM_JOB_ID: $fail; not requeued"
+        return "$failcode"
+    fi
+    if [[ -n "$requeue" ]] || ((files == 0 && rc == EXIT_REQUEUE)); then  # no files: $LF_OUTCOME_DIR not writable
+        echo "job $SLURM_JOB_ID: ${requeue:-training saved a checkpoint and exited 85}"
+        return "$EXIT_REQUEUE"
+    fi
+    if [[ -z "$retry" ]] && ((rc < 128)); then  # no decision and no signal: a launcher failed by itself
+        if ((rc != 0)); then
+            echo "job $SLURM_JOB_ID: the training step failed with code $rc before its launchers decided (the error is above); not requeued"
+        fi
+        return "$rc"
+    fi
+    counter="$PWD/logs/llama-fp8-requeues_$SLURM_JOB_ID"
+    if [[ -f "$counter" ]]; then count=$(wc -l <"$counter"); fi
+    line=${retry:-"the training step ended with code $rc, a launcher killed before it decided (the first node's launcher or a node lost)"}
+    if ((count >= cap)); then
+        echo "job $SLURM_JOB_ID: $line; not requeued: $count requeue(s) without a new checkpoint already (MAX_REQUEUES=$cap)"
+        return $((rc == 0 || rc == EXIT_REQUEUE ? 1 : rc))
+    fi
+    echo "requeue $((count + 1)) of $cap: $line" >>"$counter"
+    echo "job $SLURM_JOB_ID: $line; requeue $((count + 1)) of $cap (MAX_REQUEUES)"
+    return "$EXIT_REQUEUE"
 }
 
 lf_setup() {  # lf_setup TRAIN_ARGS...: everything before the first srun

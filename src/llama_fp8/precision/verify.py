@@ -6,7 +6,15 @@
 - with --fp8_all_gather 1: the bytes FSDP2 all-gathered during one step, by dtype, read from the inputs it
   hands to its all-gather (a silent BF16 fallback shows up as 2x the bytes, and as the FP8 layers' weights
   in a 2-byte dtype);
-- on CUDA, without emulation: that FP8 GEMM kernels ran, from one profiled step's kernel names.
+- for Transformer Engine, coverage comes from each TE module's own state (``fp8``: whether its last forward ran
+  under FP8 autocast), not from its name or the exclusion list;
+- on CUDA, without emulation: what one profiled step ran. Every GEMM kernel seen is recorded (name, calls, time),
+  each classed FP8 or not by its name (``gemm_kind``), with the count of torchao's FP8 matmul ops
+  (``aten::_scaled_mm`` and friends) on the CPU side. This evidence decides nothing on its own: kernel names
+  change with the CUDA libraries (CUDA 13's cuBLASLt names FP8 GEMMs ``nvjet_qq...``; under torch.compile an
+  FP8 GEMM may be a Triton template) and none of them has been confirmed on a GPU by this project yet, while
+  coverage and the all-gather dtypes already prove FP8. Without any FP8 evidence the record gets a note and the
+  log a warning, naming the GEMM kernels that did run.
 
 If FP8 was asked and is not on, the run stops (``Fp8NotOn``) naming what is off; --fp8_verify warn
 logs the same message as a warning instead.
@@ -27,8 +35,17 @@ from llama_fp8.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# FP8 GEMM kernels name their operand types: cuBLASLt/CUTLASS "e4m3"/"e5m2", TE's and cuBLAS's "fp8"/"f8".
-FP8_KERNEL = re.compile(r"e4m3|e5m2|fp8|f8f8|float8", re.I)
+# GEMM kernels: cuBLASLt's nvjet (CUDA >= 12.8), cuBLAS/CUTLASS "...gemm..." (sm90_xmma_gemm_*, cutlass3x_*_gemm_*,
+# ampere_*gemm*), Inductor's matmul templates (triton_tem_fused_mm_*, triton_tem_fused__scaled_mm_*). A kernel that
+# only casts (TE's cast_transpose_*<..., __nv_fp8_e4m3>, Inductor's triton_poi_fused__to_copy_clamp_mul_*) is none.
+GEMM_KERNEL = re.compile(r"nvjet_|gemm|triton_tem_fused_\w*mm", re.I)
+# FP8 operands in a GEMM's name: "e4m3"/"e5m2" (cuBLAS, CUTLASS), "fp8"/"f8f8"/"float8", a scaled-mm template.
+FP8_MARK = re.compile(r"e4m3|e5m2|fp8|f8f8|float8|scaled_mm", re.I)
+# nvjet_<type letters>_<tiles>...: one letter per operand/accumulator type; q is FP8 (nvjet_qqtst_* FP8 inputs,
+# nvjet_tst_* BF16), the letters as seen in CUDA 13 traces on Hopper and Blackwell.
+NVJET_TYPES = re.compile(r"nvjet_([a-z]+)_")
+SCALED_MM_OPS = ("aten::_scaled_mm", "aten::_scaled_mm_v2", "aten::_scaled_grouped_mm")  # torchao's FP8 matmuls
+MAX_GEMMS_RECORDED = 30
 CHECK_AFTER_STEP = 1  # the warm-up step; the next step is measured
 
 
@@ -108,17 +125,61 @@ class AllGatherMeter:
                     self.not_fp8.add(name)
 
 
-def kernel_names(prof) -> list[str]:
-    return sorted({e.key for e in prof.key_averages() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
-                   or "cuda" in str(getattr(e, "device_type", "")).lower()})
+def gemm_kind(name: str) -> str | None:
+    """``"fp8"`` for a GEMM kernel whose name shows FP8 operands, ``"other"`` for any other GEMM, None for a
+    kernel that is not a GEMM (casts, elementwise, attention, communication)."""
+    if not GEMM_KERNEL.search(name):
+        return None
+    types = NVJET_TYPES.search(name)
+    if types and "q" in types.group(1):
+        return "fp8"
+    return "fp8" if FP8_MARK.search(name) else "other"
 
 
-def problems(cov: dict, all_gather: bool, meter: AllGatherMeter | None, kernels: list[str] | None) -> list[str]:
+def _on_gpu(event) -> bool:
+    kind = getattr(event, "device_type", None)
+    return kind == torch.autograd.DeviceType.CUDA or "cuda" in str(kind).lower()
+
+
+def evidence(events) -> dict:
+    """What one profiled step ran (``events``: the profiler's ``key_averages()``): every GEMM kernel with its calls
+    and time (most time first, FP8 or not by name) and the CPU-side calls of torchao's FP8 matmul ops."""
+    gemms = []
+    for e in events:
+        kind = gemm_kind(e.key) if _on_gpu(e) else None
+        if kind is not None:
+            gemms.append({"name": e.key[:300], "calls": int(e.count), "ms": round(e.device_time_total / 1e3, 3),
+                          "fp8": kind == "fp8"})
+    gemms.sort(key=lambda g: -g["ms"])
+    scaled = sum(int(e.count) for e in events if not _on_gpu(e) and e.key in SCALED_MM_OPS)
+    return {"gemm_kernels": gemms[:MAX_GEMMS_RECORDED], "gemm_kernel_names": len(gemms),
+            "fp8_gemm_kernels": sum(g["fp8"] for g in gemms), "scaled_mm_calls": scaled}
+
+
+def evidence_line(ev: dict) -> str:
+    top = ", ".join(f"{g['name'][:60]} x{g['calls']} {g['ms']:.1f} ms" for g in ev["gemm_kernels"][:3])
+    return (f"GEMM kernels in the profiled step: {ev['gemm_kernel_names']} ({ev['fp8_gemm_kernels']} named as FP8); "
+            f"aten::_scaled_mm calls: {ev['scaled_mm_calls']}" + (f"; most time: {top}" if top else ""))
+
+
+def evidence_notes(ev: dict) -> list[str]:
+    """A note (never a problem) when nothing in the profiled step names an FP8 GEMM."""
+    if ev["fp8_gemm_kernels"] or ev["scaled_mm_calls"]:
+        return []
+    seen = ", ".join(g["name"][:80] for g in ev["gemm_kernels"][:5]) or "none"
+    return [f"no GEMM kernel named as FP8 and no aten::_scaled_mm in the profiled step; the names are not confirmed "
+            f"on a GPU yet, so this decides nothing (coverage and all-gather dtypes do); GEMM kernels seen: {seen}"]
+
+
+UNEXPECTED = ("not converted", "ran without FP8")  # reasons that mean a layer should be in FP8 and is not
+
+
+def problems(cov: dict, all_gather: bool, meter: AllGatherMeter | None) -> list[str]:
     """What is off, in words (empty: FP8 is on as asked)."""
     out = []
     if cov["fp8_linears"] == 0:
         out.append(f"no linear layer runs in FP8 (0/{cov['linears']})")
-    unexpected = [n for n, why in cov["high_precision"].items() if why == "not converted"]
+    unexpected = [n for n, why in cov["high_precision"].items() if why.startswith(UNEXPECTED)]
     if unexpected:
         out.append(f"{len(unexpected)} layer(s) that should run in FP8 do not: {', '.join(unexpected[:5])}")
     if all_gather and meter is not None and meter.by_dtype:  # one rank: FSDP2 all-gathers nothing to check
@@ -128,9 +189,6 @@ def problems(cov: dict, all_gather: bool, meter: AllGatherMeter | None, kernels:
             names = ", ".join(sorted(meter.not_fp8)[:3])
             out.append(f"--fp8_all_gather 1 but FSDP2 all-gathered FP8 layers' weights in high precision "
                        f"({names or 'no 1-byte inputs at all'}; {all_gather_line(meter.by_dtype)})")
-    if kernels is not None and not any(FP8_KERNEL.search(k) for k in kernels):
-        out.append(f"no FP8 GEMM kernel ran in the profiled step ({len(kernels)} CUDA kernels, none named "
-                   f"e4m3/e5m2/fp8)")
     return out
 
 
@@ -138,9 +196,10 @@ class Verifier:
     """Driven by the runtime's ``post_step``: arms the measurements after the warm-up step, reads them after
     the next one, then checks once. ``layers`` is a function returning the coverage list."""
 
-    def __init__(self, layers, fp8_weights, all_gather: bool, profile_kernels: bool, mode: str):
+    def __init__(self, layers, fp8_weights, all_gather: bool, profile: bool, mode: str):
+        """``profile``: profile the measured step (real FP8 only: emulation runs no FP8 GEMM)."""
         self.layers, self.fp8_weights, self.all_gather = layers, fp8_weights, all_gather
-        self.profile_kernels, self.mode = profile_kernels, mode
+        self.profile, self.mode = profile, mode
         self.steps, self.pending, self.done, self.error = 0, [], False, None
         self._stack: contextlib.ExitStack | None = None
         self._meter: AllGatherMeter | None = None
@@ -160,27 +219,33 @@ class Verifier:
         # Measured with or without --fp8_all_gather (a BF16 all-gather is the baseline the FP8 one halves).
         self._meter = AllGatherMeter(self.fp8_weights(model))
         self._stack.enter_context(self._meter.measure())
-        if self.profile_kernels and torch.cuda.is_available():
+        if self.profile:
             from torch.profiler import ProfilerActivity, profile
 
-            self._prof = self._stack.enter_context(profile(activities=[ProfilerActivity.CUDA]))
+            # CPU: torchao's matmul ops; CUDA: the kernels (where there is a GPU)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self._prof = self._stack.enter_context(profile(activities=activities))
 
     def _finish(self, model: nn.Module) -> None:
         self._stack.close()
         self.done = True
         cov = coverage_record(self.layers(model))
-        kernels = kernel_names(self._prof) if self._prof is not None else None
         rec = {"type": "fp8_check", "step": self.steps, **cov}
         lines = [coverage_line(cov)]
         if self._meter is not None and self._meter.by_dtype:
             rec["all_gather_bytes"] = dict(self._meter.by_dtype)
             rec["fp8_weights_all_gathered"] = len(self._meter.seen_fp8)  # names matched: the per-weight check ran
             lines.append(all_gather_line(self._meter.by_dtype))
-        if kernels is not None:
-            rec["fp8_kernels"] = [k for k in kernels if FP8_KERNEL.search(k)][:20]
-            lines.append(f"FP8 GEMM kernels in the profiled step: {len(rec['fp8_kernels'])}")
-        issues = problems(cov, self.all_gather, self._meter, kernels)
-        rec["problems"] = issues
+        notes = []
+        if self._prof is not None:
+            ev = evidence(self._prof.key_averages())
+            rec.update(ev)
+            lines.append(evidence_line(ev))
+            notes = evidence_notes(ev)
+            for note in notes:
+                log.warning("FP8 check: %s", note)
+        issues = problems(cov, self.all_gather, self._meter)
+        rec["problems"], rec["notes"] = issues, notes
         self.pending.append((rec, "\n".join(lines)))
         if issues:
             msg = "FP8 was asked for but is not on: " + "; ".join(issues)

@@ -9,9 +9,13 @@ a plain Slurm log with ``Batch N Loss: x, Speed: y samples/sec, lr: z[, key: val
 rendering lives in plots.py and loading in runs.py; this file summarises and judges.
 
 Summary rules (also printed in the report):
-- Throughput, TFLOPS, MFU and data-wait are medians over logged steps ``> --warmup_steps_excluded``.
-  Default: ``max(ceil(10 % of the last step), first logged step)``, so the first logging window,
-  which holds compilation and allocator warm-up, never counts. Peak memory is the max (a high-water mark).
+- Throughput, TFLOPS and MFU are each run's rate over its logged windows with step
+  ``> --warmup_steps_excluded``: work / time, the harmonic mean of the window rates (stats.rate). Default
+  exclusion: ``max(ceil(10 % of the last step), first logged step)``, so the first logging window, which
+  holds compilation and allocator warm-up, never counts. Data-wait is the median share; peak memory the max.
+- The speed-up (one definition, one headline): B's samples/s rate over A's; across R pairs the geometric
+  mean of the pairs' ratios, with a 95 % bootstrap interval (stats.ratio_ci). For one pair it is exactly
+  the ratio of the two rates in the throughput table.
 - Final train loss: mean of the last ``k = max(5, ceil(5 % of records))`` logged losses, taken on the
   steps both runs logged when they share any. Final validation loss: the last step both evaluated.
 - Verdict: PASS when every available loss gap ``(B-A)/A`` (train, and validation when both runs
@@ -33,8 +37,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from llama_fp8.report import fp8_view, hardware, plots, ranks, repeats, repro
-from llama_fp8.report.plots import METRICS, ratio, render_report, same_data_text
+from llama_fp8.report import fp8_view, hardware, plots, ranks, repeats, repro, stats
+from llama_fp8.report.plots import METRICS, render_report, same_data_text
 from llama_fp8.report.runs import CompareError, Run, load_run, precision_label  # noqa: F401 - the CLI's API
 
 DEFAULT_TOLERANCE_PCT = 1.0
@@ -59,7 +63,8 @@ def _finite(values: list[Any]) -> list[float]:
 
 
 def summarize_run(run: Run, warmup: int) -> dict[str, Any]:
-    """Medians (max for memory) over records with step > warmup; None when a metric is absent."""
+    """Over records with step > warmup: the rate (work / time) of each rate metric, the median data-wait share,
+    the max memory; None when a metric is absent."""
     kept = [r for r in run.train if r["step"] > warmup]
     out: dict[str, Any] = {"label": run.label, "name": run.name, "source": str(run.source),
                            "kind": run.kind, "warmup_steps_excluded": max(warmup, 0),
@@ -68,7 +73,10 @@ def summarize_run(run: Run, warmup: int) -> dict[str, Any]:
     for key, _, _ in METRICS:
         pool = run.train if key == "mem_peak_gib" else kept
         vals = _finite([r.get(key) for r in pool])
-        out[key] = (max(vals) if key == "mem_peak_gib" else statistics.median(vals)) if vals else None
+        if key in repeats.RATE_KEYS:
+            out[key] = stats.rate(vals)
+        else:
+            out[key] = (max(vals) if key == "mem_peak_gib" else statistics.median(vals)) if vals else None
     return out
 
 
@@ -235,10 +243,10 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"run_a": summarize_run(a, w1[0]), "run_b": summarize_run(b, w1[1]),
                                "loss": loss_summary(a, b), "loss_tolerance_pct": args.loss_tolerance}
-    summary["speedup"] = ratio(summary["run_a"]["samples_per_sec"], summary["run_b"]["samples_per_sec"])
     summary["data"] = data_check(a, b)
     summary["environment"] = hardware.compare_environments(a.environments, b.environments)
     summary["ab"] = summarize_pairs(pairs, warm, args.loss_tolerance)
+    summary["speedup"] = repeats.headline(summary["ab"]["speed"])  # the one speed-up (module docstring)
     summary["repro"] = repro.collect(pairs)
     summary["ranks"] = rank_view(pairs, out)
     ok, line = summary["ab"]["verdict"]["ok"], summary["ab"]["verdict"]["line"]

@@ -123,8 +123,9 @@ def run_section(run: Run, tag: str, out: Path) -> list[str]:
         lines.append(f"- {verify.coverage_line(c)}")
         if c.get("all_gather_bytes"):
             lines.append(f"- {verify.all_gather_line(c['all_gather_bytes'])}")
-        if c.get("fp8_kernels") is not None:
-            lines.append(f"- FP8 GEMM kernels in the profiled step: {len(c['fp8_kernels'])}")
+        if c.get("gemm_kernels") is not None:
+            lines.append(f"- {verify.evidence_line(c)}")
+        lines += [f"- note: {n}" for n in c.get("notes") or []]
         lines.append(f"- FP8 check: {'; '.join(c['problems']) if c.get('problems') else 'FP8 is on as asked'}")
     table = per_layer(_jsonl(folder / "fp8_stats.jsonl"))
     if table:

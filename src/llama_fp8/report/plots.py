@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from llama_fp8.report import hardware, ranks, repeats, repro
+from llama_fp8.report import hardware, ranks, repeats, repro, stats
 
 if TYPE_CHECKING:
     from llama_fp8.report.runs import Run
 
-# (record key, table label, always shown). Memory is reduced with max, the rest with median.
+# (record key, table label, always shown). Rates are work / time over the kept windows (compare.summarize_run),
+# memory the max, the data-wait share the median.
 METRICS: list[tuple[str, str, bool]] = [
     ("samples_per_sec", "samples/s (global)", True),
     ("samples_per_sec_per_device", "samples/s/device", False),
@@ -49,11 +50,6 @@ def fmt(x: float | None, kind: str = "num") -> str:
     return f"{x:.1f}" if abs(x) >= 1000 else f"{x:.4g}"
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    """b / a, or None when either side is missing (or a is zero)."""
-    return b / a if a and b is not None else None
-
-
 def _gap(g: float | None) -> str:
     return "n/a" if g is None else f"{g:+.3f} %"
 
@@ -72,7 +68,7 @@ def render_report(summary: dict[str, Any], plots: dict[str, Path]) -> str:
     sa, sb, ls = summary["run_a"], summary["run_b"], summary["loss"]
     la, lb = f"A: {sa['label']}", f"B: {sb['label']}"
     lines = [f"# A/B report: {sa['label']} (A) vs {sb['label']} (B)", "",
-             "| run | source | format | last step | steps excluded (<=) | records in medians |",
+             "| run | source | format | last step | steps excluded (<=) | records used |",
              "|---|---|---|---|---|---|"]
     for tag, s in (("A", sa), ("B", sb)):
         lines.append(f"| {tag}: {s['label']} | `{s['source']}` | {s['kind']} | {s['last_step']} "
@@ -82,13 +78,15 @@ def render_report(summary: dict[str, Any], plots: dict[str, Path]) -> str:
         if s["fp8_emulated"]:
             lines += ["", f"> Run {tag} emulated FP8 on a CPU: its speed numbers say nothing about FP8 "
                       "hardware; the loss comparison stands."]
-    lines += ["", "## Throughput and memory", "", f"| metric | {la} | {lb} | B/A |", "|---|---|---|---|"]
+    ab = summary.get("ab")
+    lines += ["", "## Throughput and memory", ""]
+    if ab:  # the one speed-up: B's samples/s rate over A's (across pairs: their geometric mean, with a CI)
+        lines += [f"**Speed-up B/A (samples/s): {ab['speed'][repeats.HEADLINE]['text']}**", ""]
+    lines += [f"| metric | {la} | {lb} |", "|---|---|---|"]
     for key, label, always in METRICS:
         if always or sa[key] is not None or sb[key] is not None:
             kind = "pct" if key.startswith("mfu") or key == "data_wait_frac" else "num"
-            r = ratio(sa[key], sb[key])
-            lines.append(f"| {label} | {fmt(sa[key], kind)} | {fmt(sb[key], kind)} "
-                         f"| {fmt(r) + 'x' if r is not None else 'n/a'} |")
+            lines.append(f"| {label} | {fmt(sa[key], kind)} | {fmt(sb[key], kind)} |")
     span = (f"steps {ls['train_steps'][0]}-{ls['train_steps'][1]}" if ls["train_steps"]
             else "each run's own last records: the runs share no logged step")
     vstep = f"step {ls['val_step']}" if ls["val_step"] is not None else "each run's last evaluation"
@@ -96,12 +94,9 @@ def render_report(summary: dict[str, Any], plots: dict[str, Path]) -> str:
               f"| final train loss (mean of last {ls['k']} logged, {span}) | {fmt(ls['train_loss_a'], 'loss')} "
               f"| {fmt(ls['train_loss_b'], 'loss')} | {_gap(ls['train_gap_pct'])} |",
               f"| final validation loss ({vstep}) | {fmt(ls['val_loss_a'], 'loss')} "
-              f"| {fmt(ls['val_loss_b'], 'loss')} | {_gap(ls['val_gap_pct'])} |", "",
-              f"**Speedup B/A (median samples/s, pair 1): "
-              f"{fmt(summary['speedup']) + 'x' if summary['speedup'] else 'n/a'}**", ""]
-    ab = summary.get("ab")
+              f"| {fmt(ls['val_loss_b'], 'loss')} | {_gap(ls['val_gap_pct'])} |", ""]
     if ab:
-        lines += [f"**Speed-up B/A: {ab['speed']['samples_per_sec']['text']}**", ""] + repeats.markdown(ab, la, lb)
+        lines += repeats.markdown(ab, la, lb)
     if summary.get("ranks"):
         lines += ranks.markdown(summary["ranks"], la, lb)
     lines += [f"**Verdict: {summary['verdict_line']}** (tolerance {summary['loss_tolerance_pct']:g} %)", "",
@@ -111,8 +106,12 @@ def render_report(summary: dict[str, Any], plots: dict[str, Path]) -> str:
     if plots:
         lines += ["## Plots", ""] + [f"![{k}]({p.name})" for k, p in plots.items()] + [""]
     lines += ["## Method", "",
-              "- Throughput, TFLOPS, MFU and data-wait: medians over logged steps after the excluded "
-              "ones (default: 10 % of the last step, at least the first logged window). Peak memory: max.",
+              "- Throughput, TFLOPS and MFU: each run's rate over its logged windows after the excluded steps "
+              "(default: 10 % of the last step, at least the first logged window): work / time, the harmonic "
+              "mean of the window rates. Data-wait: median share. Peak memory: max.",
+              "- Speed-up (the one stated above): B's samples/s rate over A's; across pairs the geometric mean "
+              "of the pairs' ratios. The other rate rows of the speed-up table are the same ratio of their "
+              "own metric.",
               "- MFU is shown as a percentage of the named dense peak: always the GPU's dense BF16 peak, "
               "and for FP8 runs also its dense FP8 peak (NVIDIA datasheets, sparsity figures halved); `n/a` "
               "means the run did not record it (CPU, an unknown or ambiguous GPU, a MIG slice) — nothing is "
@@ -157,7 +156,7 @@ def _style(ax: Any, ylabel: str, xlabel: str | None = "step") -> None:
 
 def _metric_plot(runs: list[Run], warmups: list[int], key: str, ylabel: str, title: str,
                  path: Path) -> Path | None:
-    """One metric vs step for both runs, with the excluded warm-up shaded and median lines."""
+    """One metric vs step for both runs, with the excluded warm-up shaded and each run's rate (or median)."""
     fig, (ax,) = _new_figure()
     drawn = False
     for run, warm, color, tag in zip(runs, warmups, COLORS, TAGS):
@@ -168,14 +167,15 @@ def _metric_plot(runs: list[Run], warmups: list[int], key: str, ylabel: str, tit
         ax.plot(steps, vals, color=color, marker="." if len(steps) <= 60 else None,
                 lw=1.2, label=f"{tag}: {run.label}")
         kept = [v for s, v in zip(steps, vals) if s > warm]
-        if kept:
-            med = statistics.median(kept)
-            ax.axhline(med, color=color, ls="--", lw=0.9, alpha=0.8, label=f"{tag} median {med:.4g}")
+        level = stats.rate(kept) if key in repeats.RATE_KEYS else (statistics.median(kept) if kept else None)
+        if level is not None:
+            name = "rate" if key in repeats.RATE_KEYS else "median"
+            ax.axhline(level, color=color, ls="--", lw=0.9, alpha=0.8, label=f"{tag} {name} {level:.4g}")
     if not drawn:
         return None
     warm = max(warmups)
     if warm > 0:
-        ax.axvspan(ax.get_xlim()[0], warm, color="grey", alpha=0.15, label="excluded from medians")
+        ax.axvspan(ax.get_xlim()[0], warm, color="grey", alpha=0.15, label="excluded warm-up")
     ax.set_title(title)
     _style(ax, ylabel)
     fig.savefig(path)

@@ -27,6 +27,15 @@ SPEED_METRICS = [("samples_per_sec", "speed-up (samples/s)"),
                  ("tflops_per_device", "TFLOPS/GPU"),
                  ("mfu_vs_bf16_peak", "MFU (vs BF16 peak)")]
 GAP_KINDS = (("train", "train_gap_pct", "train_loss_a"), ("validation", "val_gap_pct", "val_loss_a"))
+# Window rates a run is summarised by as work / time (stats.rate): every speed metric, and samples/s per device.
+RATE_KEYS = frozenset(k for k, _ in SPEED_METRICS) | {"samples_per_sec_per_device", "mfu_vs_fp8_peak"}
+HEADLINE = "samples_per_sec"  # the speed-up a report states as its result
+
+
+def headline(speed_: dict[str, Any]) -> float | None:
+    """The one speed-up of an A/B: B/A of samples/s (the point of ``speed``'s across-pair interval)."""
+    overall = speed_[HEADLINE]["overall"]
+    return overall["ratio"] if overall else None
 
 
 def kept(run: Run, warmup: int, key: str) -> list[float]:
@@ -69,8 +78,20 @@ def goodput(runs: list[Run]) -> dict[str, Any] | None:
         return None
     wall = sum(float(g["wall_s"]) for g in recs)
     parts = {k: sum(float(g.get(f"{k}_s") or 0.0) for g in recs) for k in PARTS}
+    gaps = sorted(x for run in runs for x in run.restart_gaps)
+    saves = sum(_saves(run) for run in runs)
+    save_s = (parts["checkpoint_sync"] + parts["checkpoint_async"]) / saves if saves else None
     return {"attempts": len(recs), "runs": len(runs), "wall_s": wall, "parts_s": parts,
-            "goodput": parts["productive"] / wall if wall > 0 else None}
+            "goodput": parts["productive"] / wall if wall > 0 else None, "restarts": len(gaps),
+            "restart_gap_s": gaps, "save_s": save_s}
+
+
+def _saves(run: Run) -> int:
+    """Checkpoints a run saved (every --checkpoint_freq steps and at the end; 0 when its config is unknown)."""
+    from llama_fp8.report.runs import _find_key
+
+    freq, last = _find_key(run.config, "checkpoint_freq"), max((int(r["step"]) for r in run.train), default=0)
+    return -(-last // freq) if isinstance(freq, int) and freq > 0 else 0
 
 
 def noise_band(a_runs: list[Run], loss_summary) -> dict[str, Any]:
@@ -155,8 +176,36 @@ def markdown(ab: dict[str, Any], la: str, lb: str) -> list[str]:
                          f"{_num(gb and gb['parts_s'][k], '.1f')} |")
         lines += [f"| wall | {_num(ga and ga['wall_s'], '.1f')} | {_num(gb and gb['wall_s'], '.1f')} |",
                   f"| **goodput** (productive / wall) | {_pct_of(ga)} | {_pct_of(gb)} |"]
+        lines += restart_lines(ga, gb, la, lb)
     lines += ["", "Verdict reasoning:", ""] + [f"- {r}" for r in ab["verdict"]["reasons"]] + [""]
     return lines
+
+
+MTBF_HOURS = (1, 6, 24)
+"""Mean times between failures the report's checkpoint-interval advice is given for."""
+
+
+def restart_lines(ga: dict | None, gb: dict | None, la: str, lb: str) -> list[str]:
+    """Time lost to restarts (the gap from the last step before a restart to the first after it: detection,
+    restart, start-up and redone steps) and, from the measured save cost, the checkpoint interval that maximizes
+    goodput for a few failure rates (Young/Daly) and what a failure then costs on average."""
+    from llama_fp8.telemetry.goodput import checkpoint_interval, expected_loss_per_failure
+
+    def gaps(g):
+        if not g or not g["restarts"]:
+            return "none" if g else "n/a"
+        xs = g["restart_gap_s"]
+        return f"{g['restarts']}: {sum(xs):.1f} s (median {xs[len(xs) // 2]:.1f}, max {xs[-1]:.1f})"
+    out = [f"| restarts: time from the last step before to the first after | {gaps(ga)} | {gaps(gb)} |", ""]
+    for label, g in ((la, ga), (lb, gb)):
+        if not g or not g["save_s"]:
+            continue
+        restart = g["restart_gap_s"][len(g["restart_gap_s"]) // 2] if g["restarts"] else 0.0
+        best = [(h, checkpoint_interval(g["save_s"], h * 3600.0)) for h in MTBF_HOURS]
+        out.append(f"Checkpoint interval for {label} (a save blocks training {g['save_s']:.2f} s; Young/Daly): "
+                   + ", ".join(f"MTBF {h} h -> every {t / 60:.1f} min, {expected_loss_per_failure(t, restart) / 60:.1f}"
+                               f" min lost per failure" for h, t in best) + ".")
+    return out
 
 
 def _num(x: float | None, spec: str = ".4g") -> str:

@@ -33,6 +33,8 @@ class Run:
     """The ``environment`` of every meta record: one per attempt (a requeued run starts again)."""
     goodput: list[dict[str, Any]] = field(default_factory=list)
     """The ``goodput`` record of every attempt (where its wall time went)."""
+    restart_gaps: list[float] = field(default_factory=list)
+    """Seconds from the last step before each restart to the first step after it (telemetry/goodput.py)."""
 
 
 # ----------------------------------------------------------------------------- loading
@@ -42,8 +44,10 @@ def _dedupe(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def _read_jsonl(path: Path) -> tuple[list[dict], list[dict], dict, list[dict], list[dict]]:
-    train, val, meta, envs, good, bad = [], [], {}, [], [], 0
+def _read_jsonl(path: Path) -> tuple[list[dict], list[dict], dict, list[dict], list[dict], list[float]]:
+    from llama_fp8.telemetry.goodput import restart_gaps
+
+    train, val, meta, envs, good, bad, order = [], [], {}, [], [], 0, []
     for line in path.read_text(errors="replace").splitlines():
         if not line.strip():
             continue
@@ -53,6 +57,8 @@ def _read_jsonl(path: Path) -> tuple[list[dict], list[dict], dict, list[dict], l
             bad += 1  # e.g. a last line cut short when the job was killed
             continue
         kind = rec.get("type") or ("val" if "val_loss" in rec else "train" if "loss" in rec else "")
+        if kind in ("meta", "train"):
+            order.append(rec)
         if kind == "meta":
             meta = meta or rec
             if isinstance(rec.get("environment"), dict) and rec["environment"]:
@@ -65,7 +71,7 @@ def _read_jsonl(path: Path) -> tuple[list[dict], list[dict], dict, list[dict], l
             good.append(rec)
     if bad:
         print(f"compare: warning: skipped {bad} unparsable line(s) in {path}", file=sys.stderr)
-    return train, val, meta, envs, good
+    return train, val, meta, envs, good, restart_gaps(order)
 
 
 def _is_jsonl(path: Path) -> bool:
@@ -97,15 +103,17 @@ def load_run(arg: str, which: str) -> Run:
             config = _read_config(path.parent / "config.yaml")
     envs: list[dict[str, Any]] = []
     good: list[dict[str, Any]] = []
+    gaps: list[float] = []
     if _is_jsonl(file):
-        train, val, meta, envs, good = _read_jsonl(file)
+        train, val, meta, envs, good, gaps = _read_jsonl(file)
         kind = "jsonl"
     else:
         (train, val, meta), kind = read_log(file), "log"
     if not train:
         raise CompareError(f"{which}: no training records in {file} (expected metrics.jsonl "
                            "'type: train' records or 'Batch N Loss: x, Speed: y samples/sec, lr: z' lines)")
-    run = Run(name, file, kind, _dedupe(train), _dedupe(val), meta, config, environments=envs, goodput=good)
+    run = Run(name, file, kind, _dedupe(train), _dedupe(val), meta, config, environments=envs, goodput=good,
+              restart_gaps=gaps)
     run.label = precision_label(run)
     return run
 

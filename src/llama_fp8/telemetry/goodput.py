@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -62,6 +63,23 @@ def last_logged_step(metrics_path: Path, max_bytes: int = 64 << 20) -> int:
         if isinstance(rec, dict) and rec.get("type") == "train" and isinstance(rec.get("step"), int):
             last = max(last, rec["step"])
     return last
+
+
+def written_by_this_job(metrics_path: Path, env: dict[str, str] | None = None, max_bytes: int = 1 << 20) -> bool:
+    """Whether the first attempt recorded in ``metrics_path`` was this same job: the Slurm job id of its meta record
+    equals ours (a requeue), or torchrun's run id does (a restart inside the job). Reads at most ``max_bytes``."""
+    env = os.environ if env is None else env
+    try:
+        with metrics_path.open("rb") as f:
+            first = f.read(max_bytes).decode("utf-8", errors="replace").split("\n", 1)[0]
+        rec = json.loads(first)
+    except (OSError, ValueError):
+        return False
+    repro = rec.get("repro") if isinstance(rec, dict) and rec.get("type") == "meta" else None
+    if not isinstance(repro, dict):
+        return False
+    return any(env.get(var) and repro.get(key) == env.get(var)
+               for key, var in (("slurm_job_id", "SLURM_JOB_ID"), ("elastic_run_id", "TORCHELASTIC_RUN_ID")))
 
 
 class Goodput:
@@ -119,6 +137,42 @@ class Goodput:
         return {"type": "goodput", "step": self.last_step, "start_step": self.start_step, "wall_s": wall,
                 **{f"{k}_s": v for k, v in self.parts.items()},
                 "goodput": self.parts["productive"] / wall if wall > 0 else None}
+
+
+def restart_gaps(records: list[dict]) -> list[float]:
+    """Seconds from the last step an attempt logged to the first step the next attempt logged, for every restart
+    (inside the allocation or a requeue) in one run's records, in file order: failure detection, the restart,
+    start-up and the steps redone up to the first logged one. Records without a ``time`` are skipped."""
+    gaps, last, pending = [], None, False
+    for rec in records:
+        kind = rec.get("type")
+        if kind == "meta":
+            pending = last is not None
+        elif kind == "train" and isinstance(rec.get("time"), (int, float)):
+            if pending:
+                gaps.append(max(rec["time"] - last, 0.0))
+                pending = False
+            last = rec["time"]
+    return gaps
+
+
+def checkpoint_interval(save_s: float, mtbf_s: float) -> float:
+    """The checkpoint interval (seconds of training between saves) that maximizes goodput when a save blocks
+    training ``save_s`` and failures arrive ``mtbf_s`` apart on average: Daly's higher-order estimate (J. T. Daly,
+    "A higher order estimate of the optimum checkpoint interval for restart dumps", FGCS 22, 2006), which refines
+    Young's sqrt(2 * save * MTBF) (J. W. Young, CACM 17, 1974); the MTBF itself once a save costs half of it."""
+    if save_s <= 0 or mtbf_s <= 0:
+        raise ValueError(f"save cost and MTBF must be > 0 (got {save_s}, {mtbf_s})")
+    if save_s >= 2 * mtbf_s:
+        return mtbf_s
+    r = save_s / (2 * mtbf_s)
+    return math.sqrt(2 * save_s * mtbf_s) * (1 + math.sqrt(r) / 3 + r / 9) - save_s
+
+
+def expected_loss_per_failure(interval_s: float, restart_s: float) -> float:
+    """Seconds one failure costs on average: half an interval of work redone (a failure falls anywhere in it) and
+    the restart itself (detection, restart, start-up)."""
+    return interval_s / 2 + restart_s
 
 
 def summary_line(rec: dict) -> str:

@@ -41,8 +41,9 @@ def git_state(env: dict[str, str] | None = None) -> dict[str, Any]:
 
 
 def describe(argv: list[str] | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """The meta record's ``repro``: git state, Slurm job id and node list, and the training flags."""
+    """The meta record's ``repro``: git state, Slurm job id and node list, torchrun's run id (the same for every
+    restart inside the job), and the training flags."""
     env = dict(os.environ if env is None else env)
-    return {**git_state(env), "slurm_job_id": env.get("SLURM_JOB_ID"),
+    return {**git_state(env), "slurm_job_id": env.get("SLURM_JOB_ID"), "elastic_run_id": env.get("TORCHELASTIC_RUN_ID"),
             "slurm_nodelist": env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"),
             "argv": list(sys.argv[1:] if argv is None else argv)}

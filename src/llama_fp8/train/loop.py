@@ -37,6 +37,7 @@ def loop(s: TrainState) -> list[float]:
     s.model.train()
     clock.begin()
     for step in range(s.start_step + 1, cfg.max_steps + 1):
+        s.heartbeat.beat(step, "step")
         log_now = step % cfg.logging_freq == 0 or step == cfg.max_steps
         lr = s.optimizer.param_groups[0]["lr"]
         s.profiler.before_step(step)

@@ -13,7 +13,7 @@ from llama_fp8 import checkpoint, faults, models, parallel, precision
 from llama_fp8.config import ConfigError, TrainConfig
 from llama_fp8.models.common import ModelSize
 from llama_fp8.plan import RunPlan, make_plan
-from llama_fp8.telemetry import goodput, gpu_health, metrics, peaks, profiling, stragglers
+from llama_fp8.telemetry import goodput, gpu_health, heartbeat, metrics, peaks, profiling, stragglers
 from llama_fp8.train import build
 
 
@@ -40,6 +40,7 @@ class TrainState:
     profiler: profiling.Profiler
     goodput: goodput.Goodput  # where the wall time went (telemetry/goodput.py); rank 0 writes it
     ranks: stragglers.RankMonitor  # per-rank step time, data wait and GPU health of each logging window
+    heartbeat: heartbeat.Heartbeat  # the step in progress, for the launcher (telemetry/heartbeat.py)
 
     def close(self) -> None:
         with self.goodput.timed(self.goodput.checkpoint_part):  # an async save still in flight
@@ -74,12 +75,14 @@ def start(cfg: TrainConfig, env: parallel.DistEnv) -> TrainState:
     clock = goodput.Goodput(start_step, goodput.first_log_step(start_step, cfg.logging_freq, cfg.max_steps),
                             redo_until, cfg.async_checkpoint)
     meter, writer = start_metrics(cfg, plan, env, size, start_step)
+    beat = heartbeat.Heartbeat(env.rank)
+    beat.beat(start_step, "startup")  # built and resumed: a failure from here on is not a start-up failure
     return TrainState(cfg, plan, env, impl, prec, model, size, optimizer, scheduler, train_loader, val_loader, ckpt,
                       meter, writer, faults.SignalWatch(env.world_size),
                       faults.NanGuard(env.device, cfg.nan_policy, cfg.max_nan_skips), start_step, context,
                       profiling.Profiler(cfg, Path(plan.run_dir), env.rank, env.device), clock,
                       stragglers.RankMonitor(env.device, env.local_rank, cfg.straggler_threshold_pct,
-                                             gpu_health.GpuHealth(env.device.type, env.device.index)))
+                                             gpu_health.GpuHealth(env.device.type, env.device.index)), beat)
 
 
 def plan_and_build_model(cfg: TrainConfig, env: parallel.DistEnv):

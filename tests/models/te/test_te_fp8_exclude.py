@@ -1,5 +1,9 @@
 """--fp8_exclude and the FP8 coverage count on the Transformer Engine model: the wrapping and counting on CPU
-(modules shaped like TE's, a flag standing in for TE's FP8 state), TE's real FP8 state and kernels on a GPU."""
+(modules shaped like TE's, a flag standing in for TE's FP8 state), TE's real FP8 state and kernels on a GPU.
+
+The stand-in sets ``self.fp8`` (and ``forwarded_at_least_once``) in its forward from the (stand-in) autocast
+state, as TE's ``prepare_forward`` does through ``init_fp8_metadata`` (transformer_engine/pytorch/module/base.py, TE 2.20): the coverage count
+reads that state, what the module itself did, not its name."""
 
 from __future__ import annotations
 
@@ -34,9 +38,11 @@ def te_class(name: str):
             super().__init__()
             self.weight = nn.Parameter(torch.zeros(o, i))
             self.saw = None
+            self.fp8 = False  # TE: False until a forward runs under FP8 autocast
 
         def forward(self, x):
-            self.saw = STATE["fp8"]
+            self.saw = self.fp8 = STATE["fp8"]
+            self.forwarded_at_least_once = True
             return x @ self.weight.t()
 
     Gemm.__name__ = name
@@ -77,6 +83,24 @@ def test_excluded_te_modules_run_with_fp8_off_and_are_counted():
     assert FC.fp8_weights(m) == {"model.layers.0.0.weight", "model.layers.0.1.weight", "model.layers.2.0.weight"}
 
 
+def test_a_te_layer_whose_forward_ran_without_fp8_is_reported_by_its_own_state():
+    """No exclusion, but the step ran outside FP8 autocast (as if the autocast were lost): every TE GEMM says so
+    itself, and the check names them."""
+    m = model()
+    FC.apply_exclusions(m, (), fp8_off)
+    assert V.coverage_record(FC.layers(m, ()))["fp8_linears"] == 6  # before any forward: what they are meant to be
+    with fp8_off():
+        run(m)
+    cov = V.coverage_record(FC.layers(m, ()))
+    assert (cov["fp8_linears"], cov["linears"]) == (0, 7)
+    assert cov["high_precision"]["model.layers.0.0"] == FC.RAN_WITHOUT_FP8
+    issues = V.problems(cov, False, None)
+    assert issues[0] == "no linear layer runs in FP8 (0/7)"
+    assert "6 layer(s) that should run in FP8 do not: model.layers.0.0, model.layers.0.1" in issues[1]
+    run(m)  # the next step in FP8: counted again
+    assert V.coverage_record(FC.layers(m, ()))["fp8_linears"] == 6
+
+
 def test_whole_block_glob_wraps_the_block_once():
     m = model()
     assert FC.apply_exclusions(m, ("model.layers.0",), fp8_off) == ["model.layers.0"]
@@ -103,7 +127,10 @@ def test_te_run_excludes_layers_and_its_fp8_kernels_are_seen(tmp_path):
                  "--fp8_exclude", "model.layers.0.*", "--run_dir", str(run_dir)])
     assert r.returncode == 0, r.stderr[-3000:]
     (check,) = [x for x in read_metrics(run_dir) if x["type"] == "fp8_check"]
-    assert check["problems"] == [] and check["fp8_kernels"], json.dumps(check)
+    assert check["problems"] == [], json.dumps(check)
+    # every GEMM kernel is recorded with calls and time; whether their names say FP8 is what this run confirms
+    assert check["gemm_kernels"] and all(g["calls"] > 0 and g["ms"] > 0 for g in check["gemm_kernels"])
+    assert check["fp8_gemm_kernels"] > 0, json.dumps(check["gemm_kernels"])
     assert all(why.startswith("user exception") or why.startswith("output head")
                for why in check["high_precision"].values())
     assert any(name.startswith("model.layers.0.") for name in check["high_precision"])

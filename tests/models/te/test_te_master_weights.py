@@ -227,3 +227,96 @@ def test_a_state_without_masters_gets_them_at_the_next_step():
     state = opt.state[model.weight]
     assert state["master"].dtype == state["exp_avg"].dtype == torch.float32 and float(state["step"]) == 2
     assert torch.equal(model.weight.dequantize(torch.float32), e4m3(state["master"]).bfloat16().float())
+
+
+class QuantizedInitLinear(nn.Module):
+    """A TE-like FP8-weight module (``primary_weights_in_fp8``): its ``reset_parameters`` runs the parameter's
+    ``init_fn`` on a high-precision tensor and then keeps only the quantized values, as TE's does
+    (module/base.py: init_fn, then ``quantizer(param)``), here as an ``EmulatedFp8`` parameter."""
+
+    primary_weights_in_fp8 = True
+
+    def __init__(self, rows: int, cols: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, cols, device="meta"))
+        self.param_init_meta = {"weight": types.SimpleNamespace(init_fn=None)}
+
+    def reset_parameters(self):
+        values = torch.empty(self.weight.shape)
+        self.param_init_meta["weight"].init_fn(values)
+        self.weight = EmulatedFp8(e4m3(values).to(torch.bfloat16))
+
+
+def test_the_first_master_is_the_bf16_partners_initial_weight_not_its_fp8_quantization():
+    """FP8 primary weights start from the FP8-quantized init; their FP32 masters must start from the init the BF16
+    partner gets (our sharding-independent init), else the FP8-weight run starts from other weights."""
+    from llama_fp8.models import common
+    from llama_fp8.models.te import fp8_params
+
+    cfg = types.SimpleNamespace(**vars(CFG), initializer_range=0.02, seed=5)
+    fp8 = nn.Module()
+    fp8.proj = QuantizedInitLinear(64, 32)
+    fp8_params.materialize(fp8, CPU, cfg)
+    partner = torch.empty(64, 32)
+    common.init_part_(partner, (0, 0), (64, 32), "proj.weight", cfg)  # what the BF16 run's weight starts from
+    assert not torch.equal(fp8.proj.weight.dequantize(), partner)  # the FP8 weight is the coarse version
+    opt = build.build_optimizer(fp8, types.SimpleNamespace(**{**vars(cfg), "lr": 0.0}), CPU,
+                                TEFp8(None, all_gather=True, stateful=False))
+    fp8.proj.weight.grad = torch.zeros(64, 32, dtype=torch.bfloat16)
+    opt.step()  # lr 0, no weight decay: the master stays what it was created as
+    assert torch.equal(opt.state[fp8.proj.weight]["master"], partner)
+
+
+def test_fused_master_adamw_steps_exactly_like_torchs_fused_adamw():
+    """Every other run's optimizer is torch's fused AdamW on CUDA: the FP8-weight runs get the same fused kernel
+    (on CPU here: torch has a fused CPU AdamW), for the masters and the other parameters alike, or their step
+    times would differ by the optimizer, not by FP8."""
+    fp8 = Fp8Linear()
+    ref_w = nn.Parameter(fp8.weight.dequantize(torch.float32).clone())
+    ref_n = nn.Parameter(fp8.norm.detach().clone())
+    ours = MasterAdamW(fp8.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    ref = torch.optim.AdamW([ref_w, ref_n], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    assert ours.param_groups[0]["fused"] is True
+    for s in range(3):
+        set_grads(fp8, s)
+        ref_w.grad, ref_n.grad = fp8.weight.grad.float(), fp8.norm.grad.clone()
+        ours.step()
+        ref.step()
+    assert torch.equal(ours.state[fp8.weight]["master"], ref_w.detach())
+    assert torch.equal(fp8.norm.detach(), ref_n.detach())
+    assert ours.state[fp8.weight]["step"].dtype == torch.float32
+
+
+def test_fused_master_adamw_on_fsdp2_shards_steps_like_torchs_fused_adamw(one_rank):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    for m in models:
+        fully_shard(m)
+    ours = MasterAdamW(models[0].parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    ref = torch.optim.AdamW(models[1].parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                            fused=True)
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        for m, opt in zip(models, (ours, ref)):
+            m(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a.full_tensor(), b.full_tensor())
+
+
+def test_master_adamw_is_fused_exactly_where_torchs_adamw_is():
+    """build_optimizer gives torch's AdamW fused=True on CUDA; MasterAdamW decides the same from its parameters'
+    device (CPU here: not fused), and keeps that through a state-dict round trip."""
+    model = Fp8Linear()
+    opt = fp8_optimizer(model)
+    assert opt.param_groups[0]["fused"] is False
+    assert MasterAdamW._fused_for([torch.empty(1, device="meta")]) is False
+    set_grads(model, 0)
+    opt.step()
+    again = fp8_optimizer(Fp8Linear())
+    again.load_state_dict(opt.state_dict())
+    assert again.param_groups[0]["fused"] is False

@@ -257,6 +257,43 @@ def test_te_checkpoint_hooks_save_scaling_state_as_tensors_and_never_a_pickle():
     assert fresh.loaded_extra == [None]
 
 
+def test_fp8_weight_modules_never_see_a_checkpoints_extra_state():
+    """TE 2.20's base module, when its primary weights are FP8, hands the checkpoint's ``_extra_state`` to
+    ``set_extra_state`` in its own ``_load_from_state_dict`` before the module's load pre-hooks run
+    (transformer_engine/pytorch/module/base.py). The stand-in does the same; loaded through the model's root
+    (as the checkpointer does), the module only ever receives None."""
+    from llama_fp8.models.te import fp8_state
+
+    class FakeFp8WeightModule(nn.Module):
+        primary_weights_in_fp8 = True
+
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(2))
+            self.fp8_meta = {}
+            self.loaded_extra = []
+
+        def get_extra_state(self):
+            return torch.frombuffer(bytearray(b"pickled-state"), dtype=torch.uint8)
+
+        def set_extra_state(self, state):
+            self.loaded_extra.append(state)
+
+        def _load_from_state_dict(self, state_dict, prefix, *args):
+            if self.primary_weights_in_fp8 and prefix + "_extra_state" in state_dict:
+                self.set_extra_state(state_dict[prefix + "_extra_state"])
+            super()._load_from_state_dict(state_dict, prefix, *args)
+
+    root = nn.Module()
+    root.block = nn.Module()
+    root.block.gemm = FakeFp8WeightModule()
+    assert fp8_state.keep_pickles_out(root) == 1
+    state = root.state_dict()
+    assert state["block.gemm._extra_state"].numel() == 0
+    root.load_state_dict({**state, "block.gemm._extra_state": torch.tensor([1, 2, 3], dtype=torch.uint8)})
+    assert root.block.gemm.loaded_extra == [None, None]  # TE's early call and the regular one: None both times
+
+
 def test_te_model_starts_from_the_hf_models_values(gloo_one_rank, monkeypatch):
     """Audit of the TE init after fully_shard + to_empty: every TE weight, fused ones included, holds exactly
     the values the HF model's init gives the HF tensors it maps to (each block drawn under its HF name), so

@@ -123,3 +123,31 @@ def test_te_init_equals_the_hf_init_through_the_mapping(one_rank):
         if key in mapped:
             assert torch.equal(mapped[key], want), key
     assert set(mapped) == {k for k in hf.state_dict() if "rotary" not in k}
+
+
+def test_excluded_layers_are_built_without_fp8_weights_under_quantized_init(one_rank):
+    """--fp8_all_gather 1 --fp8_exclude model.layers.0.*: the real TE model built under TE's quantized_model_init
+    (current scaling; TE marks every module for FP8 weights) comes out of the FP8 runtime's convert with block 0's
+    modules unmarked (materialized and initialized as BF16 modules: plain weights, all-gathered in BF16) and block
+    1's still marked; after sharding block 0's weights are allocated by to_empty as plain FP32 tensors. (TE's
+    reset_parameters, which quantizes the other block, needs a GPU.)"""
+    from llama_fp8.models.te import fp8_params
+    from llama_fp8.models.te import recipes as te_recipes
+    from llama_fp8.models.te.precision import TEFp8
+
+    cfg = C.parse_args([*ARGS, "--fp8", "1", "--fp8_all_gather", "1", "--fp8_exclude", "model.layers.0.*"])
+    runtime = TEFp8(te_recipes.make_recipe("current"), all_gather=True, stateful=False, exclude=("model.layers.0.*",))
+    with mock.patch.object(torch.cuda, "is_available", return_value=True), torch.device("meta"):
+        with runtime.model_init_context():
+            model = TE.build(cfg)
+    assert {n.split(".")[2] for n, _ in fp8_params.fp8_param_modules(model)} == {"0", "1"}  # TE marked both
+    runtime.convert(model)
+    marked = [n for n, _ in fp8_params.fp8_param_modules(model)]
+    assert marked and all(n.startswith("model.layers.1.") for n in marked), marked
+    mesh = parallel.build_mesh(parallel.ParallelDims.from_config(cfg, one_rank), one_rank)
+    parallel.parallelize(model, TE, mesh, cfg)
+    for name, module in model.named_modules():
+        if name.startswith("model.layers.0"):
+            module.to_empty(device="cpu", recurse=False)  # what fp8_params.materialize does for them
+    weight = model.get_parameter("model.layers.0.te_layer.layernorm_mlp.fc1_weight")
+    assert weight.to_local().dtype == torch.float32 and type(weight.to_local()) is torch.Tensor

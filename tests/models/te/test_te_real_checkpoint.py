@@ -134,3 +134,23 @@ def test_a_pickle_planted_in_extra_state_is_never_unpickled(env, monkeypatch):
         state[key] = payload
     model.load_state_dict(state)
     assert Planted.ran is False
+
+
+def test_a_pickle_planted_for_fp8_weight_modules_is_never_unpickled(env, monkeypatch):
+    """TE modules with FP8 primary weights (``primary_weights_in_fp8``: TE's own _load_from_state_dict then hands
+    the checkpoint's _extra_state to set_extra_state before any pre-hook of the module runs), loaded through the
+    model's root as the checkpointer does, with TE's opt-in to unsafe pickles set: the payload never runs. (The
+    modules' weights stay plain here: only the load path of FP8-weight modules is exercised.)"""
+    monkeypatch.setenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "1")
+    model = build_te_sharded(C.parse_args(ARGS), env)
+    modules = [m for _, m in fp8_state.te_modules(model) if hasattr(m, "primary_weights_in_fp8")]
+    assert modules
+    for m in modules:
+        m.primary_weights_in_fp8 = True
+    fp8_state.keep_pickles_out(model)
+    state = model.state_dict()
+    payload = torch.frombuffer(bytearray(pickle.dumps({"recipe": Planted()})), dtype=torch.uint8)
+    for key in [k for k in state if k.endswith("_extra_state")]:
+        state[key] = payload
+    model.load_state_dict(state)
+    assert Planted.ran is False

@@ -1,5 +1,6 @@
-"""metrics.jsonl -> results record (the report's throughput without the warm-up, MFU, memory, losses), the save/resume
-verdict, the results file (append, cut-off lines, done/retry), and the time box."""
+"""metrics.jsonl -> results record (the report's throughput without the warm-up, MFU, memory, losses), the speed-up
+the results page states (the A/B report's), the results file (append, cut-off lines, done/retry, per GPU), and
+the time box."""
 
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ def write_metrics(run_dir: Path, losses: dict[int, float], *, start_step: int = 
 
 
 def test_throughput_is_the_reports_and_leaves_out_the_warmup(tmp_path):
-    """One throughput definition: the record holds what ``python -m llama_fp8 compare`` reports for the run (the
-    median of the per-window rates after the warm-up), not a second summary of its own."""
+    """One throughput definition: the record holds what ``python -m llama_fp8 compare`` reports for the run (its
+    rate over the windows after the warm-up, work / time), not a second summary of its own."""
     from llama_fp8.report.compare import summarize_run
     from llama_fp8.report.runs import load_run
 
@@ -77,32 +78,29 @@ def test_a_run_dir_with_two_starts_is_read_as_the_report_reads_it(tmp_path):
     ``python -m llama_fp8 compare`` reads it)."""
     run = write_metrics(tmp_path / "r", {1: 3.0, 2: 2.9, 3: 9.9})
     write_metrics(run, {3: 2.8, 4: 2.7}, start_step=2, append=True)
-    assert steps.losses_by_step(run) == {1: 3.0, 2: 2.9, 3: 2.8, 4: 2.7}
+    assert {r["step"]: r["loss"] for r in steps.load(run).train} == {1: 3.0, 2: 2.9, 3: 2.8, 4: 2.7}
     with pytest.raises(steps.MetricsError, match="no metrics file"):
         steps.summarize(tmp_path / "missing", 0)
 
 
-def _resume_dirs(tmp_path, u1, u2, p1, p2, p2_start=2):
-    return (write_metrics(tmp_path / "u1", u1), write_metrics(tmp_path / "u2", u2),
-            write_metrics(tmp_path / "p1", p1), write_metrics(tmp_path / "p2", p2, start_step=p2_start))
+def test_the_results_pages_speed_up_is_the_ab_reports(tmp_path):
+    """One speed-up: for the same two runs the results page's ratio is the headline of `llama_fp8 compare`."""
+    import results
 
+    from llama_fp8.report import compare
 
-def test_resume_verdicts(tmp_path):
-    u = {1: 3.0, 2: 2.9, 3: 2.8, 4: 2.7}
-    exact = steps.compare_resume(*_resume_dirs(tmp_path / "a", u, u, {1: 3.0, 2: 2.9}, {3: 2.8, 4: 2.7}), k=2)
-    assert exact["status"] == "passed" and exact["reason"] == "exact" and exact["gap_abs"] == 0
-    noisy = {**u, 4: 2.71}
-    within = steps.compare_resume(*_resume_dirs(tmp_path / "b", u, noisy, {1: 3.0, 2: 2.9}, {3: 2.8, 4: 2.705}),
-                                        k=2)
-    assert within["status"] == "passed" and within["noise_abs"] == pytest.approx(0.01)
-    assert within["gap_abs"] == pytest.approx(0.005) and within["gap_rel"] == pytest.approx(0.005 / 2.7)
-    floor = steps.compare_resume(*_resume_dirs(tmp_path / "e", u, u, {1: 3.0, 2: 2.9}, {3: 2.8, 4: 2.7027}),
-                                       k=2)
-    assert floor["status"] == "passed" and floor["noise_abs"] == 0  # 1e-3 relative: the floor for exact runs
-    outside = steps.compare_resume(*_resume_dirs(tmp_path / "c", u, u, {1: 3.0, 2: 2.9}, {3: 2.8, 4: 2.75}), k=2)
-    assert outside["status"] == "failed" and "> max(2 x noise, 1e-3)" in outside["reason"]
-    restarted = steps.compare_resume(*_resume_dirs(tmp_path / "d", u, u, {1: 3.0, 2: 2.9}, u, p2_start=0), k=2)
-    assert restarted["status"] == "failed" and "started at step 0, not 2" in restarted["reason"]
+    a = write_metrics(tmp_path / "bf16", {s: 3.0 for s in range(1, 41)}, step_s=0.5)
+    b = write_metrics(tmp_path / "fp8", {s: 3.0 for s in range(1, 41)}, step_s=0.4, precision="fp8-te-current")
+    for run, s in ((a, 0.5), (b, 0.4)):  # uneven windows: a median and a rate of them differ
+        recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        for r in recs[1:]:
+            r["samples_per_sec"] = 2 / (s * (1.5 if r["step"] % 3 == 0 else 1.0))
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    ra, rb = steps.summarize(a, warmup=4), steps.summarize(b, warmup=4)
+    summary = compare.compare(compare.build_parser().parse_args(
+        [str(a), str(b), "--out", str(tmp_path / "rep"), "--warmup_steps_excluded", "4"]))
+    assert results.speedup(rb, ra) == pytest.approx(summary["speedup"], rel=1e-12)
+    assert f"{summary['speedup']:.3g}x" in (tmp_path / "rep" / "report.md").read_text()
 
 
 # --- results file ----------------------------------------------------------------------------------------

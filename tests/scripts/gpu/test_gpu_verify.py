@@ -18,7 +18,7 @@ from llama_fp8.config import parse_args
 
 H100 = {"gpu": "NVIDIA H100 80GB HBM3", "driver": "580.159.04", "capability": "9.0", "torch": "2.11.0+cu130",
         "cuda": "13.0", "transformer_engine": "2.20.2", "torchao": "0.18.0", "transformers": "5.17.0",
-        "cudnn": "9.13.0", "nccl": "2.27.7", "key": "nvidia-h100-80gb-hbm3-0123456789"}
+        "cudnn": "9.13.0", "nccl": "2.27.7", "key": "sm90-0123456789"}
 KEY = H100["key"]
 DEMO = (Path("/demo/corpus"), Path("/demo/tokenizer"))
 
@@ -51,19 +51,8 @@ def test_every_matrix_cell_is_accepted_by_the_trainers_parser(tmp_path):
     assert not any(v.compile for v in units.VARIANTS if v.impl == "te")  # TE delayed refuses compile
 
 
-def test_resume_and_profile_commands(tmp_path):
-    opts = units.Options(resume_k=7)
-    v = units.VARIANT["hf-fp8-tensorwise"]
-    phases = {p: parse_args(units.resume_flags(opts, v, tmp_path / p, p, tmp_path / "ckpt"))
-              for p in ("u1", "u2", "p1", "p2")}
-    assert {c.lr_decay_iters for c in phases.values()} == {14}  # one LR schedule for all four
-    assert (phases["u1"].max_steps, phases["p1"].max_steps, phases["p2"].max_steps) == (14, 7, 14)
-    assert phases["p1"].checkpoint_freq == 7 and phases["p1"].checkpoint_dir == phases["p2"].checkpoint_dir
-    assert phases["u1"].checkpoint_freq == 0 and not any(c.compile for c in phases.values())
-    assert all(c.fp8 and c.fp8_recipe == "tensorwise" and c.logging_freq == 1 for c in phases.values())
-    with pytest.raises(ValueError, match="phase"):
-        units.resume_flags(opts, v, tmp_path, "p3", tmp_path)
-    flags = units.profile_flags(opts, tmp_path / "p", None)
+def test_profile_command(tmp_path):
+    flags = units.profile_flags(units.Options(), tmp_path / "p", None)
     assert flags[-4:] == ["--profile_steps", "21:23", "--memory_snapshot", "1"]
     assert parse_args(flags[:-4]).max_steps == 25 and parse_args(flags[:-4]).fp8_recipe == "current"
 
@@ -73,34 +62,33 @@ def test_units_run_in_the_issues_order_and_select_by_step_and_glob():
     steps = [u.step for u in plan]
     assert [s for i, s in enumerate(steps) if i == 0 or steps[i - 1] != s] == list(units.STEPS)
     assert [u.id for u in plan[:2]] == ["pytest/te", "pytest/other"]  # the TE path first
-    picked = units.select(plan, ("train", "resume"), ("train/llama3.2-1b/synthetic/te-*", "resume/te-*"))
+    picked = units.select(plan, ("train", "profile"), ("train/llama3.2-1b/synthetic/te-*", "profile/*"))
     assert [u.id for u in picked] == [f"train/llama3.2-1b/synthetic/te-{x}" for x in
                                       ("bf16", "fp8-delayed", "fp8-current", "fp8-block", "fp8-mxfp8")] + [
-        "resume/te-fp8-delayed", "resume/te-fp8-current", "resume/te-fp8-block", "resume/te-bf16"]
+        "profile/llama3.2-1b/synthetic/te-fp8-current"]
     assert units.select(plan, ("bench",), None) == [u for u in plan if u.step == "bench"]
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """The versions probe answers as on an H100 (the probe itself is tested in test_gpu_versions.py)."""
+    """The versions probe answers as on an H100 (the probe itself: tests/scripts/offline/test_versions.py)."""
     monkeypatch.setattr(verify, "probe_versions", lambda args, work, env: dict(H100))
 
 
 def test_dry_run_shows_the_flags_in_the_commands_and_runs_nothing(tmp_path, capsys, fake_gpu):
-    argv = ["--dry-run", "--only", "train,resume", "--models", "llama3.2-1b,tiny", "--data", "synthetic",
-            "--match", "train/*/synthetic/te-fp8-*", "--match", "resume/te-fp8-delayed", "--max-steps", "40",
-            "--warmup-steps", "5", "--logging-freq", "2", "--resume-k", "3", "--device", "cpu", "--python",
+    argv = ["--dry-run", "--only", "train", "--models", "llama3.2-1b,tiny", "--data", "synthetic",
+            "--match", "train/*/synthetic/te-fp8-*", "--max-steps", "40",
+            "--warmup-steps", "5", "--logging-freq", "2", "--device", "cpu", "--python",
             "/opt/py/bin/python3", "--work", str(tmp_path / "work"), "--results", str(tmp_path / "r.jsonl")]
     assert verify.main(argv) == 0
     out = capsys.readouterr().out
     commands = [shlex.split(x) for x in out.splitlines() if x.startswith("/opt/py/bin/python3")]
-    assert len(commands) == 2 * 4 + 4  # two models x four TE FP8 recipes, one resume unit of four runs
+    assert len(commands) == 2 * 4  # two models x four TE FP8 recipes
     assert all(c[:4] == ["/opt/py/bin/python3", "-m", "llama_fp8", "train"] for c in commands)
     cells = [parse_args(train_argv(c)) for c in commands[:8]]
     assert {(c.model, c.fp8_recipe) for c in cells} == {(m, r) for m in ("llama3.2-1b", "tiny")
                                                          for r in ("delayed", "current", "block", "mxfp8")}
     assert all((c.max_steps, c.logging_freq, c.device) == (40, 2, "cpu") for c in cells)
-    assert [parse_args(train_argv(c)).max_steps for c in commands[8:]] == [6, 6, 3, 6]
     assert not (tmp_path / "r.jsonl").exists() and not (tmp_path / "work" / "runs").exists()
 
 

@@ -3,6 +3,11 @@
 TE's GEMM modules (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``) run in FP8 under the autocast unless
 an enclosing module's forward was wrapped by ``precision/exclude.disable_fp8_in`` (a nested autocast with
 enabled=False); plain ``torch.nn.Linear`` layers (the output head) never run in TE's FP8.
+
+Whether a TE module did run in FP8 is its own state: every forward sets ``module.fp8`` from the autocast it runs
+under and ``forwarded_at_least_once`` (``prepare_forward`` -> ``init_fp8_metadata``,
+transformer_engine/pytorch/module/base.py, TE 2.20), so the count reads that after a step rather than trusting
+names or the exclusion list.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from llama_fp8.precision import exclude
 from llama_fp8.precision.verify import LinearLayer
 
 TE_GEMMS = ("Linear", "LayerNormLinear", "LayerNormMLP")
+RAN_WITHOUT_FP8 = "ran without FP8 (TE's own state after the step)"
 
 
 def is_te_gemm(module: nn.Module) -> bool:
@@ -44,14 +50,17 @@ def apply_exclusions(model: nn.Module, patterns: tuple[str, ...], fp8_off) -> li
 
 
 def layers(model: nn.Module, patterns: tuple[str, ...] = ()) -> list[LinearLayer]:
-    """Every GEMM layer of the TE model: in FP8 or not, and why not."""
+    """Every GEMM layer of the TE model: in FP8 or not, and why not. A TE module that has not run a forward yet
+    counts as what it is meant to be."""
     off = _disabled(model)
     out = []
     for name, m in model.named_modules():
         if is_te_gemm(m):
             hit = next((d for d in off if name == d or name.startswith(d + ".")), None)
             why = f"user exception (--fp8_exclude {exclude.match(hit, patterns) or hit})" if hit else None
-            out.append(LinearLayer(name, sum(n for _, n in gemm_weights(m)), hit is None, why))
+            if hit is None and getattr(m, "forwarded_at_least_once", False) and not getattr(m, "fp8", True):
+                why = RAN_WITHOUT_FP8
+            out.append(LinearLayer(name, sum(n for _, n in gemm_weights(m)), why is None, why))
         elif isinstance(m, nn.Linear):
             out.append(LinearLayer(name, m.in_features * m.out_features, False, "output head (not a TE module)"))
     return out

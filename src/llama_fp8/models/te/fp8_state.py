@@ -7,8 +7,13 @@ between saved torch.Size([97]) and current: torch.Size([0])", NVIDIA/Transformer
 unpickling a checkpoint could run code (TE >= 2.16.1 refuses unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1,
 which we never set). So, for every TE module of our model:
 
-- ``_extra_state`` is always saved as an empty tensor, and whatever a checkpoint holds there is handed to
-  TE as ``None`` ("nothing to restore", ``set_extra_state``): no pickle is written or read, ever;
+- ``_extra_state`` is always saved as an empty tensor, and whatever a checkpoint holds there is replaced by
+  ``None`` before TE sees it ("nothing to restore", ``set_extra_state``): no pickle is written or read, ever.
+  A module's own load pre-hook comes too late for that where TE's primary weights are FP8: TE 2.20's
+  ``_load_from_state_dict`` then calls ``set_extra_state`` with the checkpoint's value before the module's
+  pre-hooks run (module/base.py). So the model's root gets a pre-hook too, which runs before any child
+  module is loaded (``nn.Module.load_state_dict`` derives each child's entries after its parent's hooks),
+  and loads go through the root, as the checkpointer's do;
 - with DelayedScaling, the scales and amax histories are persistent buffers (``fp8_scale_fwd``,
   ``fp8_amax_history_fwd``, ``fp8_scale_bwd``, ``fp8_amax_history_bwd``) that *are* the tensors TE uses
   (TE's quantizers hold views of them and its global amax buffers hold references): a checkpoint load
@@ -22,6 +27,7 @@ Stateless recipes (current, mxfp8, block) have no such state: only the empty ext
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -74,12 +80,22 @@ def expose_scaling_state(model: nn.Module) -> int:
 
 
 def keep_pickles_out(model: nn.Module) -> int:
-    """Hooks on every TE module: its extra state is saved empty and never loaded. Returns the module count."""
+    """Hooks on every TE module: its extra state is saved empty and never loaded; one on ``model`` itself that
+    empties every TE module's extra state before any of them is loaded. Returns the module count."""
     modules = list(te_modules(model))
     for _, module in modules:
         module.register_state_dict_post_hook(_save_empty_extra_state)
         module.register_load_state_dict_pre_hook(_load_no_extra_state)
+    keys = tuple(f"{name}.{EXTRA_STATE}" if name else EXTRA_STATE for name, _ in modules)
+    if modules:
+        model.register_load_state_dict_pre_hook(functools.partial(_load_none_for, keys))
     return len(modules)
+
+
+def _load_none_for(keys: tuple[str, ...], module, state_dict, prefix, *args) -> None:
+    for key in keys:
+        if prefix + key in state_dict:
+            state_dict[prefix + key] = None
 
 
 def _save_empty_extra_state(module, state_dict, prefix, local_metadata) -> None:

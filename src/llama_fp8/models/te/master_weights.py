@@ -17,6 +17,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
+from llama_fp8.models.te import fp8_params
+
 FLOAT_STATES = ("exp_avg", "exp_avg_sq", "master")
 
 
@@ -42,19 +44,34 @@ class MasterAdamW(torch.optim.Optimizer):
     parameter; the quantized parameter is re-quantized from its master after each step."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2):
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+                 weight_decay: float = 1e-2, fused: bool | None = None):
+        """``fused``: torch's fused AdamW kernel (None: where every parameter is on CUDA, as ``build_optimizer``
+        gives every other run ``torch.optim.AdamW(fused=True)`` on CUDA, so that A/B step times differ by
+        precision, not by the optimizer's implementation)."""
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                                  "fused": fused})
+        for group in self.param_groups:
+            if group["fused"] is None:
+                group["fused"] = self._fused_for(group["params"])
 
-    def _init_state(self, p: torch.Tensor) -> dict:
+    @staticmethod
+    def _fused_for(params) -> bool:
+        return bool(params) and all(p.device.type == "cuda" for p in params)
+
+    def _init_state(self, p: torch.Tensor, fused: bool = False) -> dict:
         """The parameter's state, created at its first step. A quantized parameter always gets its master here,
         also when its moments came from a state without one (e.g. loaded from torch's AdamW)."""
         state = self.state[p]
         quantized = is_quantized(p)
         if state and (not quantized or "master" in state):
             return state
-        state.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+        # fused: the step count lives on the parameter's device, as torch.optim.AdamW keeps it
+        state.setdefault("step", torch.tensor(0.0, dtype=torch.float32, device=p.device if fused else None))
         if quantized:  # moments and master in FP32, shaped as the parameter's dequantized values
-            master = local(p).dequantize(dtype=torch.float32)
+            # A fresh state starts from the weight's initial values before quantization (what its BF16 partner
+            # starts from); a state whose moments were loaded without a master, from the weight as it is now.
+            initial = fp8_params.initial_values(p) if "exp_avg" not in state else None
+            master = initial if initial is not None else local(p).dequantize(dtype=torch.float32)
             for name in ("exp_avg", "exp_avg_sq"):
                 old = state.get(name)
                 state[name] = _like(p, local(old).float() if old is not None else torch.zeros_like(master))
@@ -75,7 +92,7 @@ class MasterAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self._init_state(p)
+                state = self._init_state(p, group["fused"])
                 if "master" in state:
                     targets.append(state["master"])
                     grads.append(p.grad.float())
@@ -90,7 +107,7 @@ class MasterAdamW(torch.optim.Optimizer):
                 continue
             beta1, beta2 = group["betas"]
             adamw(targets, grads, avgs, sqs, [], steps, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False, fused=group["fused"])
             for p, master in requantize:
                 local(p).quantize_(local(master))
         return loss

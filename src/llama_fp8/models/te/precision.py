@@ -106,6 +106,18 @@ def check_fp8_parameters(cfg, recipe: Recipe) -> None:
         raise ConfigError("--fp8_all_gather 1 with the TE model works with plain FSDP only (one data-parallel "
                           "mesh dimension); drop --sharding_strategy hybrid / --dp_replicate_size, or use "
                           "--fp8_all_gather 0")
+    if cfg.activation_checkpointing != "0":
+        # FSDP2 re-gathers a resharded block for backward with only the weight's transposed (column-wise) FP8
+        # data: TE's Float8Tensor.fsdp_pre_all_gather asks for column-wise usage in PRE_BACKWARD and
+        # update_usage drops the row-wise data where FP8 GEMMs need TN layouts (SM < 10; MXFP8 gathers one
+        # direction on every GPU). TE's checkpoint then recomputes the forward inside backward, which needs the
+        # row-wise data: "Cannot generate FP8 data, even from FP8 data transpose" (TE 2.20; TE's own FSDP2 tests
+        # never combine the two). Keeping the blocks unsharded after forward would avoid it, unproven on a GPU.
+        raise ConfigError(f"--fp8_all_gather 1 with --activation_checkpointing {cfg.activation_checkpointing} "
+                          "(TE): the backward's recomputed forward needs FP8 weight data that FSDP2's backward "
+                          "all-gather of TE's FP8 weights does not bring; use --activation_checkpointing 0 (FP8 "
+                          "all-gather, more activation memory) or --fp8_all_gather 0 (activation checkpointing, "
+                          "FP8 compute, weights all-gathered in BF16)")
     if cfg.optimizer != "adamw":
         # FP8 weights need FP32 masters in the optimizer (master_weights.py); torchao's low-bit AdamW has none.
         raise ConfigError(f"--optimizer {cfg.optimizer} with --fp8_all_gather 1 (TE): FP8 primary weights are "
@@ -124,8 +136,13 @@ class TEFp8(Plain):
                                  True, verify)
 
     def convert(self, model: nn.Module) -> nn.Module:
-        """--fp8_exclude: the matching modules run their forward under a nested autocast(enabled=False)."""
-        fp8_coverage.apply_exclusions(model, self.exclude, lambda: te_recipes.autocast(False, self.recipe))
+        """--fp8_exclude: the matching modules run their forward under a nested autocast(enabled=False) and, with
+        FP8 weights, keep high-precision weights (built under quantized init, unmarked before materialization)."""
+        from llama_fp8.models.te import fp8_params
+
+        excluded = fp8_coverage.apply_exclusions(model, self.exclude, lambda: te_recipes.autocast(False, self.recipe))
+        if self.all_gather:
+            fp8_params.keep_high_precision(model, excluded)
         if self.stats is not None:
             self.stats.attach(model, fp8_coverage.is_te_gemm)
         return model

@@ -1,5 +1,5 @@
 """The versions block: printed in full without a GPU (and without torch), GPU fields from nvidia-smi when there
-is one, and a results key that changes with the GPU or a version and nothing else."""
+is one, and a results key that changes with the GPU architecture or a library version and nothing else."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def test_block_without_a_gpu_prints_every_field(tmp_path):
         assert any(line.startswith(label + " ") for line in lines), label
     v = json.loads((tmp_path / "v.json").read_text())
     assert (v["gpu"], v["driver"], v["capability"]) == ("no GPU", "no GPU", "no GPU")
-    assert v["nvcc"] == "not installed" and v["key"] == versions.key(v) and v["key"].startswith("no-gpu-")
+    assert v["nvcc"] == "not installed" and v["key"] == versions.key(v) and v["key"].startswith("nogpu-")
 
 
 def test_without_torch_the_block_still_prints(monkeypatch):
@@ -39,12 +39,18 @@ def test_gpu_fields_come_from_nvidia_smi(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
     v = versions.collect()
     assert (v["gpu"], v["driver"], v["gpu_memory"]) == ("NVIDIA H100 80GB HBM3", "580.159.04", "81559 MiB")
-    assert versions.key(v).startswith("nvidia-h100-80gb-hbm3-")
+    assert versions.key({**v, "capability": "9.0"}).startswith("sm90-")
 
 
-def test_the_key_follows_gpu_and_versions_only():
-    v = {name: "x" for name, _ in versions.FIELDS}
-    k = versions.key(v)
-    assert versions.key({**v, "python": "3.13", "gpu_memory": "1 MiB", "nvcc": "12.9"}) == k
+def test_the_key_follows_the_gpu_architecture_and_library_versions_only():
+    """A command of a visit that lands on an H200 instead of an H100, or on another driver, goes on with the plan:
+    neither the GPU's name nor the driver is in the key (each record names them)."""
+    h100 = {name: "x" for name, _ in versions.FIELDS} | {"capability": "9.0", "gpu": "NVIDIA H100 80GB HBM3",
+                                                          "driver": "580.159.04", "gpu_memory": "81559 MiB"}
+    k = versions.key(h100)
+    h200 = {**h100, "gpu": "NVIDIA H200", "driver": "575.57.08", "gpu_memory": "143771 MiB"}
+    assert versions.key(h200) == k and k.startswith("sm90-")
+    assert versions.key({**h100, "python": "3.13", "nvcc": "12.9"}) == k
+    assert versions.key({**h100, "capability": "10.0"}).startswith("sm100-")
     for name in versions.KEY_FIELDS:
-        assert versions.key({**v, name: "y"}) != k, name
+        assert versions.key({**h100, name: "y"}) != k, name

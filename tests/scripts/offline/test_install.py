@@ -1,4 +1,4 @@
-"""scripts/gpu/bootstrap.py on CPU: arguments, the wheel chosen for this torch, the compile path (against a
+"""scripts/offline/install.py on CPU: arguments, the wheel chosen for this torch, the compile path (against a
 fake TE source distribution and CUDA toolkit) and its reuse, the errors that name a missing wheel, and that
 nothing tries the network. The real pip installs the wheels every time."""
 
@@ -9,28 +9,29 @@ import subprocess
 import sys
 from pathlib import Path
 
-import bootstrap
-import gpu_fakes as fakes
+import install
+import kit_fakes as fakes
 import pytest
-from gpu_fakes import read_jsonl
+import te_wheel
+from kit_fakes import read_jsonl
 
-BOOTSTRAP = Path(bootstrap.__file__)
+INSTALL = Path(install.__file__)
 
 
 def run_main(argv: list[str], capfd) -> tuple[int, str, str]:
-    code = bootstrap.main([str(a) for a in argv])
+    code = install.main([str(a) for a in argv])
     out = capfd.readouterr()
     return code, out.out, out.err
 
 
 def run_script(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BOOTSTRAP), *map(str, argv)], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, str(INSTALL), *map(str, argv)], capture_output=True, text=True, env=env,
                           timeout=600)
 
 
 @pytest.fixture
 def guarded(tmp_path, monkeypatch):
-    """Children of an in-process bootstrap run under the network guard; returns the attempts log."""
+    """Children of an in-process install run under the network guard; returns the attempts log."""
     env, log = fakes.net_guard(tmp_path)
     monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -53,16 +54,43 @@ def test_prebuilt_wheel_for_this_torch_is_installed_and_imports(tmp_path, capfd,
     assert (target / "transformer_engine" / "wheel_lib" / "fake_ext.py").is_file()  # transformer_engine/
     assert (target / "torchao" / "__init__.py").is_file() and (target / "datasets_fake").is_dir()
     assert "no build record: kept only if it imports" in out and "TE: transformer_engine.pytorch imports" in out
-    assert not (tmp_path / "build.jsonl").exists() and not (kit / bootstrap.BUILT_DIR).exists()  # no compile
+    assert "TE kernels: no CUDA device: TE's kernels not run" in out  # on a GPU: one FP8 te.Linear step
+    assert not (tmp_path / "build.jsonl").exists() and not (kit / te_wheel.BUILT_DIR).exists()  # no compile
     assert out.count("== versions") == 1
     assert "GPU                 no GPU" in out and "compute capability  no GPU" in out
     assert "Transformer Engine  9.9.0" in out and "torchao             0.0.1" in out
     assert not guarded.exists()
 
 
+def test_te_that_imports_but_whose_kernels_fail_is_not_usable(tmp_path, capfd, guarded, monkeypatch):
+    """The kernel check (one te.Linear forward+backward on the GPU) fails as a core library without this GPU's
+    code would: exit 3 with TE's error, and the versions block is still printed."""
+    monkeypatch.setattr(install, "KERNEL_CHECK", "raise RuntimeError('CUDA error: no kernel image is available')")
+    kit = fakes.kit(tmp_path / "kit", prebuilt_for=fakes.torch_version())
+    code, out, err = run_main([kit, tmp_path / "site"], capfd)
+    assert code == install.EXIT_NO_TE, out + err
+    assert "TE imports but its kernels do not run on this GPU" in err and "no kernel image is available" in err
+    assert out.count("== versions") == 1
+
+
+@pytest.mark.gpu
+def test_the_kernel_check_runs_an_fp8_te_linear_on_this_gpu():
+    """On a GPU node with Transformer Engine: the install's kernel check passes and says what it ran."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
+        pytest.skip("needs a CUDA GPU and Transformer Engine")
+    proc = subprocess.run([sys.executable, "-c", install.KERNEL_CHECK], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    fp8 = torch.cuda.get_device_capability() >= (8, 9)
+    assert ("under FP8 current scaling" if fp8 else "in BF16") in proc.stdout and "finite True" in proc.stdout
+
+
 @pytest.mark.slow
 def test_compiles_when_no_wheel_fits_then_reuses_the_compiled_wheel(tmp_path):
-    """The kit's prebuilt wheel is for another torch: it does not import, so bootstrap compiles the sdist
+    """The kit's prebuilt wheel is for another torch: it does not import, so install compiles the sdist
     with TE's build variables and the node's headers, keeps the wheel with a build record (and exports a
     copy), and the next run installs that wheel without compiling. No run opens a network connection."""
     guard_env, net_log = fakes.net_guard(tmp_path)
@@ -80,13 +108,13 @@ def test_compiles_when_no_wheel_fits_then_reuses_the_compiled_wheel(tmp_path):
     assert includes[0] == str((tmp_path / "cuda" / "include").resolve())
     for pkg in ("cudnn", "nccl", "cu13"):
         assert str(tmp_path / "node_site" / "nvidia" / pkg / "include") in includes
-    key = bootstrap.build_key(fakes.TE_VERSION, fakes.torch_version(), fakes.CP)
-    [wheel] = (kit / bootstrap.BUILT_DIR / key).glob("*.whl")
-    record = json.loads(bootstrap.record_path(wheel).read_text())
+    key = te_wheel.build_key(fakes.TE_VERSION, fakes.torch_version(), fakes.CP)
+    [wheel] = (kit / te_wheel.BUILT_DIR / key).glob("*.whl")
+    record = json.loads(te_wheel.record_path(wheel).read_text())
     assert (record["torch"], record["python"], record["te_version"]) == (fakes.torch_version(), fakes.CP, "9.9.0")
-    assert record["sha256"] == bootstrap.sha256(wheel)
+    assert record["sha256"] == te_wheel.sha256(wheel)
     assert sorted(p.name for p in (tmp_path / "out" / "built" / key).iterdir()) == sorted(
-        [wheel.name, bootstrap.record_path(wheel).name])
+        [wheel.name, te_wheel.record_path(wheel).name])
 
     second = run_script([kit, tmp_path / "site"], env)
     assert second.returncode == 0, second.stdout + second.stderr
@@ -100,7 +128,7 @@ def test_missing_wheels_are_named(tmp_path, capfd):
     but this Python has it (as a node may): not an error."""
     kit = fakes.kit(tmp_path / "kit", prebuilt_for=None, with_sdist=False, skip=("torchao", "transformer_engine"))
     code, _, err = run_main([kit, tmp_path / "site"], capfd)
-    assert code == bootstrap.EXIT_BAD_KIT
+    assert code == install.EXIT_BAD_KIT
     assert "no transformer_engine wheel (transformer_engine-VERSION-*.whl)" in err and "torchao" not in err
     assert "neither a transformer_engine_torch wheel" in err and "transformer_engine_torch-VERSION.tar.gz" in err
     assert not (tmp_path / "site").exists()
@@ -110,30 +138,30 @@ def test_missing_te_core_and_two_versions_of_one_wheel(tmp_path, capfd):
     kit = fakes.kit(tmp_path / "kit", prebuilt_for=fakes.torch_version(), skip=("transformer_engine_cu13",))
     fakes.make_wheel(kit, "datasets_fake", "2.0", {"datasets_fake/__init__.py": ""})
     code, _, err = run_main([kit, tmp_path / "site"], capfd)
-    assert code == bootstrap.EXIT_BAD_KIT
+    assert code == install.EXIT_BAD_KIT
     assert "no transformer_engine_cuNN wheel" in err
     assert "2 wheels of datasets_fake (datasets_fake-1.0-py3-none-any.whl, datasets_fake-2.0-py3-none-any.whl)" in err
 
 
 def test_wheels_dir_must_be_a_folder(tmp_path, capfd):
     code, _, err = run_main([tmp_path / "nowhere"], capfd)
-    assert code == bootstrap.EXIT_BAD_KIT and f"WHEELS_DIR {tmp_path / 'nowhere'}: not a folder" in err
+    assert code == install.EXIT_BAD_KIT and f"WHEELS_DIR {tmp_path / 'nowhere'}: not a folder" in err
 
 
-def test_a_folder_bootstrap_did_not_make_is_left_alone(tmp_path, capfd, guarded):
+def test_a_folder_install_did_not_make_is_left_alone(tmp_path, capfd, guarded):
     kit = fakes.kit(tmp_path / "kit", prebuilt_for=fakes.torch_version())
     target = tmp_path / "mine"
     target.mkdir()
     (target / "notes.txt").write_text("keep me")
     code, _, err = run_main([kit, target], capfd)
-    assert code == bootstrap.EXIT_BAD_KIT and "was not made by bootstrap" in err
+    assert code == install.EXIT_BAD_KIT and "was not made by install.py" in err
     assert (target / "notes.txt").read_text() == "keep me" and len(list(target.iterdir())) == 1
 
 
 def test_no_build_stops_with_exit_3_when_te_does_not_import(tmp_path, capfd, guarded):
     kit = fakes.kit(tmp_path / "kit", prebuilt_for="2.11.0+cu130", build_log=tmp_path / "build.jsonl")
     code, out, err = run_main([kit, tmp_path / "site", "--no-build"], capfd)
-    assert code == bootstrap.EXIT_NO_TE and "--no-build" in err
+    assert code == install.EXIT_NO_TE and "--no-build" in err
     assert "undefined symbol" in out and out.count("== versions") == 1  # the block is printed anyway
     assert not (tmp_path / "build.jsonl").exists()
 
@@ -158,10 +186,10 @@ def test_dry_run_prints_the_install_and_compile_commands_and_changes_nothing(tmp
 
 def test_force_build_and_no_build_contradict(tmp_path, capfd):
     with pytest.raises(SystemExit) as e:
-        bootstrap.main([str(tmp_path), "--no-build", "--force-build"])
+        install.main([str(tmp_path), "--no-build", "--force-build"])
     assert e.value.code == 2 and "contradict" in capfd.readouterr().err
     with pytest.raises(SystemExit) as e:
-        bootstrap.main([str(tmp_path), "--jobs", "0"])
+        install.main([str(tmp_path), "--jobs", "0"])
     assert e.value.code == 2 and "--jobs 0" in capfd.readouterr().err
 
 
@@ -181,8 +209,8 @@ def test_build_timeout_stops_the_compile(tmp_path, capfd, monkeypatch):
     monkeypatch.setenv("CUDA_HOME", env["CUDA_HOME"])
     kit = fakes.kit(tmp_path / "kit", prebuilt_for=None, build_log=tmp_path / "build.jsonl")
     code, _, err = run_main([kit, tmp_path / "site", "--build-timeout", "0.2"], capfd)
-    assert code == bootstrap.EXIT_NO_TE and "more than 0 s" in err and "--build-timeout" in err
-    assert not (kit / bootstrap.BUILT_DIR).exists()
+    assert code == install.EXIT_NO_TE and "more than 0 s" in err and "--build-timeout" in err
+    assert not (kit / te_wheel.BUILT_DIR).exists()
 
 
 def test_the_cuda_toolkit_is_the_one_with_headers_not_a_wrapper_on_path(tmp_path):
@@ -192,35 +220,35 @@ def test_the_cuda_toolkit_is_the_one_with_headers_not_a_wrapper_on_path(tmp_path
     wrapper.parent.mkdir()
     wrapper.write_text(f'#!/bin/sh\nexec {real}/bin/nvcc "$@"\n')
     wrapper.chmod(0o755)
-    assert bootstrap.find_cuda_home({"PATH": str(wrapper.parent), "CUDA_HOME": real}) == Path(real).resolve()
-    found = bootstrap.find_cuda_home({"PATH": str(wrapper.parent)})
+    assert te_wheel.find_cuda_home({"PATH": str(wrapper.parent), "CUDA_HOME": real}) == Path(real).resolve()
+    found = te_wheel.find_cuda_home({"PATH": str(wrapper.parent)})
     assert found != tmp_path  # the wrapper's folder has no include/cuda_runtime.h: passed over
 
 
 def test_compile_prerequisites_are_named(tmp_path, monkeypatch):
 
-    monkeypatch.setattr(bootstrap, "BUILD_IMPORTS", ("import torch", "import no_such_build_module"))
-    monkeypatch.setattr(bootstrap, "find_cuda_home", lambda env: None)
-    plan = bootstrap.build_plan(sys.executable, tmp_path / "te.tar.gz", tmp_path, tmp_path, None, {})
+    monkeypatch.setattr(te_wheel, "BUILD_IMPORTS", ("import torch", "import no_such_build_module"))
+    monkeypatch.setattr(te_wheel, "find_cuda_home", lambda env: None)
+    plan = te_wheel.build_plan(sys.executable, tmp_path / "te.tar.gz", tmp_path, tmp_path, None, {})
     assert any("no CUDA toolkit" in p for p in plan.problems)
     assert [p for p in plan.problems if "import" in p] == [
         "the build cannot import no_such_build_module -> ModuleNotFoundError(\"No module named 'no_such_build_module'\")"
         " (add the missing wheel to the kit)"]
     assert any("no cuDNN headers" in p for p in plan.problems)
-    assert int(plan.env["MAX_JOBS"]) == bootstrap.cpu_count() >= 1
+    assert int(plan.env["MAX_JOBS"]) == te_wheel.cpu_count() >= 1
 
 
 # --- wheel selection, without installing -------------------------------------------------------------
 def test_wheel_names_and_platforms():
-    w = bootstrap.parse_wheel(Path("torchao-0.18.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"))
+    w = te_wheel.parse_wheel(Path("torchao-0.18.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"))
     assert (w.name, w.version, w.py, w.abi) == ("torchao", "0.18.0", "cp310", "abi3")
-    assert bootstrap.runs_on(w, "cp312", "x86_64") and not bootstrap.runs_on(w, "cp312", "aarch64")
-    te = bootstrap.parse_wheel(Path("transformer_engine_torch-2.20.2-cp312-cp312-linux_x86_64.whl"))
-    assert bootstrap.runs_on(te, "cp312", "x86_64") and not bootstrap.runs_on(te, "cp311", "x86_64")
-    assert bootstrap.parse_wheel(Path("multiprocess-0.70.19-py312-none-any.whl")).py == "py312"
+    assert te_wheel.runs_on(w, "cp312", "x86_64") and not te_wheel.runs_on(w, "cp312", "aarch64")
+    te = te_wheel.parse_wheel(Path("transformer_engine_torch-2.20.2-cp312-cp312-linux_x86_64.whl"))
+    assert te_wheel.runs_on(te, "cp312", "x86_64") and not te_wheel.runs_on(te, "cp311", "x86_64")
+    assert te_wheel.parse_wheel(Path("multiprocess-0.70.19-py312-none-any.whl")).py == "py312"
     with pytest.raises(ValueError, match="not a wheel file name"):
-        bootstrap.parse_wheel(Path("readme.whl"))
-    assert bootstrap.build_key("2.20.2", "2.11.0+cu130", "cp312") == "te2.20.2-torch2.11.0_cu130-cp312"
+        te_wheel.parse_wheel(Path("readme.whl"))
+    assert te_wheel.build_key("2.20.2", "2.11.0+cu130", "cp312") == "te2.20.2-torch2.11.0_cu130-cp312"
 
 
 def test_choice_prefers_a_recorded_build_and_passes_over_others_with_reasons(tmp_path):
@@ -230,23 +258,23 @@ def test_choice_prefers_a_recorded_build_and_passes_over_others_with_reasons(tmp
     for torch_version in ("2.11.0+cu130", "2.12.0+cu130"):
         sub = tmp_path / torch_version
         sub.mkdir()
-        bootstrap.save_build(fakes.te_torch_wheel(sub, torch_version), kit_dir,
+        te_wheel.save_build(fakes.te_torch_wheel(sub, torch_version), kit_dir,
                            {"te_version": fakes.TE_VERSION, "torch": torch_version, "python": fakes.CP})
-    kit = bootstrap.inventory(kit_dir)
-    pick = bootstrap.choose_te_torch(kit, fakes.TE_VERSION, "2.12.0+cu130", fakes.CP, "x86_64")
+    kit = te_wheel.inventory(kit_dir)
+    pick = te_wheel.choose_te_torch(kit, fakes.TE_VERSION, "2.12.0+cu130", fakes.CP, "x86_64")
     assert pick.recorded and "torch2.12.0_cu130" in str(pick.wheel.path)
     assert any("'2.11.0+cu130' != '2.12.0+cu130'" in n for n in pick.notes)
-    pick = bootstrap.choose_te_torch(kit, fakes.TE_VERSION, "2.13.0", fakes.CP, "x86_64")
+    pick = te_wheel.choose_te_torch(kit, fakes.TE_VERSION, "2.13.0", fakes.CP, "x86_64")
     assert not pick.recorded and pick.wheel.path.parent == kit_dir  # only the unrecorded one is left
-    pick = bootstrap.choose_te_torch(kit, "1.0.0", "2.13.0", fakes.CP, "x86_64")
+    pick = te_wheel.choose_te_torch(kit, "1.0.0", "2.13.0", fakes.CP, "x86_64")
     assert pick.wheel is None and all("the kit's TE is 1.0.0" in n for n in pick.notes)
     # a record whose sha256 is not the wheel's (the wheel was replaced) does not count
-    [built] = (kit_dir / bootstrap.BUILT_DIR).glob("*2.12.0*/*.whl")
+    [built] = (kit_dir / te_wheel.BUILT_DIR).glob("*2.12.0*/*.whl")
     built.write_bytes(built.read_bytes() + b"\0")
-    pick = bootstrap.choose_te_torch(bootstrap.inventory(kit_dir), fakes.TE_VERSION, "2.12.0+cu130", fakes.CP, "x86_64")
+    pick = te_wheel.choose_te_torch(te_wheel.inventory(kit_dir), fakes.TE_VERSION, "2.12.0+cu130", fakes.CP, "x86_64")
     assert not pick.recorded and any("sha256 differs" in n for n in pick.notes)
 
 
 def test_a_wheel_without_a_build_record_is_unrecorded(tmp_path):
     wheel = fakes.te_torch_wheel(tmp_path, "y")
-    assert bootstrap.read_record(wheel) is None  # an unknown hash without a record: unrecorded
+    assert te_wheel.read_record(wheel) is None  # an unknown hash without a record: unrecorded

@@ -1,6 +1,7 @@
-"""The versions block of a GPU node, and the key that names "this GPU with these versions" in results files.
+"""The versions block of a GPU node, and the key that names "this kind of GPU with these versions" in results
+files.
 
-    python scripts/gpu/versions.py [--json PATH]
+    python scripts/offline/versions.py [--json PATH]
 
 Prints one block (GPU name, driver, CUDA, compute capability, torch, TE, torchao, transformers, cuDNN,
 NCCL, ...). Each probe fails on its own: on a machine without a GPU, or without torch, the block is still
@@ -30,9 +31,10 @@ FIELDS = (
     ("torchao", "torchao"), ("transformers", "transformers"), ("cudnn", "cuDNN"), ("nccl", "NCCL"),
     ("python", "Python"),
 )
-# What makes two visits' numbers comparable: the same GPU and the same versions.
-KEY_FIELDS = ("gpu", "capability", "driver", "cuda", "torch", "transformer_engine", "torchao", "transformers",
-              "cudnn", "nccl")
+# What a visit resumes on: the GPU architecture and the library versions. Not the GPU's name nor the driver: a
+# command that lands on an H200 instead of an H100, or on another driver, goes on with the plan (each record
+# names its GPU and driver; measurements are done per GPU, verify.py/runs.py, and compared only on one GPU).
+KEY_FIELDS = ("capability", "cuda", "torch", "transformer_engine", "torchao", "transformers", "cudnn", "nccl")
 
 
 def package_version(*names: str) -> str:
@@ -119,10 +121,11 @@ def collect() -> dict[str, str]:
 
 
 def key(versions: dict[str, str]) -> str:
-    """Short, stable name of this GPU + versions: the GPU's name as a slug and a hash of KEY_FIELDS."""
+    """Short, stable name of this GPU architecture + versions: ``sm90-`` and a hash of KEY_FIELDS."""
     digest = hashlib.sha256(json.dumps([versions.get(k) for k in KEY_FIELDS]).encode()).hexdigest()[:10]
-    slug = re.sub(r"[^a-z0-9]+", "-", versions.get("gpu", NO_GPU).lower()).strip("-")
-    return f"{slug}-{digest}"
+    cap = versions.get("capability", "")
+    arch = "sm" + cap.replace(".", "") if re.fullmatch(r"\d+\.\d+", cap) else "nogpu"
+    return f"{arch}-{digest}"
 
 
 def format_block(versions: dict[str, str]) -> str:

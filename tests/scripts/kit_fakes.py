@@ -1,8 +1,8 @@
-"""Stand-ins for what only a GPU node has, used by the tests of scripts/gpu/: a wheel kit whose Transformer
-Engine is a few lines that behave like the real one (its PyTorch extension imports only with the torch it was
+"""Stand-ins for what only a GPU node has, used by the tests of scripts/gpu/ and scripts/offline/: a wheel kit
+whose Transformer Engine is a few lines that behave like the real one (its PyTorch extension imports only with the torch it was
 built for), TE's source distribution (a real, offline-buildable sdist that records the build environment it
 saw), a CUDA toolkit and nvidia-* header folders, and a network guard that logs and refuses every
-connection. Our own code (bootstrap, verify) runs unchanged against them."""
+connection. Our own code (install.py, verify.py) runs unchanged against them."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def make_wheel(folder: Path, name: str, version: str, files: dict[str, str], tag
     purelib = "true" if tag.endswith("-none-any") else "false"
     entries = dict(files)
     entries[f"{dist}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
-    entries[f"{dist}/WHEEL"] = f"Wheel-Version: 1.0\nGenerator: gpu_fakes\nRoot-Is-Purelib: {purelib}\nTag: {tag}\n"
+    entries[f"{dist}/WHEEL"] = f"Wheel-Version: 1.0\nGenerator: kit_fakes\nRoot-Is-Purelib: {purelib}\nTag: {tag}\n"
     record = [f"{p},{_digest(t.encode())},{len(t.encode())}" for p, t in entries.items()] + [f"{dist}/RECORD,,"]
     entries[f"{dist}/RECORD"] = "\n".join(record) + "\n"
     path = folder / f"{name}-{version}-{tag}.whl"

@@ -1,0 +1,327 @@
+"""Bring a bare GPU node up from an offline kit, without network (standard library only: it runs before
+anything of the kit is installed). ``install_kit.sh`` checks the kit against its manifest and runs this;
+a GPU visit (``scripts/gpu/visit.sh``) does the same first.
+
+    python scripts/offline/install.py WHEELS_DIR [TARGET] [--no-build] [--force-build] [--export DIR]
+                                      [--jobs N] [--build-timeout S] [--dry-run]
+
+A kit (``scripts/offline/make_kit.sh DIR ...``) holds, at its top level, the wheels a bare node lacks (torchao,
+Transformer Engine's Python part and core library, their small needs, datasets), the
+``transformer_engine_torch`` source distribution, and usually a prebuilt ``transformer_engine_torch`` wheel.
+install.py puts every wheel into TARGET (default /tmp/site) with ``pip install --no-index --no-deps
+--target``, picks the ``transformer_engine_torch`` wheel built for this node's torch, and checks that TE's
+PyTorch extension imports, then runs one ``te.Linear`` forward and backward under FP8 current scaling on the
+GPU (a pruned or mismatched core library fails there, not minutes later in the first TE run). When no wheel
+fits, or the one that should fit does not import, it compiles one from the source distribution, saves it to WHEELS_DIR/built/<key>/ with a build record (and to --export DIR/<key>/,
+e.g. under the output folder $OUT), so that the next visit installs it instead of compiling. Last, it prints
+the versions block (versions.py).
+
+Which wheel matches this node's torch, and how one is compiled: te_wheel.py.
+
+Use TARGET with ``export PYTHONPATH=TARGET:$REPO/src``. Exit codes: 0 ready; 2 bad arguments or an unusable
+kit (the message names the missing or conflicting wheel); 3 TE's PyTorch extension is not usable (it does not
+import and was not compiled, the compile failed, or its kernels do not run): torchao and the HF model still work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from te_wheel import (  # in this folder
+    BUILT_DIR,
+    OFFLINE_ENV,
+    TE_TORCH,
+    Choice,
+    Kit,
+    build_plan,
+    build_record,
+    choose_te_torch,
+    describe,
+    inventory,
+    normalize,
+    problems,
+    record_path,
+    save_build,
+)
+
+HERE = Path(__file__).resolve().parent
+MARKER = ".llama-fp8-install"  # written into TARGET: only a folder holding it is ever emptied
+EXIT_BAD_KIT, EXIT_NO_TE = 2, 3
+IMPORT_CHECK = ("import torch\nimport transformer_engine.pytorch\nimport importlib.metadata as m\n"
+                "print('transformer_engine.pytorch imports; transformer_engine_torch', "
+                "m.version('transformer_engine_torch'))")
+# One te.Linear forward + backward on the GPU, under FP8 current scaling where the GPU has FP8 (SM >= 8.9):
+# TE's kernels run, not just its import (TE >= 2.9 has te.autocast(recipe=...), older fp8_autocast(fp8_recipe=...)).
+KERNEL_CHECK = """\
+import sys, time, torch
+if not torch.cuda.is_available():
+    print("no CUDA device: TE's kernels not run"); sys.exit(0)
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import Float8CurrentScaling
+fp8 = torch.cuda.get_device_capability() >= (8, 9)
+new = hasattr(te, "autocast")
+context = (te.autocast if new else te.fp8_autocast)(**{"enabled": fp8, "recipe" if new else "fp8_recipe": Float8CurrentScaling()})
+t0 = time.perf_counter()
+layer = te.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda")
+x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+with context:
+    y = layer(x)
+y.float().square().mean().backward()
+torch.cuda.synchronize()
+ok = all(bool(torch.isfinite(t).all()) for t in (y, x.grad, layer.weight.grad))
+how = "under FP8 current scaling" if fp8 else "in BF16 (this GPU has no FP8)"
+print(f"te.Linear forward+backward {how} on {torch.cuda.get_device_name()}: finite {ok}, {time.perf_counter() - t0:.1f} s")
+sys.exit(0 if ok else 1)
+"""
+
+
+class InstallError(Exception):
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def say(message: str) -> None:
+    print(f"[install] {message}", flush=True)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="install.py", description=__doc__.splitlines()[0])
+    p.add_argument("wheels_dir", metavar="WHEELS_DIR", help="the offline kit (scripts/offline/make_kit.sh DIR)")
+    p.add_argument("target", metavar="TARGET", nargs="?", default="/tmp/site",
+                   help="folder to install into (default /tmp/site); emptied first if an earlier install.py made it")
+    p.add_argument("--no-build", action="store_true", help="never compile transformer_engine_torch (exit 3 instead)")
+    p.add_argument("--force-build", action="store_true", help="compile transformer_engine_torch even if a wheel fits")
+    p.add_argument("--export", metavar="DIR", help="also copy a freshly built wheel and its record to DIR/<key>/")
+    p.add_argument("--jobs", type=int, help="parallel compile jobs (MAX_JOBS; default: the CPU cores)")
+    p.add_argument("--build-timeout", type=float, default=480.0, help="seconds the compile may take (default 480)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the install and build commands (with their environment) and change nothing")
+    args = p.parse_args(argv)
+    if args.no_build and args.force_build:
+        p.error("--no-build and --force-build contradict each other")
+    if args.jobs is not None and args.jobs < 1:
+        p.error(f"--jobs {args.jobs}: must be >= 1")
+    return args
+
+
+@dataclass(frozen=True)
+class Node:
+    cp_tag: str
+    machine: str
+    torch: str | None
+    cuda: str | None
+    installed: frozenset[str]
+
+
+def node_info() -> Node:
+    """This Python: its tag, machine, torch (imported: the one TE's extension must match) and packages."""
+    try:
+        import torch
+
+        torch_version, cuda = torch.__version__, torch.version.cuda
+    except ImportError:
+        torch_version = cuda = None
+    names = frozenset(normalize(d.metadata["Name"] or "") for d in importlib.metadata.distributions())
+    return Node(f"cp{sys.version_info[0]}{sys.version_info[1]}", platform.machine(), torch_version, cuda, names)
+
+
+def child_env(target: Path) -> dict[str, str]:
+    env = {**os.environ, **OFFLINE_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(target), os.environ.get("PYTHONPATH", "")) if x)
+    return env
+
+
+def install_command(wheels: list[Path], target: Path) -> list[str]:
+    # One pip call for all wheels: transformer_engine and transformer_engine_torch share the
+    # transformer_engine/ folder, and a second --target install would replace that folder whole.
+    return [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+            "--upgrade", "--target", str(target), *map(str, wheels)]
+
+
+def prepare_target(target: Path) -> None:
+    """Empty TARGET if an earlier install.py made it; refuse a non-empty folder it did not make."""
+    if target.exists() and any(target.iterdir()):
+        if not (target / MARKER).is_file():
+            raise InstallError(f"TARGET {target} is not empty and was not made by install.py (no {MARKER}): "
+                                 f"choose an empty or new folder", EXIT_BAD_KIT)
+        shutil.rmtree(target)
+    target.mkdir(parents=True, exist_ok=True)
+    (target / MARKER).write_text("made by scripts/offline/install.py; emptied by its next run\n")
+
+
+def install(wheels: list[Path], target: Path) -> None:
+    prepare_target(target)
+    say(f"installing {len(wheels)} wheels into {target}")
+    t0 = time.perf_counter()
+    proc = subprocess.run(install_command(wheels, target), env=child_env(target), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise InstallError(f"pip install failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}",
+                             EXIT_BAD_KIT)
+    say(f"installed in {time.perf_counter() - t0:.1f} s")
+
+
+def import_check(target: Path) -> tuple[bool, str]:
+    """Does TE's PyTorch extension import from TARGET with this node's torch? (ok, output)"""
+    proc = subprocess.run([sys.executable, "-c", IMPORT_CHECK], env=child_env(target), capture_output=True,
+                          text=True, timeout=600)
+    text = (proc.stdout + proc.stderr).strip()
+    return proc.returncode == 0, text.splitlines()[-1] if proc.returncode == 0 and text else text[-3000:]
+
+
+def kernel_check(target: Path) -> tuple[bool, str]:
+    """Do TE's kernels run (KERNEL_CHECK)? (ok, its last line or the error)"""
+    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=child_env(target), capture_output=True,
+                          text=True, timeout=600)
+    text = (proc.stdout + proc.stderr).strip()
+    return proc.returncode == 0, text.splitlines()[-1] if proc.returncode == 0 and text else text[-3000:]
+
+
+def build(kit: Kit, te_version: str, node: Node, target: Path, args: argparse.Namespace) -> Path:
+    """Compile transformer_engine_torch into WHEELS_DIR/built/<key>/ (and --export); returns the wheel."""
+    out_dir = Path(tempfile.mkdtemp(prefix="te-torch-wheel-"))
+    bp = build_plan(sys.executable, kit.sdist, out_dir, target, args.jobs, dict(os.environ))
+    if bp.problems:
+        raise InstallError("cannot compile transformer_engine_torch:\n  " + "\n  ".join(bp.problems), EXIT_NO_TE)
+    log = out_dir.with_suffix(".log")
+    say(f"compiling {kit.sdist.name} against torch {node.torch} (MAX_JOBS={bp.env['MAX_JOBS']}, up to "
+        f"{args.build_timeout:.0f} s; log {log})")
+    t0 = time.perf_counter()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(bp.command, env={**os.environ, **bp.env}, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=args.build_timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            raise InstallError(f"the compile took more than {args.build_timeout:.0f} s and was stopped "
+                                 f"(--build-timeout); log {log}", EXIT_NO_TE) from None
+    built = sorted(out_dir.glob(f"{TE_TORCH}-*.whl"))
+    if rc != 0 or not built:
+        raise InstallError(f"the compile failed (exit {rc}); last lines of {log}:\n"
+                             + log.read_text()[-3000:], EXIT_NO_TE)
+    seconds = time.perf_counter() - t0
+    rec = build_record(te_version, node.torch, node.cp_tag, node.cuda, bp, seconds)
+    dest = save_build(built[0], kit.root, rec)
+    say(f"compiled in {seconds:.0f} s; kept as {dest}")
+    if args.export:
+        export = Path(args.export) / dest.parent.name
+        export.mkdir(parents=True, exist_ok=True)
+        for f in (dest, record_path(dest)):
+            shutil.copy2(f, export / f.name)
+        say(f"copied to {export} (bring it back into {kit.root / BUILT_DIR}/)")
+    return dest
+
+
+def versions_block(target: Path) -> None:
+    subprocess.run([sys.executable, str(HERE / "versions.py")], env=child_env(target), check=False, timeout=300)
+
+
+def check_kit(args: argparse.Namespace) -> tuple[Kit, Node, str]:
+    root = Path(args.wheels_dir).resolve()
+    if not root.is_dir():
+        raise InstallError(f"WHEELS_DIR {args.wheels_dir}: not a folder (make a kit with "
+                             f"scripts/offline/make_kit.sh {args.wheels_dir} --python X.Y --torch V --arch sm_NN)", EXIT_BAD_KIT)
+    try:
+        kit = inventory(root)
+    except ValueError as e:
+        raise InstallError(str(e), EXIT_BAD_KIT) from None
+    node = node_info()
+    issues = problems(kit, set(node.installed))
+    if node.torch is None:
+        issues.append(f"this Python ({sys.executable}) has no torch: run install.py with the node's PyTorch Python")
+    if issues:
+        raise InstallError("the kit cannot be used:\n  " + "\n  ".join(issues), EXIT_BAD_KIT)
+    te_version = kit.te_version() or importlib.metadata.version("transformer_engine")
+    return kit, node, te_version
+
+
+def install_te(kit: Kit, wheels: list[Path], choice: Choice, te_version: str, node: Node, target: Path,
+               args: argparse.Namespace) -> None:
+    """Install the kit with the chosen TE extension; compile one when it does not import (unless --no-build)."""
+    ok, message = False, "no wheel chosen"
+    if choice.wheel is not None:
+        install([*wheels, choice.wheel.path], target)
+        ok, message = import_check(target)
+        say(("TE: " if ok else "TE does not import with this wheel: ") + message)
+    if ok:
+        return
+    if args.no_build:
+        raise InstallError("transformer_engine_torch is not usable and --no-build was given", EXIT_NO_TE)
+    if kit.sdist is None:
+        raise InstallError(f"no {TE_TORCH}-{te_version}.tar.gz in the kit to compile", EXIT_NO_TE)
+    install(wheels, target)  # the build finds TE's core and cudnn-frontend headers here
+    dest = build(kit, te_version, node, target, args)
+    install([*wheels, dest], target)
+    ok, message = import_check(target)
+    if not ok:
+        raise InstallError(f"the compiled {dest.name} does not import either:\n{message}", EXIT_NO_TE)
+    say("TE: " + message)
+
+
+def run(args: argparse.Namespace) -> int:
+    kit, node, te_version = check_kit(args)
+    target = Path(args.target).resolve()
+    say(f"kit {kit.root}: {len(kit.wheels)} wheels, TE {te_version}; node: {node.cp_tag}, torch {node.torch}")
+    choice = Choice(None, False, ()) if args.force_build else choose_te_torch(
+        kit, te_version, node.torch, node.cp_tag, node.machine)
+    for note in choice.notes:
+        say(f"not used: {note}")
+    if choice.wheel is not None:
+        how = "built for this torch (build record)" if choice.recorded else "no build record: kept only if it imports"
+        say(f"{TE_TORCH}: {choice.wheel.path.relative_to(kit.root)} ({how})")
+    elif kit.sdist is None:
+        raise InstallError(f"no {TE_TORCH} wheel fits torch {node.torch} / {node.cp_tag} and the kit "
+                             f"has no {TE_TORCH}-{te_version}.tar.gz to compile one", EXIT_BAD_KIT)
+    wheels = [w.path for w in kit.wheels]
+    if args.dry_run:
+        return dry_run(kit, wheels, choice, target, args)
+    try:
+        install_te(kit, wheels, choice, te_version, node, target, args)
+        ok, message = kernel_check(target)
+        if not ok:  # the extension imports, its kernels fail (e.g. a core library without this GPU's code)
+            raise InstallError(f"TE imports but its kernels do not run on this GPU:\n{message}", EXIT_NO_TE)
+        say("TE kernels: " + message)
+    finally:  # the versions block, also when TE is not usable: what the node has is worth knowing then too
+        versions_block(target)
+    say(f"ready: export PYTHONPATH={target}:$REPO/src")
+    return 0
+
+
+def dry_run(kit: Kit, wheels: list[Path], choice: Choice, target: Path,
+            args: argparse.Namespace) -> int:
+    import shlex
+
+    chosen = [choice.wheel.path] if choice.wheel is not None else []
+    say("dry run: would run\n" + " ".join(map(shlex.quote, install_command([*wheels, *chosen], target))))
+    if choice.wheel is None or args.force_build:
+        bp = build_plan(sys.executable, kit.sdist, Path(tempfile.gettempdir()) / "te-torch-wheel", target,
+                               args.jobs, dict(os.environ))
+        say("dry run: then compile with\n" + describe(bp))
+        for problem in bp.problems:
+            say(f"dry run: the compile would fail now: {problem}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return run(args)
+    except InstallError as e:
+        print(f"[install] error: {e}", file=sys.stderr, flush=True)
+        return e.code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
