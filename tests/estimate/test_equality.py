@@ -7,9 +7,9 @@ Both are measured by the same instrument (FSDPMemTracker), so any difference is 
 fake run allocates that the real one does not, or the reverse. What the instrument itself cannot see on a GPU
 is another question (estimate/terms.py, and the GPU test).
 
-Compared: the peak, its split by kind and where it happens, the memory by kind as the optimizer step starts
-(every gradient sharded), the collectives (kind, mesh dimension, phase, calls, bytes) and this rank's parameter
-elements. One gloo artefact is kept out of the peak by the choice of shapes: gloo's reduce-scatter copies its
+Compared: the peak, its split by kind and where it happens, the sharded parameters, gradients and optimizer
+states as the optimizer step starts, the collectives (kind, mesh dimension, phase, calls, bytes) and this rank's
+parameter elements. One gloo artefact is kept out of the peak by the choice of shapes: gloo's reduce-scatter copies its
 input into a buffer of its own, which the tracker sees when the work is waited on (NCCL has none); the shapes
 below (a 4096-token vocabulary, 2 x 128 tokens) put the peak in the loss, far above that moment, as in any real
 LLM configuration.
@@ -66,8 +66,15 @@ def fake_record(args: list[str]) -> dict:
 
 @pytest.mark.parametrize("case", CASES)
 def test_estimate_equals_the_real_run_to_the_byte(real, case):
-    estimate = fake_record(BASE + CASES[case])
-    assert estimate == real[case]
+    estimate, real_run = fake_record(BASE + CASES[case]), dict(real[case])
+    # As the optimizer step starts, gloo may still hold the gradient norm's all-reduce buffer (84 bytes here) or may
+    # have released it: it completes on its own thread, and the real run itself varies from run to run there.
+    # The sharded state at that moment must match exactly; the activations of that moment are not compared.
+    at_opt, real_at_opt = estimate.pop("at_optimizer"), real_run.pop("at_optimizer")
+    for kind in ("Sharded Param", "Sharded Grad", "OptState", "Unsharded Param", "Unsharded Grad", "Buffer"):
+        assert at_opt[kind] == real_at_opt[kind], kind
+    for key, value in real_run.items():
+        assert estimate[key] == value, key
     assert estimate["peak_bytes"] > 0 and estimate["collectives"]
 
 
