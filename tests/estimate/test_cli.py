@@ -156,6 +156,10 @@ def test_an_implementation_that_cannot_run_here_is_estimated_through_a_stated_st
     assert code == 2 and out == "" and "the TE model checkpoints whole blocks" in err
     assert run_main(capsys, *TINY, "--model_impl", "te", "--tp_size", "2")[0] == 2
     assert "unavailable" not in vars(te)  # the availability override is gone again
+    # through a stand-in, "does not fit" is its own exit code: a warning, never a stopped job (test_prejob.py)
+    code, out, _ = run_main(capsys, *TINY, "--model_impl", "te", "--activation_checkpointing", "1",
+                            "--gpu_memory_gib", "0.5", "--suggest", "0", "--json")
+    assert code == cli.EXIT_STAND_IN_DOES_NOT_FIT == 5 and json.loads(out)["verdict"]["status"] == "does not fit"
 
 
 def test_where_the_peak_is_follows_the_shapes():

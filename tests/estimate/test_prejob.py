@@ -50,6 +50,7 @@ def test_the_estimate_step_gets_the_jobs_shape_and_the_gpus_memory(tmp_path):
 @pytest.mark.parametrize(("rc", "goes_on", "words"), [
     (4, False, "does not fit the GPUs' memory"),
     (2, True, "could not decide (exit code 2): training goes on"),
+    (5, True, "could not decide (exit code 5)"),  # does not fit as estimated through a stand-in: a warning
     (1, True, "could not decide (exit code 1)"),
 ])
 def test_only_a_run_that_does_not_fit_stops_the_job(tmp_path, rc, goes_on, words):

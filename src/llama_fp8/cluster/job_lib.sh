@@ -181,8 +181,9 @@ lf_preflight() {  # lf_preflight TRAIN_ARGS...
 
 # ---- estimate: will the run fit the GPUs' memory? `llama_fp8 estimate` (a fake process group and fake tensors: no
 # GPU needed) as one task on the first node, for this job's nodes x processes and the GPUs' memory as nvidia-smi
-# reports it. Exit 4 (it does not fit) stops the job before the training step starts on every node; anything else it
-# cannot decide (exit 2: flags it cannot estimate, which training reports itself) lets the job go on. Skipped on CPU
+# reports it. Exit 4 (it does not fit) stops the job before the training step starts on every node; anything else
+# lets the job go on with a warning (2: flags it cannot estimate, which training reports itself; 5: it does not fit as
+# estimated through a stand-in for an implementation that cannot run there, e.g. the TE model). Skipped on CPU
 # and with SKIP_ESTIMATE=1. From a login node: python -m llama_fp8 estimate --nodes N TRAIN_ARGS (with suggestions).
 lf_estimate() {  # lf_estimate TRAIN_ARGS...
     if [[ "${SKIP_ESTIMATE:-0}" == 1 ]]; then

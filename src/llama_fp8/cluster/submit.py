@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def estimate_fits(args: argparse.Namespace, train_args: list[str]) -> bool:
     """``llama_fp8 estimate`` for this job's nodes and GPUs (its report on stdout); False only when the run does
-    not fit. A run it cannot estimate is submitted: training reports its own errors."""
+    not fit. A run it cannot estimate, or estimates through a stand-in only (exit 5), is submitted with a warning:
+    training reports its own errors."""
     from llama_fp8.estimate import cli
 
     rc = cli.main([*train_args, "--nodes", str(args.nodes), "--gpus_per_node", str(args.gpus_per_node), "--gpu",

@@ -1,8 +1,9 @@
 """``python -m llama_fp8 estimate [train flags] [--nodes N --gpus_per_node G --gpu NAME --json]``.
 
-Exit codes: 0 the run fits (or is tight: it fits without the allocator margin), 4 it does not fit, 2 a flag the
-training run itself would refuse or that cannot be estimated (the message names it). The report (or JSON) goes
-to stdout, progress to stderr.
+Exit codes: 0 the run fits (or is tight: it fits without the allocator margin), 4 it does not fit, 5 it does not
+fit as estimated through a stand-in (the job's implementation cannot run here: a warning, not a verdict the batch
+script stops a job on), 2 a flag the training run itself would refuse or that cannot be estimated (the message
+names it). The report (or JSON) goes to stdout, progress to stderr.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from llama_fp8.errors import EXIT_BAD_CONFIG, ConfigError
 
 EXIT_DOES_NOT_FIT = 4
 """The configuration does not fit the GPU's memory (1.train_llama.sbatch stops the job on it)."""
+EXIT_STAND_IN_DOES_NOT_FIT = 5
+"""It does not fit as estimated through a stand-in implementation (reported; nothing is stopped on it)."""
 
 
 def _progress(start: float):
@@ -53,7 +56,9 @@ def main(argv: list[str]) -> int:
         print(f"llama-fp8 estimate: error: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     print(json.dumps(report.to_dict(est)) if opts.json else report.text(est), flush=True)
-    return 0 if est.fits else EXIT_DOES_NOT_FIT
+    if est.fits:
+        return 0
+    return EXIT_STAND_IN_DOES_NOT_FIT if est.measurement.decision.stand_in else EXIT_DOES_NOT_FIT
 
 
 if __name__ == "__main__":
