@@ -76,7 +76,10 @@ VARIANT = {v.name: v for v in VARIANTS}
 # The GPU test that compares TE and HF logits at 4096 tokens through the build path from a save_pretrained
 # checkpoint (--init_from_hf): one of the first visit's TE value tests.
 HF_INIT_TEST = "tests/models/te/test_te_gpu.py::test_te_logits_match_hf_at_4096_tokens_through_the_build_path"
-PYTEST_SETS = (("te", ("tests/models/te",)), ("other", ("tests", "--ignore=tests/models/te")))
+# The estimate's GPU test last, as a unit of its own: llama_fp8 estimate against the node's own memory counters.
+PYTEST_SETS = (("te", ("tests/models/te",)),
+               ("other", ("tests", "--ignore=tests/models/te", "--ignore=tests/estimate/test_estimate_gpu.py")),
+               ("estimate", ("tests/estimate/test_estimate_gpu.py", "-s")))
 # The first visit's TE value tests: TE vs HF logits (RoPE with and without llama3 scaling; 4096 tokens through
 # the build path), TE FP8 save/resume under current and delayed scaling.
 _TE_GPU = "tests/models/te/test_te_gpu.py::"

@@ -1,4 +1,4 @@
-"""`python -m llama_fp8 {train,compare,submit,convert,preflight,fp8-bisect} ...` (also the `llama-fp8` script)."""
+"""`python -m llama_fp8 {train,estimate,compare,submit,convert,preflight,fp8-bisect} ...` (also the `llama-fp8` script)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 
 COMMANDS = {
     "train": "train a model (torchrun, srun or a single process)",
+    "estimate": "will a training run fit? per-GPU memory and per-step communication, without a GPU",
     "compare": "A/B report of two runs: table + plots",
     "launch": "torchrun that keeps the workers' exit code (used by 1.train_llama.sbatch)",
     "submit": "submit a training job to Slurm through submitit",
@@ -14,7 +15,7 @@ COMMANDS = {
     "preflight": "check a node: GPUs, FP8 support, TE, NCCL, EFA, file systems",
     "fp8-bisect": "find the decoder layers to keep in BF16 for FP8 to match BF16's loss",
 }
-MODULES = {"train": "llama_fp8.train", "compare": "llama_fp8.report.compare", "launch": "llama_fp8.cluster.launch",
+MODULES = {"train": "llama_fp8.train", "estimate": "llama_fp8.estimate.cli", "compare": "llama_fp8.report.compare", "launch": "llama_fp8.cluster.launch",
            "submit": "llama_fp8.cluster.submit", "convert": "llama_fp8.convert",
            "preflight": "llama_fp8.cluster.preflight", "fp8-bisect": "llama_fp8.precision.bisect"}
 

@@ -1,5 +1,5 @@
-"""The tables the docs show that the code already holds (flags, FP8 recipes, GPU peaks), generated so that
-the docs cannot drift: each sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` markers and
+"""The tables the docs show that the code already holds (flags, FP8 recipes, GPU peaks, the estimate's terms),
+generated so that the docs cannot drift: each sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` markers and
 ``scripts/update_docs.py`` rewrites them; tests/test_docs.py fails when one is stale."""
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ from pathlib import Path
 
 def tables() -> dict[str, Callable[[], str]]:
     from llama_fp8 import config
+    from llama_fp8.estimate import terms
     from llama_fp8.precision import recipes
     from llama_fp8.telemetry import metrics
 
     return {"flags": config.flag_reference_markdown, "recipes": recipes.recipe_table_markdown,
-            "gpu-peaks": metrics.peak_table_markdown}
+            "gpu-peaks": metrics.peak_table_markdown, "estimate-terms": terms.terms_table_markdown}
 
 
 FILES = ("README.md", "docs/fp8.md")

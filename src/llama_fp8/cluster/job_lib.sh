@@ -179,6 +179,35 @@ lf_preflight() {  # lf_preflight TRAIN_ARGS...
         "${PY[@]}" -m llama_fp8 preflight --device "$DEVICE" --report "$LLAMA_FP8_PREFLIGHT" -- "$@"
 }
 
+# ---- estimate: will the run fit the GPUs' memory? `llama_fp8 estimate` (a fake process group and fake tensors: no
+# GPU needed) as one task on the first node, for this job's nodes x processes and the GPUs' memory as nvidia-smi
+# reports it. Exit 4 (it does not fit) stops the job before the training step starts on every node; anything else
+# lets the job go on with a warning (2: flags it cannot estimate, which training reports itself; 5: it does not fit as
+# estimated through a stand-in for an implementation that cannot run there, e.g. the TE model). Skipped on CPU
+# and with SKIP_ESTIMATE=1. From a login node: python -m llama_fp8 estimate --nodes N TRAIN_ARGS (with suggestions).
+lf_estimate() {  # lf_estimate TRAIN_ARGS...
+    if [[ "${SKIP_ESTIMATE:-0}" == 1 ]]; then
+        echo "estimate: skipped (SKIP_ESTIMATE=1)"
+        return 0
+    fi
+    if [[ "$DEVICE" != cuda ]]; then
+        echo "estimate: skipped (device $DEVICE: no GPU memory to fit)"
+        return 0
+    fi
+    local mib mem_args=() rc=0
+    mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1 | tr -d ' ') || true
+    if [[ "$mib" =~ ^[0-9]+$ ]]; then mem_args=(--gpu_memory_gib "$(awk -v m="$mib" 'BEGIN { print m / 1024 }')"); fi
+    srun --nodes=1 --ntasks=1 --cpus-per-task="$CPUS" ${CONTAINER_ARGS[@]+"${CONTAINER_ARGS[@]}"} \
+        "${PY[@]}" -m llama_fp8 estimate --nodes "$SLURM_JOB_NUM_NODES" --gpus_per_node "$NPROC_PER_NODE" \
+        ${mem_args[@]+"${mem_args[@]}"} --suggest 0 "$@" || rc=$?
+    if ((rc == 4)); then
+        lf_die "estimate: this configuration does not fit the GPUs' memory (report above); change it (python -m" \
+            "llama_fp8 estimate ... on a login node suggests what fits) or set SKIP_ESTIMATE=1 to start it anyway"
+    fi
+    if ((rc != 0)); then echo "warning: estimate could not decide (exit code $rc): training goes on" >&2; fi
+    return 0
+}
+
 # ---- training: one `llama_fp8 launch` per node: torchrun's elastic agent (llama_fp8/cluster/elastic.py). When a
 # worker dies or fails it restarts the workers of every node in this allocation, which resume from the latest
 # complete checkpoint, up to MAX_RESTARTS times for the job; exit 2 (bad config or data), 3 (non-finite loss), the

@@ -5,6 +5,8 @@
 Own flags come first; everything after `--` goes to `python -m llama_fp8 train` unchanged (the same flags
 as `sbatch 1.train_llama.sbatch ...`). One Slurm task per GPU (or --tasks_per_node on CPU); each task
 takes its rank/world from Slurm's environment. With --image, tasks run in that Enroot image via Pyxis.
+With --gpus_per_node the run is estimated here first (`llama_fp8 estimate`, no GPU needed) and not submitted
+when it does not fit the GPUs' memory (exit code 4; --estimate 0 submits without asking).
 
 Requeue after a time-limit or preemption signal happens on the host, never in a task: a task may run in a
 container without Slurm's client tools (`scontrol`). Slurm sends SIGUSR1 120 s before the limit; training
@@ -61,7 +63,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--python", default=None,
                    help="python on the nodes (default: this interpreter, or `python` with --image)")
     p.add_argument("--wait", action="store_true", help="stream the log and return the job's exit status")
+    p.add_argument("--estimate", choices=["0", "1"], default="1",
+                   help="1: with --gpus_per_node, estimate here first (llama_fp8 estimate) and do not submit a run "
+                        "that does not fit the GPUs' memory (default 1)")
+    p.add_argument("--estimate_gpu", default="H100",
+                   help="the GPU the estimate checks against: a name llama_fp8 estimate --gpu takes (default H100)")
     return p
+
+
+def estimate_fits(args: argparse.Namespace, train_args: list[str]) -> bool:
+    """``llama_fp8 estimate`` for this job's nodes and GPUs (its report on stdout); False only when the run does
+    not fit. A run it cannot estimate, or estimates through a stand-in only (exit 5), is submitted with a warning:
+    training reports its own errors."""
+    from llama_fp8.estimate import cli
+
+    rc = cli.main([*train_args, "--nodes", str(args.nodes), "--gpus_per_node", str(args.gpus_per_node), "--gpu",
+                   args.estimate_gpu, "--suggest", "0"])
+    if rc not in (0, cli.EXIT_DOES_NOT_FIT):
+        print(f"llama-fp8 submit: warning: the estimate could not decide (exit code {rc}); submitting",
+              file=sys.stderr)
+    return rc != cli.EXIT_DOES_NOT_FIT
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -81,6 +102,10 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--gpus_per_node must be >= 0, got {args.gpus_per_node}")
     if args.tasks_per_node is not None and args.tasks_per_node < 1:
         raise ValueError(f"--tasks_per_node must be >= 1, got {args.tasks_per_node}")
+    from llama_fp8.estimate import gpus  # the GPU table (imports nothing else)
+
+    if args.estimate_gpu not in gpus.names():
+        raise ValueError(f"--estimate_gpu {args.estimate_gpu!r} is not valid; valid: {', '.join(gpus.names())}")
     if args.image is not None and not Path(args.image).exists() and (
             args.image.endswith((".sqsh", ".squashfs")) or args.image.startswith(("/", "./", "../"))):
         raise ValueError(f"--image {args.image}: no such file (give a .sqsh path or a registry image)")
@@ -283,7 +308,14 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"llama-fp8 submit: error: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    if args.gpus_per_node and args.estimate == "1" and not estimate_fits(args, train_args):
+        print("llama-fp8 submit: not submitted: the run does not fit the GPUs' memory (report above); change it, or "
+              "--estimate 0 to submit anyway", file=sys.stderr)
+        return ESTIMATE_DOES_NOT_FIT
     return submit(args, train_args, params)
+
+
+ESTIMATE_DOES_NOT_FIT = 4  # llama_fp8.estimate.cli.EXIT_DOES_NOT_FIT (not imported at module level: torch-heavy)
 
 
 if __name__ == "__main__":

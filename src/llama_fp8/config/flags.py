@@ -53,7 +53,12 @@ def _metavar(f: dataclasses.Field) -> str:
 
 def parse_args(argv: list[str]) -> TrainConfig:
     """Flags -> a resolved, validated TrainConfig (raises ConfigError; argparse errors exit 2)."""
-    ns = vars(build_parser().parse_args(argv))
+    return config_from_flags(vars(build_parser().parse_args(argv)))
+
+
+def config_from_flags(ns: dict[str, str]) -> TrainConfig:
+    """The flag values ``build_parser`` parsed (field name -> text) -> a resolved TrainConfig: the preset, the
+    --config YAML, then the flags (a command that adds flags of its own, as ``estimate``, removes them first)."""
     flags = {k: coerce(k, v, f"--{k}") for k, v in ns.items()}
     file_values = load_yaml(flags["config"]) if flags.get("config") else {}
     model = flags.get("model", file_values.get("model", TrainConfig.model))

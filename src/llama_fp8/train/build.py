@@ -22,13 +22,18 @@ def build_model(cfg: TrainConfig, env: parallel.DistEnv, plan, impl, prec
     """Each rank only ever materializes its own shard: the model is built on meta, converted, parallelized,
     then ``materialize`` allocates the local shards, which are initialized (or loaded) in place. Also returns
     what every step runs inside (loss parallelism, context parallelism)."""
-    from llama_fp8 import precision
-    with torch.device("meta"), prec.model_init_context():
-        model = impl.build(cfg)
-    size = model_size(model, cfg)
-    model = prec.convert(model)
-    mesh = parallel.build_mesh(plan.dims, env)
-    context = parallel.parallelize(model, impl, mesh, cfg, plan.dims, precision.fp8_collectives(plan.precision))
+    model, size, context, mesh = build_sharded(cfg, env, plan, impl, prec)
+    materialize(model, cfg, env, impl)
+    prec.prepare(model)  # e.g. FP8 state that a checkpoint may be loaded into
+    log.info("model %s (%s): %.3fM parameters, %.3g FLOPs/token; mesh %s; precision %s", cfg.model, impl.name,
+             size.num_params / 1e6, size.flops_per_token, dict(zip(mesh.mesh_dim_names, mesh.shape)),
+             plan.precision.name)
+    return model, size, context
+
+
+def materialize(model: nn.Module, cfg: TrainConfig, env: parallel.DistEnv, impl) -> None:
+    """Allocate this rank's shards of the sharded meta model and initialize them (or load them from
+    --init_from_hf), then check the values."""
     impl.materialize(model, env.device, cfg)
     if cfg.init_from_hf:
         try:
@@ -40,11 +45,20 @@ def build_model(cfg: TrainConfig, env: parallel.DistEnv, plan, impl, prec
     else:
         impl.init_weights(model, cfg, env.device)
         impl.check_weights(model, cfg)
-    prec.prepare(model)  # e.g. FP8 state that a checkpoint may be loaded into
-    log.info("model %s (%s): %.3fM parameters, %.3g FLOPs/token; mesh %s; precision %s", cfg.model, impl.name,
-             size.num_params / 1e6, size.flops_per_token, dict(zip(mesh.mesh_dim_names, mesh.shape)),
-             plan.precision.name)
-    return model, size, context
+
+
+def build_sharded(cfg: TrainConfig, env: parallel.DistEnv, plan, impl, prec):
+    """The model on the meta device, FP8-converted and sharded over the mesh, nothing allocated yet: (model,
+    size, step context, mesh). ``build_model`` goes on to materialize it; ``llama_fp8 estimate`` materializes
+    it under fake tensors. ``plan`` is read for ``dims`` and ``precision`` only."""
+    from llama_fp8 import precision
+    with torch.device("meta"), prec.model_init_context():
+        model = impl.build(cfg)
+    size = model_size(model, cfg)
+    model = prec.convert(model)
+    mesh = parallel.build_mesh(plan.dims, env)
+    context = parallel.parallelize(model, impl, mesh, cfg, plan.dims, precision.fp8_collectives(plan.precision))
+    return model, size, context, mesh
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -1,0 +1,113 @@
+"""``llama-fp8 estimate``'s command line: every train flag (the same parser, presets and YAML: any train command
+line with ``estimate`` in place of ``train``) plus the cluster the run would get and the GPU it is checked
+against. Those few flags are not training settings: ``train`` does not accept them and config.yaml never
+holds them."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from llama_fp8.config.fields import TrainConfig
+from llama_fp8.config.flags import build_parser, config_from_flags
+from llama_fp8.errors import ConfigError
+
+
+def _gpu_names() -> tuple[str, ...]:
+    from llama_fp8.estimate import gpus  # the GPU table (imports nothing of the package)
+
+    return gpus.names()
+
+
+@dataclass(frozen=True)
+class EstimateOptions:
+    """What ``estimate`` adds to the train flags."""
+
+    nodes: int = 1
+    """nodes the job gets"""
+    gpus_per_node: int = 8
+    """GPUs (training processes) per node"""
+    gpu: str = "H100"
+    """GPU the estimate is checked against (its memory and its NVLink/network bandwidths)"""
+    gpu_memory_gib: float | None = None
+    """memory per GPU in GiB, for a GPU not in the table (bandwidths stay those of --gpu)"""
+    suggest: bool = True
+    """when it does not fit, estimate the changes that would make it fit (each is one more estimate)"""
+    json: bool = False
+    """print one JSON object instead of the report"""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def _doc(name: str) -> str:
+    return {"nodes": "nodes the job gets (default 1)",
+            "gpus_per_node": "GPUs (training processes) per node (default 8)",
+            "gpu": f"GPU to check against: {', '.join(_gpu_names())} (default H100)",
+            "gpu_memory_gib": "memory per GPU in GiB, for a GPU not in the table (bandwidths stay --gpu's)",
+            "suggest": "1: when it does not fit, estimate what would make it fit (each is one more estimate; "
+                       "default 1)",
+            "json": "print one JSON object (the same numbers) instead of the report"}[name]
+
+
+def build_estimate_parser() -> argparse.ArgumentParser:
+    parser = build_parser(prog="llama-fp8 estimate")
+    parser.description = ("Estimate the per-GPU memory and per-step communication of a training run without a "
+                          "GPU: the train flags, plus the cluster and the GPU.")
+    g = parser.add_argument_group("estimate (not training settings)")
+    g.add_argument("--nodes", type=str, metavar="N", help=_doc("nodes"))
+    g.add_argument("--gpus_per_node", type=str, metavar="N", help=_doc("gpus_per_node"))
+    g.add_argument("--gpu", type=str, metavar="{" + ",".join(_gpu_names()) + "}", help=_doc("gpu"))
+    g.add_argument("--gpu_memory_gib", type=str, metavar="X", help=_doc("gpu_memory_gib"))
+    g.add_argument("--suggest", type=str, metavar="0|1", help=_doc("suggest"))
+    g.add_argument("--json", action="store_true", help=_doc("json"))
+    return parser
+
+
+def _int(flag: str, text: str, low: int = 1) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"--{flag} {text!r} is not valid; valid: an integer >= {low}") from None
+    if value < low:
+        raise ConfigError(f"--{flag} {value} is out of range; valid: an integer >= {low}")
+    return value
+
+
+def _options(ns: dict) -> EstimateOptions:
+    out = {}
+    if "nodes" in ns:
+        out["nodes"] = _int("nodes", ns["nodes"])
+    if "gpus_per_node" in ns:
+        out["gpus_per_node"] = _int("gpus_per_node", ns["gpus_per_node"])
+    if "gpu" in ns:
+        if ns["gpu"] not in _gpu_names():
+            raise ConfigError(f"--gpu {ns['gpu']!r} is not valid; valid: {', '.join(_gpu_names())} (any other GPU: "
+                              f"--gpu_memory_gib)")
+        out["gpu"] = ns["gpu"]
+    if "gpu_memory_gib" in ns:
+        try:
+            out["gpu_memory_gib"] = float(ns["gpu_memory_gib"])
+        except ValueError:
+            raise ConfigError(f"--gpu_memory_gib {ns['gpu_memory_gib']!r} is not valid; valid: a number > 0") from None
+        if not out["gpu_memory_gib"] > 0:
+            raise ConfigError(f"--gpu_memory_gib {ns['gpu_memory_gib']} is out of range; valid: a number > 0")
+    if "suggest" in ns:
+        if ns["suggest"] not in ("0", "1"):
+            raise ConfigError(f"--suggest {ns['suggest']!r} is not valid; valid: 0 or 1")
+        out["suggest"] = ns["suggest"] == "1"
+    if ns.get("json"):
+        out["json"] = True
+    return EstimateOptions(**out)
+
+
+ESTIMATE_FLAGS = tuple(f.name for f in fields(EstimateOptions))
+
+
+def parse_estimate_args(argv: list[str]) -> tuple[TrainConfig, EstimateOptions]:
+    """Flags -> (the resolved TrainConfig, exactly as ``train`` would make it; the estimate options). Raises
+    ConfigError; argparse errors exit 2."""
+    ns = vars(build_estimate_parser().parse_args(argv))
+    own = {k: ns.pop(k) for k in ESTIMATE_FLAGS if k in ns}
+    return config_from_flags(ns), _options(own)

@@ -1,0 +1,65 @@
+"""``python -m llama_fp8 estimate [train flags] [--nodes N --gpus_per_node G --gpu NAME --json]``.
+
+Exit codes: 0 the run fits (or is tight: it fits without the allocator margin), 4 it does not fit, 5 it does not
+fit as estimated through a stand-in (the job's implementation cannot run here: a warning, not a verdict the batch
+script stops a job on), 2 a flag the training run itself would refuse or that cannot be estimated (the message
+names it). The report (or JSON) goes to stdout, progress to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+from llama_fp8.config.estimate_flags import parse_estimate_args
+from llama_fp8.errors import EXIT_BAD_CONFIG, ConfigError
+
+EXIT_DOES_NOT_FIT = 4
+"""The configuration does not fit the GPU's memory (1.train_llama.sbatch stops the job on it)."""
+EXIT_STAND_IN_DOES_NOT_FIT = 5
+"""It does not fit as estimated through a stand-in implementation (reported; nothing is stopped on it)."""
+
+
+def _progress(start: float):
+    def say(msg: str) -> None:
+        print(f"[estimate {time.perf_counter() - start:6.1f} s] {msg}", file=sys.stderr, flush=True)
+    return say
+
+
+def _quiet_libraries() -> None:
+    """The estimate's own output only: the training path's INFO lines, torchao's "FP8 is EMULATED" warning (true
+    here and meaningless for a GPU estimate) and DTensor's advice about 2-D reductions stay out of it."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    for name in ("llama_fp8", "torch.distributed.tensor._redistribute", "torchao"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg, opts = parse_estimate_args(argv)
+    except ConfigError as e:
+        print(f"llama-fp8 estimate: error: {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    _quiet_libraries()
+    start = time.perf_counter()
+    say = _progress(start)
+    from llama_fp8.estimate import assess, report, suggest
+
+    try:
+        est = assess.estimate(cfg, opts, say)
+        if opts.suggest and est.verdict.status != "fits":
+            est.suggestions = suggest.suggest(est, say)
+            est.seconds = time.perf_counter() - start
+    except ConfigError as e:
+        print(f"llama-fp8 estimate: error: {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    print(json.dumps(report.to_dict(est)) if opts.json else report.text(est), flush=True)
+    if est.fits:
+        return 0
+    return EXIT_STAND_IN_DOES_NOT_FIT if est.measurement.decision.stand_in else EXIT_DOES_NOT_FIT
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

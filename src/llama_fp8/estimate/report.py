@@ -1,0 +1,101 @@
+"""An estimate as the report a person reads, and as one JSON object for tools (the same numbers)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from llama_fp8.estimate.assess import CORRECTIONS, Estimate
+from llama_fp8.estimate.gpus import GIB
+from llama_fp8.estimate.terms import MARGIN_WHY
+
+# the tracker's kinds, in the order the report lists them, with the words it uses
+KINDS = (("Activation", "activations (forward and recomputation)"), ("Temp", "temporaries (backward)"),
+         ("OptState", "optimizer states"), ("Sharded Param", "parameters, sharded"),
+         ("Unsharded Param", "parameters, all-gathered"), ("Sharded Grad", "gradients, sharded"),
+         ("Unsharded Grad", "gradients, unsharded"), ("All Gather", "all-gather buffers"),
+         ("Reduce Scatter", "reduce-scatter buffers"), ("Buffer", "buffers"), ("Inputs", "inputs"))
+
+
+def gib(b: float) -> str:
+    """GiB, or MiB below one GiB (so that a small model's numbers are not all 0.00)."""
+    return f"{b / GIB:.2f} GiB" if abs(b) >= GIB else f"{b / 2**20:.1f} MiB"
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("torch", "transformers", "torchao"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def headline(e: Estimate) -> str:
+    c, d = e.cfg, e.measurement.decision
+    layout = " x ".join(f"{n} {s}" for n, s in d.dims.shape)
+    ac = {"0": "off", "1": "full", "selective": "selective"}[c.activation_checkpointing]
+    accum = f", {c.grad_accum_steps} micro-batches" if c.grad_accum_steps > 1 else ""
+    return (f"{c.model} ({e.measurement.num_params / 1e9:.2f} B parameters, --model_impl {d.impl.name}), "
+            f"{e.opts.nodes} node(s) x {e.opts.gpus_per_node} GPUs = {e.opts.world_size} ({layout}); "
+            f"{c.train_batch_size} x {c.max_context_width} tokens per GPU{accum}; {d.precision.name}; "
+            f"activation checkpointing {ac}")
+
+
+def text(e: Estimate) -> str:
+    m = e.measurement
+    lines = [f"llama-fp8 estimate: {headline(e)}"]
+    if m.decision.stand_in:
+        lines.append(f"STAND-IN: {m.decision.stand_in}")
+    lines += [f"note: {n}" for n in m.decision.notes]
+    lines += ["", "Per-GPU memory at the peak of a training step (rank 0; PyTorch's FSDPMemTracker on the training "
+              "program, run in a fake process group with fake tensors):"]
+    lines += [f"  {words:<42} {gib(m.by_kind.get(k, 0)):>12}" for k, words in KINDS if m.by_kind.get(k, 0)]
+    lines.append(f"  {'tracked peak':<42} {gib(m.peak_bytes):>12}   at: {m.where.text(m.micro_batches)}")
+    lines += ["", "What the tracker cannot see on a GPU ('to calibrate': not measured on a GPU yet; sources below):"]
+    for i, t in enumerate(e.terms, 1):
+        state = "" if t.calibrated else ", to calibrate"
+        lines.append(f"  {'+' if t.added else ' '} {t.name:<40} {gib(t.bytes) if t.added else 'not added':>12}   "
+                     f"[{i}{state}]")
+    v = e.verdict
+    lines += [f"  = {'needed':<40} {gib(v.needed):>12}",
+              f"  + {'allocator margin':<40} {gib(v.margin):>12}   [{len(e.terms) + 1}, to calibrate]",
+              "", f"Verdict against {e.gpu.name} ({gib(e.gpu.memory_bytes)}, {e.gpu.source.split(';')[0]}): "
+              f"{v.text.upper() if v.status == 'does not fit' else v.text}"]
+    lines += ["", "Communication per step (rank 0's groups; bytes of the whole buffer: an all-gather's output, a "
+              "reduce-scatter's input; time = bytes x NCCL's bus factor / the stated bandwidth: no latency, no "
+              "overlap with compute, a lower bound):"]
+    for c in e.collectives:
+        lines.append(f"  {c['kind']:<15} {c['dim']:<13} {c['phase']:<15} {c['calls']:>5} calls {gib(c['bytes']):>12}"
+                     f"   {c['ranks']} ranks, {c['link']} {c['gbs']:g} GB/s: {c['seconds'] * 1e3:.1f} ms")
+    total = sum(c["seconds"] for c in e.collectives)
+    lines.append(f"  {'total':<51} {gib(sum(c['bytes'] for c in e.collectives)):>18}   {total * 1e3:.1f} ms")
+    if e.suggestions:
+        lines += ["", "What would make it fit (each one estimated the same way):"]
+        lines += [f"  {s['change']}: {s['verdict']}" for s in e.suggestions]
+    lines += ["", "Sources:"] + [f"  [{i}] {t.source}" for i, t in enumerate(e.terms, 1)]
+    lines.append(f"  [{len(e.terms) + 1}] {MARGIN_WHY}")
+    lines += ["", f"Estimated in {e.seconds:.0f} s; fake-mode corrections: {'; '.join(CORRECTIONS)}; "
+              + ", ".join(f"{k} {v}" for k, v in versions().items())]
+    return "\n".join(lines)
+
+
+def to_dict(e: Estimate) -> dict:
+    m = e.measurement
+    return {
+        "model": e.cfg.model, "model_impl": m.decision.impl.name, "stand_in": m.decision.stand_in,
+        "notes": list(m.decision.notes), "precision": m.decision.precision.name,
+        "nodes": e.opts.nodes, "gpus_per_node": e.opts.gpus_per_node, "world_size": e.opts.world_size,
+        "mesh": dict(m.decision.dims.shape), "train_batch_size": e.cfg.train_batch_size,
+        "max_context_width": e.cfg.max_context_width, "grad_accum_steps": e.cfg.grad_accum_steps,
+        "activation_checkpointing": e.cfg.activation_checkpointing, "num_params": m.num_params,
+        "gpu": dataclasses.asdict(e.gpu),
+        "peak_bytes": m.peak_bytes, "peak_by_kind": dict(m.by_kind),
+        "peak_at": {**dataclasses.asdict(m.where), "micro_batches": m.micro_batches},
+        "terms": [t.to_dict() for t in e.terms], "margin_why": MARGIN_WHY,
+        "verdict": e.verdict.to_dict(), "collectives": e.collectives,
+        "suggestions": e.suggestions, "seconds": round(e.seconds, 1),
+        "corrections": list(CORRECTIONS), "versions": versions(),
+    }

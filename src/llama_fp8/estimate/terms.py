@@ -1,0 +1,140 @@
+"""What the tracker cannot see on a GPU, as named terms with their sources, and the verdict.
+
+The tracker counts the bytes of every tensor storage the step's ops create (exactly: tests/estimate compare it
+with a real run). On a GPU, memory also goes to things that are not tensors of the step; each is a term here.
+Terms marked "to calibrate" rest on defaults or documents, not on a measurement on a GPU yet: the GPU test
+(tests/estimate/test_estimate_gpu.py, `pytest -m gpu`) measures the gap between the estimate and
+``torch.cuda.max_memory_allocated``/``max_memory_reserved`` on the node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from llama_fp8.estimate.gpus import GIB, MIB, Gpu
+
+CONTEXT_BYTES = 1 * GIB
+NCCL_PER_COMMUNICATOR = 128 * MIB
+CUBLAS_WORKSPACE = 32 * MIB
+ALLOCATOR_MARGIN = 0.05  # of the tracked peak
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    bytes: int
+    source: str
+    calibrated: bool = False  # False: "to calibrate" (not measured on a GPU yet)
+    added: bool = True  # False: stated only (it cannot be sized)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def communicators(collectives: list[dict], group_ranks: dict[str, list[int]]) -> list[str]:
+    """Mesh dimensions whose collectives need an NCCL communicator on this rank (groups of more than one rank)."""
+    return sorted({c["dim"] for c in collectives if len(group_ranks.get(c["dim"], [0, 1])) > 1})
+
+
+def _tp_local_shape(weight) -> list[int]:
+    """A weight's shape on one tensor-parallel rank once FSDP2 has all-gathered it (its "tp" shard only)."""
+    shape = list(weight.shape)
+    mesh = getattr(weight, "device_mesh", None)
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    for i, (name, placement) in enumerate(zip(names, getattr(weight, "placements", ()))):
+        if name == "tp" and placement.is_shard():
+            shape[placement.dim] //= mesh.size(i)
+    return shape
+
+
+def fp8_operand_copies(model, tokens: int) -> int:
+    """Upper bound of a transient the tracker cannot see in torchao's FP8 matmul: the FP8 (one byte) copies of
+    both operands of the largest FP8 linear (``tokens`` x its in + out features on one tensor-parallel rank), e.g.
+    transposes made inside the tensor subclass's own dispatch, which the dispatch mode does not enter."""
+    largest = 0
+    for m in model.modules():
+        if type(m).__name__ == "Float8Linear":
+            out_f, in_f = _tp_local_shape(m.weight)
+            largest = max(largest, tokens * (in_f + out_f))
+    return largest
+
+
+SOURCES = {
+    "context": "outside PyTorch's allocator (not in max_memory_reserved); its size depends on the driver, the CUDA "
+               "version and lazy module loading (CUDA C++ Programming Guide, Lazy Loading); 1 GiB assumed",
+    "nccl": "per communicator: NCCL_BUFFSIZE (4 MiB by default, NCCL's environment variable documentation) per channel "
+            "and direction, 16 channels assumed: 128 MiB; allocated by NCCL outside PyTorch's allocator",
+    "cublas": "allocated through PyTorch's allocator by the GEMM library, not by an op the tracker sees; "
+              "torch.backends.cuda.cublas_workspace_size() on the node gives it; 32 MiB assumed",
+    "fp8": "the dispatch mode does not enter a tensor subclass's own dispatch: one-byte copies of both operands of the "
+           "largest FP8 linear (tokens x (in + out features)), an upper bound",
+    "compile": "estimated eager; compiled blocks fuse elementwise ops and usually need less activation memory "
+               "(torchtitan's published Llama 3.1 8B peak: 82.4 GiB eager, 77.0 GiB compiled), plus Inductor's own "
+               "buffers",
+}
+
+
+def gpu_terms(collectives: list[dict], group_ranks: dict[str, list[int]], fp8_copies: int, compiled: bool,
+              tracked: int) -> list[Term]:
+    comms = communicators(collectives, group_ranks)
+    terms = [
+        Term("CUDA context and driver reserve", CONTEXT_BYTES, SOURCES["context"]),
+        Term(f"NCCL buffers ({', '.join(comms) or 'no communicator'})", NCCL_PER_COMMUNICATOR * len(comms),
+             SOURCES["nccl"]),
+        Term("cuBLAS workspace", CUBLAS_WORKSPACE, SOURCES["cublas"]),
+    ]
+    if fp8_copies:
+        terms.append(Term("FP8 matmul operand copies inside torchao's tensor subclass (upper bound)", fp8_copies,
+                          SOURCES["fp8"]))
+    if compiled:
+        terms.append(Term("torch.compile", 0, SOURCES["compile"], added=False))
+    return terms
+
+
+def terms_table_markdown() -> str:
+    """The README's table of the terms (generated: reference.py), from the same sizes and sources."""
+    rows = [("CUDA context and driver reserve", f"{CONTEXT_BYTES / GIB:g} GiB", "context"),
+            ("NCCL buffers", f"{NCCL_PER_COMMUNICATOR / MIB:g} MiB per mesh dimension with collectives", "nccl"),
+            ("cuBLAS workspace", f"{CUBLAS_WORKSPACE / MIB:g} MiB", "cublas"),
+            ("FP8 matmul operand copies (torchao)", "tokens x (in + out) bytes of the largest FP8 linear", "fp8"),
+            ("torch.compile (`--compile 1`)", "not added: stated", "compile")]
+    out = ["| term | size | source | status |", "|---|---|---|---|"]
+    out += [f"| {name} | {size} | {SOURCES[key]} | to calibrate |" for name, size, key in rows]
+    out.append(f"| allocator margin (on top: the verdict's margin) | {ALLOCATOR_MARGIN:.0%} of the tracked peak | "
+               f"{MARGIN_WHY.split(': ', 1)[1].split(', to calibrate. ', 1)[1]} | to calibrate |")
+    return "\n".join(out)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    status: str  # fits | tight | does not fit
+    needed: int  # tracked peak + the added terms
+    margin: int  # the allocator margin on top
+    memory: int  # the GPU's
+    text: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+MARGIN_WHY = (f"allocator margin: {ALLOCATOR_MARGIN:.0%} of the tracked peak, to calibrate. PyTorch's caching "
+              "allocator reserves more than it hands out (blocks rounded to 512 B, 2 MiB and larger segments, "
+              "fragmentation; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces it), and an out-of-memory "
+              "error is about reserved memory, not allocated")
+
+
+def verdict(tracked: int, terms: list[Term], gpu: Gpu) -> Verdict:
+    needed = tracked + sum(t.bytes for t in terms if t.added)
+    margin = int(ALLOCATOR_MARGIN * tracked)
+    mem = gpu.memory_bytes
+    gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    if needed + margin <= mem:
+        status, text = "fits", (f"fits: {gib(needed)} + {gib(margin)} margin of {gib(mem)} ({gpu.name}), "
+                                f"{gib(mem - needed - margin)} to spare")
+    elif needed <= mem:
+        status, text = "tight", (f"tight: {gib(needed)} fits {gib(mem)} ({gpu.name}) but not with the "
+                                 f"{gib(margin)} margin: it may run out of memory from fragmentation")
+    else:
+        status, text = "does not fit", (f"does not fit: {gib(needed)} needed, {gib(mem)} on {gpu.name} "
+                                        f"({gib(needed - mem)} over, before the {gib(margin)} margin)")
+    return Verdict(status, needed, margin, mem, text)

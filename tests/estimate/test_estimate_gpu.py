@@ -1,0 +1,84 @@
+"""The estimate against the GPU's own counters (`pytest -m gpu`; skipped without CUDA). Not run on a GPU yet.
+
+One process on one GPU runs the configuration for real through the estimate's own measurement (the training
+build, a warm-up step, one tracked step; the tracker there sees CUDA tensors, rounded to 512 B blocks), with
+``torch.cuda.reset_peak_memory_stats()`` just before the tracked step; the estimate runs the same configuration
+on the CPU with fake tensors. Stated and checked:
+
+- the tracker on the GPU sees what the fake run sees (within the allocator's 512 B rounding per tensor);
+- ``torch.cuda.max_memory_allocated()`` of the step is at least the estimate's tracked peak, and the gap is what
+  the estimate's allocator-side terms (cuBLAS workspace, FP8 operand copies) claim to cover, within 5 % of the peak;
+- ``torch.cuda.max_memory_reserved()`` stays below the tracked peak + those terms + the allocator margin (the
+  verdict's assumption);
+- the CUDA context and driver reserve (total - free - reserved after the step) is within 2x of its term.
+
+Each number is printed (``-s`` shows it) and goes into the assertion message when one fails: these are the
+"to calibrate" terms' first measurement.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SHAPE = ["--model", "llama3.2-1b", "--num_layers", "2", "--max_context_width", "2048", "--train_batch_size", "2",
+         "--model_impl", "hf"]
+
+
+def gpu_run(args: list[str]) -> dict:
+    """The real step on this GPU, as rank 0 of 1, with the CUDA allocator's peaks of the tracked step."""
+    from llama_fp8 import config, parallel
+    from llama_fp8.estimate import run
+
+    seen: dict = {}
+
+    class CudaPeaks(run.StepTracker):
+        def __enter__(self):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            super().__exit__(*exc)
+            torch.cuda.synchronize()
+            seen.update(allocated=torch.cuda.max_memory_allocated(), reserved=torch.cuda.max_memory_reserved())
+            free, total = torch.cuda.mem_get_info()
+            seen["outside_allocator"] = total - free - torch.cuda.memory_reserved()
+
+    cfg = config.parse_args([*args, "--device", "cuda"])
+    env = parallel.init_distributed(cfg)
+    original = run.StepTracker
+    run.StepTracker = CudaPeaks
+    try:
+        m = run.measure(cfg, env, fake_run=False)
+    finally:
+        run.StepTracker = original
+        parallel.destroy_distributed()
+    return {"tracked": m.peak_bytes, **seen}
+
+
+@pytest.mark.parametrize("variant", [[], ["--fp8", "1"], ["--activation_checkpointing", "1"]],
+                         ids=["bf16", "fp8", "ac-full"])
+def test_estimate_against_max_memory_allocated_and_reserved(variant):
+    from llama_fp8 import config
+    from llama_fp8.config.estimate_flags import EstimateOptions
+    from llama_fp8.estimate import assess, terms
+
+    args = SHAPE + variant
+    est = assess.estimate(config.parse_args(args), EstimateOptions(nodes=1, gpus_per_node=1))
+    real = gpu_run(args)
+    allocator_terms = sum(t.bytes for t in est.terms if t.added and ("cuBLAS" in t.name or "FP8" in t.name))
+    tracked = est.measurement.peak_bytes
+    numbers = (f"estimate tracked {tracked}, GPU tracker {real['tracked']}, max allocated {real['allocated']} "
+               f"(gap {real['allocated'] - tracked:+d}, allocator-side terms {allocator_terms}), max reserved "
+               f"{real['reserved']} (estimate + terms + margin {tracked + allocator_terms + est.verdict.margin}), "
+               f"outside the allocator {real['outside_allocator']} (term {terms.CONTEXT_BYTES})")
+    print(numbers)
+    assert abs(real["tracked"] - tracked) <= 0.01 * tracked, numbers
+    assert real["allocated"] >= tracked, numbers
+    assert abs(real["allocated"] - tracked - allocator_terms) <= 0.05 * tracked, numbers
+    assert real["reserved"] <= tracked + allocator_terms + est.verdict.margin, numbers
+    assert terms.CONTEXT_BYTES / 2 <= real["outside_allocator"] <= 2 * terms.CONTEXT_BYTES, numbers
+

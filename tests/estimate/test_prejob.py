@@ -1,0 +1,114 @@
+"""Before a job starts: the batch script's ``lf_estimate`` (cluster/job_lib.sh) and ``submit``'s estimate stop a run
+that does not fit, let everything else go on, and can be switched off. Shell-level: job_lib.sh sourced under
+``set -euo pipefail`` with srun and nvidia-smi replaced (recorders, or srun running its command here: the real
+estimate on this machine). The real-cluster run of 1.train_llama.sbatch is tests/cluster/test_real_cluster.py
+(CPU mode: the estimate says it is skipped)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, cli_env
+from llama_fp8.cluster import submit
+
+TINY = "--model tiny --num_layers 2 --max_context_width 128 --train_batch_size 2"
+
+
+def run_lib(tmp_path, script: str, srun: str, smi_mib: str = "81559", **env: str) -> subprocess.CompletedProcess:
+    """Source job_lib.sh with ``srun`` and ``nvidia-smi`` replaced, set what lf_setup would, run ``script``."""
+    calls = tmp_path / "srun.calls"
+    harness = f"""
+set -euo pipefail
+source {REPO}/scripts/slurm/job_lib.sh
+srun() {{ printf '%s\\n' "$*" >>{calls}; {srun}; }}
+nvidia-smi() {{ echo {smi_mib}; }}
+SLURM_JOB_NUM_NODES=2 CPUS=2 NPROC_PER_NODE=8 DEVICE=cuda PY=({sys.executable}) CONTAINER_ARGS=()
+{script}
+echo TRAINING-WOULD-START
+"""
+    return subprocess.run(["bash", "-c", harness], capture_output=True, text=True, timeout=600,
+                          env=cli_env(**env), cwd=REPO)
+
+
+def srun_calls(tmp_path) -> list[str]:
+    path = tmp_path / "srun.calls"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_the_estimate_step_gets_the_jobs_shape_and_the_gpus_memory(tmp_path):
+    r = run_lib(tmp_path, f"lf_estimate {TINY}", srun="return 0")
+    assert r.returncode == 0 and "TRAINING-WOULD-START" in r.stdout, r.stderr
+    (call,) = srun_calls(tmp_path)
+    assert call.startswith("--nodes=1 --ntasks=1 --cpus-per-task=2 ")
+    assert f"-m llama_fp8 estimate --nodes 2 --gpus_per_node 8 --gpu_memory_gib 79.6475 --suggest 0 {TINY}" in call
+
+
+@pytest.mark.parametrize(("rc", "goes_on", "words"), [
+    (4, False, "does not fit the GPUs' memory"),
+    (2, True, "could not decide (exit code 2): training goes on"),
+    (5, True, "could not decide (exit code 5)"),  # does not fit as estimated through a stand-in: a warning
+    (1, True, "could not decide (exit code 1)"),
+])
+def test_only_a_run_that_does_not_fit_stops_the_job(tmp_path, rc, goes_on, words):
+    r = run_lib(tmp_path, f"lf_estimate {TINY}", srun=f"return {rc}")
+    assert ("TRAINING-WOULD-START" in r.stdout) == goes_on and (r.returncode == 0) == goes_on
+    assert words in r.stderr
+
+
+@pytest.mark.parametrize(("env", "words"), [({"SKIP_ESTIMATE": "1"}, "skipped (SKIP_ESTIMATE=1)"),
+                                            ({"DEVICE_OVERRIDE": "cpu"}, "skipped (device cpu")])
+def test_it_can_be_switched_off_and_is_off_on_cpu(tmp_path, env, words):
+    script = ("DEVICE=cpu; " if "DEVICE_OVERRIDE" in env else "") + f"lf_estimate {TINY}"
+    r = run_lib(tmp_path, script, srun="return 4", **env)
+    assert r.returncode == 0 and words in r.stdout and srun_calls(tmp_path) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("smi_mib", "starts"), [("81559", True), ("1024", False)])
+def test_the_real_estimate_decides(tmp_path, smi_mib, starts):
+    """srun runs its command here: the real estimate of the tiny model, against 80 GB and against 1 GiB (less than
+    the CUDA context term alone)."""
+    run_command = 'while [[ "$1" == --* ]]; do shift; done; "$@"'
+    r = run_lib(tmp_path, f"lf_estimate {TINY}", srun=run_command, smi_mib=smi_mib)
+    assert ("TRAINING-WOULD-START" in r.stdout) == starts, r.stderr[-2000:]
+    assert ("fits:" in r.stdout) == starts and ("DOES NOT FIT" in r.stdout) == (not starts)
+
+
+def test_the_batch_script_estimates_after_preflight_and_before_training():
+    lines = [ln.strip() for ln in (REPO / "1.train_llama.sbatch").read_text().splitlines()]
+    order = [next(i for i, ln in enumerate(lines) if ln.startswith(step)) for step in
+             ('lf_preflight "$@"', 'lf_estimate "$@"', 'lf_train "$@"')]
+    assert order == sorted(order)
+    lib = (REPO / "src/llama_fp8/cluster/job_lib.sh").read_text()
+    assert re.search(r"^lf_preflight\(\) \{.*?^\}\n\n# ---- estimate.*?^lf_estimate\(\) \{", lib, re.S | re.M)
+
+
+def test_submit_does_not_submit_a_run_that_does_not_fit(monkeypatch, capsys):
+    from llama_fp8.estimate import cli
+
+    asked, submitted = [], []
+    monkeypatch.setattr(cli, "main", lambda argv: asked.append(argv) or cli.EXIT_DOES_NOT_FIT)
+    monkeypatch.setattr(submit, "submit", lambda *a: submitted.append(a) or 0)
+    argv = ["--nodes", "4", "--gpus_per_node", "8", "--estimate_gpu", "H200", "--", "--model", "tiny"]
+    assert submit.main(argv) == 4 and submitted == []
+    assert asked == [["--model", "tiny", "--nodes", "4", "--gpus_per_node", "8", "--gpu", "H200", "--suggest", "0"]]
+    assert "not submitted" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "main", lambda argv: 0)
+    assert submit.main(argv) == 0 and len(submitted) == 1
+    monkeypatch.setattr(cli, "main", lambda argv: 2)  # cannot estimate: submitted, with a warning
+    assert submit.main(argv) == 0 and len(submitted) == 2 and "could not decide" in capsys.readouterr().err
+
+
+def test_submit_estimate_switches(monkeypatch, capsys):
+    from llama_fp8.estimate import cli
+
+    monkeypatch.setattr(cli, "main", lambda argv: pytest.fail("estimated although switched off or CPU"))
+    monkeypatch.setattr(submit, "submit", lambda *a: 0)
+    assert submit.main(["--nodes", "2", "--gpus_per_node", "8", "--estimate", "0", "--", "--model", "tiny"]) == 0
+    assert submit.main(["--nodes", "2", "--", "--model", "tiny"]) == 0  # a CPU job: nothing to fit
+    assert submit.main(["--gpus_per_node", "8", "--estimate_gpu", "X1", "--", "--model", "tiny"]) == 2
+    assert "--estimate_gpu 'X1' is not valid" in capsys.readouterr().err

@@ -1,0 +1,46 @@
+"""README.md's "what fits" table (estimate/table.py) is current: its fingerprint is that of today's presets, search
+settings, GPU and terms (no estimate runs here), and a change to any of them makes it stale."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from helpers import REPO
+from llama_fp8 import config
+from llama_fp8.estimate import gpus, table, terms
+
+
+def test_the_readme_table_is_current_and_lists_every_preset():
+    text = (REPO / "README.md").read_text()
+    assert table.stale(text) is None, "run: nice python scripts/estimate_table.py (about 15 minutes)"
+    block = text.split(table.MARKERS[0])[1].split(table.MARKERS[1])[0]
+    rows = [ln for ln in block.splitlines() if ln.startswith("| ") and not ln.startswith("| preset")]
+    assert sorted(r.split("|")[1].strip() for r in rows) == config.available_presets()
+
+
+def test_a_changed_input_makes_the_table_stale(monkeypatch):
+    text = table.replace_block(f"x\n{table.MARKERS[0]}\n{table.MARKERS[1]}\n", table.render([], table.fingerprint()))
+    assert table.stale(text) is None
+    real_load = config.load_preset
+
+    def longer_sequence(name):
+        values = real_load(name)
+        return {**values, "max_context_width": 2 * values["max_context_width"]} if name == "tiny" else values
+
+    monkeypatch.setattr(config, "load_preset", longer_sequence)
+    assert "other inputs" in table.stale(text)
+    monkeypatch.undo()
+    monkeypatch.setattr(terms, "ALLOCATOR_MARGIN", 0.1)
+    assert "other inputs" in table.stale(text)
+    monkeypatch.undo()
+    monkeypatch.setitem(gpus.GPUS, "H100", dataclasses.replace(gpus.GPUS["H100"], memory_bytes=80 * 10**9))
+    assert "other inputs" in table.stale(text)
+    assert "no table" in table.stale("nothing here")
+
+
+def test_rows_render_as_the_readme_shows_them():
+    row = {"preset": "p", "params_b": 8.03, "seq": 8192, "batch": 2, "nodes": 2, "ac": "selective",
+           "tracked_gib": 60.0, "needed_gib": 61.2, "margin_gib": 3.0, "peak_at": "backward, in the loss"}
+    out = table.render([row, {"preset": "q", "nodes": None}], "abc")
+    assert "| p | 8.03 B | 8192 x 2 | 2 node(s), 16 GPUs | selective | 61.2 (60.0) + 3.0 | backward, in the loss |" in out
+    assert "| q | | | does not fit on 64 nodes" in out and "fingerprint abc" in out
