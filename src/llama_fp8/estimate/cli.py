@@ -8,6 +8,7 @@ names it). The report (or JSON) goes to stdout, progress to stderr.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -28,12 +29,26 @@ def _progress(start: float):
     return say
 
 
-def _quiet_libraries() -> None:
+QUIETED = ("llama_fp8", "torch.distributed.tensor._redistribute", "torchao")
+
+
+@contextlib.contextmanager
+def _quiet_libraries():
     """The estimate's own output only: the training path's INFO lines, torchao's "FP8 is EMULATED" warning (true
-    here and meaningless for a GPU estimate) and DTensor's advice about 2-D reductions stay out of it."""
+    here and meaningless for a GPU estimate) and DTensor's advice about 2-D reductions stay out of it. Only while
+    it runs: ``submit`` estimates in its own process, and its logging must come back as it was."""
+    root = logging.getLogger()
+    handlers, levels = list(root.handlers), {name: logging.getLogger(name).level for name in QUIETED}
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    for name in ("llama_fp8", "torch.distributed.tensor._redistribute", "torchao"):
+    for name in QUIETED:
         logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+        for handler in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(handler)
 
 
 def main(argv: list[str]) -> int:
@@ -42,7 +57,11 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"llama-fp8 estimate: error: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    _quiet_libraries()
+    with _quiet_libraries():
+        return _run(cfg, opts)
+
+
+def _run(cfg, opts) -> int:
     start = time.perf_counter()
     say = _progress(start)
     from llama_fp8.estimate import assess, report, suggest
