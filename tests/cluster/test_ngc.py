@@ -210,3 +210,18 @@ def test_check_image_on_the_default_pair_prints_no_note(monkeypatch, capsys):
 
 def test_cudnn_version_number_is_read_as_major_minor_patch():
     assert ngc._cudnn_text(92600) == "9.26.0" and ngc._cudnn_text(92401) == "9.24.1" and ngc._cudnn_text(None) is None
+
+
+@pytest.mark.parametrize("tag", [r.tag for r in ngc.NGC_RELEASES if r.transformer_engine.value])
+def test_every_fp8_all_gather_the_table_offers_is_one_training_accepts(tag):
+    """The table's "TE FP8 all-gather" column is what `--fp8_all_gather 1` with the TE model accepts: it showed
+    `block` while training refuses block + FP8 all-gather on every TE version."""
+    from llama_fp8 import config
+    from llama_fp8.models.te.precision import check_fp8_parameters
+
+    row = ngc.release(tag)
+    by_name = {r.name: r for r in te_rows()}
+    for name in ngc.te_features(row.transformer_engine.value, row.cuda.value)[1]:
+        cfg = config.parse_args(["--model", "tiny", "--fp8", "1", "--fp8_backend", "te", "--fp8_recipe", name,
+                                 "--fp8_all_gather", "1"])
+        check_fp8_parameters(cfg, by_name[name])

@@ -88,8 +88,9 @@ _TE_SRC = ("TE transformer_engine/common/recipe/__init__.py (recipe classes per 
            "(FP8 parameters under FSDP2)")
 # TE versions: the first TE release that ships each recipe class; 2.0 is also the oldest TE whose APIs we use
 # as written. FP8 parameters (quantized_model_init) under FSDP2 need TE's QuantizedTensor to implement
-# fsdp_pre_all_gather / fsdp_post_all_gather: TE 2.10 for Float8Tensor (delayed, current) and MXFP8Tensor,
-# 2.14 for Float8BlockwiseQTensor (block).
+# fsdp_pre_all_gather / fsdp_post_all_gather: TE 2.10 for Float8Tensor (delayed, current) and MXFP8Tensor.
+# Float8BlockwiseQTensor (block) has them since 2.14, but TE's own FSDP2 tests mark block + FP8 weights as failing
+# (tests/pytorch/distributed/run_fsdp2_model.py), so the TE path refuses it: no FP8 all-gather for block here.
 RECIPES: tuple[Recipe, ...] = (
     Recipe("tensorwise", TORCHAO, "one scale per tensor (dynamic)", min_library="0.12",
            fp8_all_gather_since="0.12", tensor_parallel=True, emulated_on_cpu=True, default=True,
@@ -108,7 +109,7 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe("mxfp8", TE, "E8M0 scale per 32 values (MXFP8, Blackwell)", min_capability=(10, 0),
            max_capability=(11, 0), min_library="2.0", fp8_all_gather_since="2.10", source=_TE_SRC),
     Recipe("block", TE, "scale per 1x128 activation / 128x128 weight block", min_capability=(9, 0),
-           min_cuda=(((99, 0), "12.9"),), min_library="2.3", fp8_all_gather_since="2.14", source=_TE_SRC),
+           min_cuda=(((99, 0), "12.9"),), min_library="2.3", source=_TE_SRC),
 )
 
 

@@ -23,7 +23,7 @@ BACKEND = recipe_table.TE
 TE_RECIPES: tuple[Recipe, ...] = recipe_table.rows_of(BACKEND)  # TE's rows of the FP8 recipe table
 RECIPES = tuple(r.name for r in TE_RECIPES)
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
-MIN_TE_FP8_PARAMS_FSDP2 = min((r.fp8_all_gather_since for r in TE_RECIPES), key=version_tuple)
+MIN_TE_FP8_PARAMS_FSDP2 = min((r.fp8_all_gather_since for r in TE_RECIPES if r.fp8_all_gather_since), key=version_tuple)
 # te.autocast(recipe=..., amax_reduction_group=...) and te.quantized_model_init appear in TE 2.9;
 # older releases have fp8_autocast(fp8_recipe=..., fp8_group=...) and fp8_model_init.
 TE_INSTALL_HINT = (
@@ -114,6 +114,11 @@ def check_combination(recipe: str, compile: bool, fp8_params: bool, te_version: 
         )
     if fp8_params:
         minimum = r.fp8_all_gather_since
+        if minimum is None:  # block: TE has the hooks (2.14) but its own FSDP2 tests mark them failing
+            able = "|".join(x.name for x in TE_RECIPES if x.fp8_all_gather_since)
+            raise ValueError(f"FP8 parameters (FP8 all-gather) with --fp8_recipe {recipe} are not offered under FSDP2 "
+                             f"(Transformer Engine's own FSDP2 tests mark them failing); use --fp8_recipe {able} or "
+                             "turn FP8 parameters off")
         if te_version is None or older(te_version, minimum):
             raise ValueError(
                 f"FP8 parameters with --fp8_recipe {recipe} under FSDP2 need Transformer Engine "
