@@ -34,7 +34,8 @@ FIELDS = (
 # What a visit resumes on: the GPU architecture and the library versions. Not the GPU's name nor the driver: a
 # command that lands on an H200 instead of an H100, or on another driver, goes on with the plan (each record
 # names its GPU and driver; measurements are done per GPU, verify.py/runs.py, and compared only on one GPU).
-KEY_FIELDS = ("capability", "cuda", "torch", "transformer_engine", "torchao", "transformers", "cudnn", "nccl")
+KEY_FIELDS = ("capability", "cuda", "torch", "transformer_engine", "transformer_engine_torch", "torchao", "transformers",
+              "cudnn", "nccl")
 
 
 def package_version(*names: str) -> str:

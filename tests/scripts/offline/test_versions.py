@@ -54,3 +54,11 @@ def test_the_key_follows_the_gpu_architecture_and_library_versions_only():
     assert versions.key({**h100, "capability": "10.0"}).startswith("sm100-")
     for name in versions.KEY_FIELDS:
         assert versions.key({**h100, name: "y"}) != k, name
+
+
+def test_a_te_extension_installed_after_a_failed_import_starts_its_units_over():
+    """When TE's torch extension did not import, the TE value tests of that command are recorded skipped (final);
+    once it is compiled and installed, the next command must not take those records as done."""
+    before = {name: "x" for name, _ in versions.FIELDS} | {"capability": "9.0",
+                                                            "transformer_engine_torch": versions.MISSING}
+    assert versions.key({**before, "transformer_engine_torch": "2.20.2"}) != versions.key(before)
