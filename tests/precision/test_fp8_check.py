@@ -144,6 +144,14 @@ NOT_GEMMS = ["triton_poi_fused__to_copy_clamp_mul_0", "triton_red_fused_abs_max_
              "flash_fwd_kernel", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128"]
 
 
+def test_an_nvjet_gemm_is_fp8_by_its_operand_letters_only():
+    """The shape of nvjet names, not kernels seen: an architecture prefix is read past, and a q after the two
+    operand letters (an output or accumulator type) does not make a BF16 GEMM an FP8 one."""
+    assert V.gemm_kind("nvjet_sm100_qqtst_256x256_128x4_2x1_2cta_v_bz_TNT") == "fp8"
+    assert V.gemm_kind("nvjet_sm100_tst_256x256_64x4_2x1_2cta_v_bz_TNT") == "other"
+    assert V.gemm_kind("nvjet_ttsq_128x256_64x4_1x2_h_bz_coopA_TNT") == "other"
+
+
 @pytest.mark.parametrize("name", FP8_GEMMS)
 def test_fp8_gemm_kernels_are_recognized_by_their_real_names(name):
     assert V.gemm_kind(name) == "fp8"

@@ -41,9 +41,10 @@ log = logging.getLogger(__name__)
 GEMM_KERNEL = re.compile(r"nvjet_|gemm|triton_tem_fused_\w*mm", re.I)
 # FP8 operands in a GEMM's name: "e4m3"/"e5m2" (cuBLAS, CUTLASS), "fp8"/"f8f8"/"float8", a scaled-mm template.
 FP8_MARK = re.compile(r"e4m3|e5m2|fp8|f8f8|float8|scaled_mm", re.I)
-# nvjet_<type letters>_<tiles>...: one letter per operand/accumulator type; q is FP8 (nvjet_qqtst_* FP8 inputs,
-# nvjet_tst_* BF16), the letters as seen in CUDA 13 traces on Hopper and Blackwell.
-NVJET_TYPES = re.compile(r"nvjet_([a-z]+)_")
+# nvjet_[sm<arch>_]<type letters>_<tiles>...: one letter per type, the two operands' first (q is FP8: nvjet_qqtst_*
+# has FP8 inputs, nvjet_tst_* BF16), as seen in CUDA 13 traces on Hopper; only the operands make an FP8 GEMM (a
+# later letter may be the output's or the accumulator's type).
+NVJET_TYPES = re.compile(r"nvjet_(?:sm\d+_)?([a-z]+)_")
 SCALED_MM_OPS = ("aten::_scaled_mm", "aten::_scaled_mm_v2", "aten::_scaled_grouped_mm")  # torchao's FP8 matmuls
 MAX_GEMMS_RECORDED = 30
 CHECK_AFTER_STEP = 1  # the warm-up step; the next step is measured
@@ -131,8 +132,8 @@ def gemm_kind(name: str) -> str | None:
     if not GEMM_KERNEL.search(name):
         return None
     types = NVJET_TYPES.search(name)
-    if types and "q" in types.group(1):
-        return "fp8"
+    if types:
+        return "fp8" if "q" in types.group(1)[:2] else "other"
     return "fp8" if FP8_MARK.search(name) else "other"
 
 
