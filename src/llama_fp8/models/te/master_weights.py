@@ -75,7 +75,7 @@ class MasterAdamW(torch.optim.Optimizer):
             for name in ("exp_avg", "exp_avg_sq"):
                 old = state.get(name)
                 state[name] = _like(p, local(old).float() if old is not None else torch.zeros_like(master))
-            state["master"] = _like(p, master.clone())
+            state["master"] = _like(p, master)  # both sources return a fresh tensor: no copy
         else:  # as torch.optim.AdamW
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
