@@ -265,3 +265,23 @@ def test_a_crash_before_the_first_checkpoint_starts_the_job_over(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "restart 1 of 1 for the job" in p.stderr and "already holds metrics.jsonl" not in p.stderr
     assert [r["step"] for r in train_records(tmp_path / "run")] == [1, 1, 2, 3]  # step 1 trained twice
+
+
+def test_a_rank_killed_after_training_finished_is_not_restarted(tmp_path):
+    """Real training under the launcher, rank 1 SIGKILLed once it reported `finished` (the final checkpoint
+    complete, as in a crash in teardown): the job ends done, no second attempt, the checkpoint of the last step
+    in place."""
+    from helpers import train_records
+    cmd = [sys.executable, "-m", "llama_fp8", "launch", "--standalone", "--nproc_per_node=2", "--max_restarts=1",
+           "-m", "llama_fp8", "train", "--model", "tiny", "--device", "cpu", "--num_layers", "2",
+           "--max_context_width", "32", "--train_batch_size", "2", "--max_steps", "2", "--checkpoint_freq", "2",
+           "--logging_freq", "1", "--run_dir", str(tmp_path / "run")]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=240, env=cli_env(
+        LLAMA_FP8_FAULT="kill@finished:rank=1", LLAMA_FP8_FAULT_DIR=str(tmp_path),
+        LLAMA_FP8_OUTCOME_DIR=str(tmp_path / "outcome")))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "rank 1 (killed by SIGKILL) after training finished" in p.stderr, p.stderr[-3000:]
+    assert [r["step"] for r in train_records(tmp_path / "run")] == [1, 2]  # one attempt
+    assert (tmp_path / "run" / "checkpoints" / "step_2" / "COMPLETE").is_file()
+    (f,) = (tmp_path / "outcome").iterdir()
+    assert f.read_text().split(" ", 3)[:3] == ["0", "done", "2"], f.read_text()  # the latest checkpoint: step 2

@@ -83,6 +83,7 @@ def loop(s: TrainState) -> list[float]:
     clock.ended = "finished"
     # From here a rank that dies (a segfault in teardown) loses nothing: the launcher does not restart the job.
     s.heartbeat.beat(cfg.max_steps, "finished")
+    faults.at("finished", cfg.max_steps)
     return losses
 
 
