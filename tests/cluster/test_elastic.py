@@ -61,6 +61,7 @@ def test_a_live_rank_without_progress_is_named_and_killed_at_once(tmp_path):
     assert rc == 0 and attempts(tmp_path) == 2, err[-2000:]
     assert "stopped moving: state S in step 5, no progress for" in err, err[-2000:]
     assert not list(tmp_path.glob("sigterm.*")), "the sleeping rank got SIGTERM before SIGKILL"
+    assert "closing signal SIGTERM" not in err, err[-2000:]  # torch found it reaped: it sent no SIGTERM at all
 
 
 def test_a_healthy_rank_in_a_long_step_is_not_named(tmp_path):

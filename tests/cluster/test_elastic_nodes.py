@@ -24,6 +24,7 @@ def test_the_restart_budget_is_the_jobs_across_nodes(tmp_path):
             "2": {"0": {"exit": 1, "step": 3}, "1": {"exit": 1, "step": 3, "after": 2}}}
     codes, err = finish(tmp_path, launch_nodes(tmp_path, plan, max_restarts=2))
     assert attempts(tmp_path, 0) == 3 and attempts(tmp_path, 1) == 3, err[-4000:]
+    assert "closing signal SIGTERM" not in err, err[-4000:]  # the healthy node's workers: SIGKILL only
     assert 1 in codes and set(codes) <= {1, 86}, err[-4000:]
     assert "the job's 2 restart(s) are used up" in err, err[-4000:]
 

@@ -282,7 +282,7 @@ def test_node_marked_down_is_requeued_by_slurm_and_resumes(cluster, reference, t
     release_requeued(job.id, job.env)
     info = job.wait()
     assert_completed(info, job.log)
-    assert info["Restarts"] == "1" and "resumed from" in job.text()
+    assert info["Restarts"] == "1" and "resumed from" in job.text(), (info, job.text()[-4000:])
     assert_bitwise(job, reference)
     matrix.record("test_node_marked_down_is_requeued_by_slurm_and_resumes",
                   f"Slurm requeued the job (Restarts=1); after the node's return it resumed from the latest "

@@ -36,6 +36,7 @@ import math
 import os
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -64,6 +65,8 @@ STILL_S, STEP_FACTOR = 10.0, 3.0
 another rank fails, is named as the one that stopped moving (a rank that is merely slower notices a crashed peer
 within a second on gloo; a hung one never moves again). In evaluation, a save or start-up, where no duration is
 known, only its process state (stopped, uninterruptible) names it."""
+KILL_WAIT_S = 5.0
+"""How long a SIGKILLed worker is waited for (it exits in milliseconds unless stuck in uninterruptible sleep)."""
 STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "D": "in uninterruptible sleep"}
 PLACES = {"step": "in step {}", "eval": "evaluating step {}", "save": "saving step {}",
           "startup": "before its first step", "finished": "after training finished"}
@@ -252,13 +255,21 @@ class JobAgent(LocalElasticAgent):
         super()._shutdown(death_sig, timeout)
 
     def _kill_running(self) -> None:
-        for proc in self._procs().values():
-            if proc.poll() is None:
-                self.killed.add(proc.pid)
-                try:  # the worker leads its own process group (torch starts it in a new session)
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+        running = [p for p in self._procs().values() if p.poll() is None]
+        for proc in running:
+            self.killed.add(proc.pid)
+            try:  # the worker leads its own process group (torch starts it in a new session)
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        # Reap them (milliseconds) before torch looks: one it finds alive gets its SIGTERM and a wait. A process in
+        # uninterruptible sleep does not die of SIGKILL: after KILL_WAIT_S it is left to torch's own close.
+        deadline = time.monotonic() + KILL_WAIT_S
+        for proc in running:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                pass
 
     def forward(self, sig: signal.Signals) -> None:
         """Pass a stop signal on to the running workers, once each."""

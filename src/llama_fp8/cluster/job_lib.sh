@@ -159,7 +159,7 @@ lf_setup_rendezvous() {
     first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
     # Node names need not resolve (and differ from addresses on many clusters): ask Slurm for the addresses of
     # the job's nodes, in one call ("NAME=ADDR ..."; each node's launcher takes its own: lf_train).
-    LF_NODE_ADDRS=""
+    LF_NODE_ADDRS="" RDZV_ADDR=""
     while read -r line; do
         name="" addr=""
         if [[ "$line" =~ (^|[[:space:]])NodeName=([^[:space:]]+) ]]; then name=${BASH_REMATCH[2]}; fi
@@ -167,7 +167,7 @@ lf_setup_rendezvous() {
         if [[ -n "$name" && -n "$addr" ]]; then LF_NODE_ADDRS+="$name=$addr "; fi
         if [[ "$name" == "$first" ]]; then RDZV_ADDR=$addr; fi
     done < <(scontrol -o show node "$SLURM_JOB_NODELIST")
-    RDZV_ADDR=${RDZV_ADDR:-$first}
+    if [[ -z "$RDZV_ADDR" ]]; then RDZV_ADDR=$first; fi
     RDZV_PORT=${RDZV_PORT:-$((29500 + SLURM_JOB_ID % 1000))}
 }
 
@@ -240,14 +240,15 @@ lf_check_knobs() {  # MAX_RESTARTS and MAX_REQUEUES are counts: checked before a
 # --rdzv_conf the user set in PET_RDZV_CONF (e.g. join_timeout=900).
 # shellcheck disable=SC2016  # expanded by the task's shell, on its node
 LF_NODE_WRAPPER='addr=""
-for kv in $1; do if [[ "${kv%%=*}" == "${SLURMD_NODENAME:-}" ]]; then addr=${kv#*=}; fi; done
+for kv in $1; do if [[ "${kv%%=*}" == "${SLURMD_NODENAME-}" ]]; then addr=${kv#*=}; fi; done
 shift
 if [[ -n "$addr" ]]; then export PET_LOCAL_ADDR="$addr"; fi
 export PET_RDZV_CONF="${PET_RDZV_CONF:+$PET_RDZV_CONF,}is_host=$((SLURM_NODEID == 0))"
 exec "$@"'
 
 lf_train() {  # lf_train TRAIN_ARGS... ; returns 0, 85 (requeue me) or a failure's code (lf_outcome)
-    local resume=() rc
+    local resume=() rc addrs=${LF_NODE_ADDRS-}
+    if [[ -z "$addrs" ]]; then addrs=none; fi  # no map: torchrun finds its own address
     if lf_is_hyperpod; then
         # SageMaker HyperPod: replace faulty nodes and resume. An srun flag (sbatch rejects it), and it only
         # applies to the step that carries it: the training step.
@@ -261,7 +262,7 @@ lf_train() {  # lf_train TRAIN_ARGS... ; returns 0, 85 (requeue me) or a failure
     LLAMA_FP8_OUTCOME_DIR="$LF_OUTCOME_DIR" \
         srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task="$CPUS" --kill-on-bad-exit=1 \
         ${CONTAINER_ARGS[@]+"${CONTAINER_ARGS[@]}"} ${resume[@]+"${resume[@]}"} \
-        bash -c "$LF_NODE_WRAPPER" lf_node "${LF_NODE_ADDRS:-}" \
+        bash -c "$LF_NODE_WRAPPER" lf_node "$addrs" \
         "${PY[@]}" -m llama_fp8 launch \
         --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE" --max_restarts="${MAX_RESTARTS:-3}" \
         --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ADDR:$RDZV_PORT" --rdzv_id="$SLURM_JOB_ID" \
