@@ -267,6 +267,20 @@ def test_rendezvous_host_killed_requeues_and_resumes(cluster, reference, tmp_pat
                   f"and final weights bitwise equal to the uninterrupted run", 1)
 
 
+def node_in_service(env: dict[str, str], name: str, timeout: float = 120) -> None:
+    """Wait until Slurm has node ``name`` back: IDLE, ALLOCATED or MIXED, responding (no ``*``), no DOWN/DRAIN."""
+    deadline, state = time.monotonic() + timeout, "?"
+    while time.monotonic() < deadline:
+        out = subprocess.run(["scontrol", "-o", "show", "node", name], env=env, capture_output=True, text=True,
+                             check=False).stdout
+        m = re.search(r"\bState=(\S+)", out)
+        state = m.group(1) if m else "?"
+        if state in ("IDLE", "ALLOCATED", "MIXED"):
+            return
+        time.sleep(1)
+    pytest.fail(f"node {name} not back in service after {timeout:.0f} s: State={state}")
+
+
 def test_node_marked_down_is_requeued_by_slurm_and_resumes(cluster, reference, tmp_path):
     """(e) the second node set DOWN in step 4 (as an admin or a health check does): Slurm kills the job and
     requeues it (NODE_FAIL, --requeue); once the node is back the job resumes from its latest checkpoint."""
@@ -278,6 +292,7 @@ def test_node_marked_down_is_requeued_by_slurm_and_resumes(cluster, reference, t
         job.wait(120, until=lambda i: i.get("Restarts") == "1")
     finally:  # back in service: slurmd re-registers it by itself here (ReturnToService=2), then this is refused
         subprocess.run([*scontrol, "State=RESUME"], env=job.env, check=False, capture_output=True)
+    node_in_service(job.env, "n2")  # the requeued job must not start on it before it is (a second NODE_FAIL)
     (job.faults / "release").touch()
     release_requeued(job.id, job.env)
     info = job.wait()

@@ -247,7 +247,7 @@ export PET_RDZV_CONF="${PET_RDZV_CONF:+$PET_RDZV_CONF,}is_host=$((SLURM_NODEID =
 exec "$@"'
 
 lf_train() {  # lf_train TRAIN_ARGS... ; returns 0, 85 (requeue me) or a failure's code (lf_outcome)
-    local resume=() rc addrs=${LF_NODE_ADDRS-}
+    local resume=() rc attempt addrs=${LF_NODE_ADDRS-}
     if [[ -z "$addrs" ]]; then addrs=none; fi  # no map: torchrun finds its own address
     if lf_is_hyperpod; then
         # SageMaker HyperPod: replace faulty nodes and resume. An srun flag (sbatch rejects it), and it only
@@ -255,8 +255,11 @@ lf_train() {  # lf_train TRAIN_ARGS... ; returns 0, 85 (requeue me) or a failure
         resume=(--auto-resume=1)
     fi
     # Each node's launcher writes its final decision here (code, action, checkpoint, one line); srun's own exit
-    # code cannot carry it: it is 143 as soon as one node ends before the others (--kill-on-bad-exit).
-    LF_OUTCOME_DIR="$PWD/logs/llama-fp8-outcome_$SLURM_JOB_ID"
+    # code cannot carry it: it is 143 as soon as one node ends before the others (--kill-on-bad-exit). One folder
+    # and one rendezvous id per run of the job (SLURM_RESTART_COUNT): a launcher of an earlier run that is still
+    # going away can neither write into this run's decisions nor join this run's rendezvous.
+    attempt="${SLURM_JOB_ID}.${SLURM_RESTART_COUNT:-0}"
+    LF_OUTCOME_DIR="$PWD/logs/llama-fp8-outcome_$attempt"
     rm -rf "$LF_OUTCOME_DIR"
     mkdir -p "$LF_OUTCOME_DIR"
     LLAMA_FP8_OUTCOME_DIR="$LF_OUTCOME_DIR" \
@@ -265,7 +268,7 @@ lf_train() {  # lf_train TRAIN_ARGS... ; returns 0, 85 (requeue me) or a failure
         bash -c "$LF_NODE_WRAPPER" lf_node "$addrs" \
         "${PY[@]}" -m llama_fp8 launch \
         --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE" --max_restarts="${MAX_RESTARTS:-3}" \
-        --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ADDR:$RDZV_PORT" --rdzv_id="$SLURM_JOB_ID" \
+        --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ADDR:$RDZV_PORT" --rdzv_id="$attempt" \
         -m llama_fp8 train ${DEVICE_ARGS[@]+"${DEVICE_ARGS[@]}"} "$@"
     rc=$?
     lf_outcome "$rc"

@@ -11,9 +11,8 @@ this process with the agent of cluster/elastic.py (``JobAgent``). 1.train_llama.
 
 Exit code: 0, the workers' code (2 bad config, 3 non-finite loss, 85 checkpoint saved: requeue, 1 or the code of a
 crash once restarts are used up or the same step failed twice), 128 + N for a signal N to the launcher
-(SIGINT, SIGHUP, SIGQUIT), 2 when the rendezvous store cannot be opened on the first node (its port is taken)
-or this torch lacks what the launcher relies on, or ``EXIT_HOST_LOST`` when the rendezvous could not go on (its
-host gone or unreachable, a node missing).
+(SIGINT, SIGHUP, SIGQUIT), 2 when this torch lacks what the launcher relies on, or ``EXIT_HOST_LOST`` when the
+rendezvous could not go on (its host gone or unreachable, a node missing, its port taken on the first node).
 """
 
 from __future__ import annotations
@@ -24,12 +23,13 @@ import shutil
 import signal
 
 from llama_fp8.cluster import elastic
-from llama_fp8.errors import EXIT_BAD_CONFIG, EXIT_REQUEUE
+from llama_fp8.errors import EXIT_REQUEUE
 from llama_fp8.telemetry import heartbeat
 
 EXIT_HOST_LOST = 86
-"""The rendezvous cannot go on (its host, the first node's launcher, is gone or unreachable, or a node never
-joined): nothing in this allocation can restart the job; the batch script requeues it (MAX_REQUEUES)."""
+"""The rendezvous cannot go on (its host, the first node's launcher, is gone or unreachable, a node never joined,
+or the first node cannot open its port): nothing in this allocation can restart the job; the batch script
+requeues it (MAX_REQUEUES)."""
 # Signals torch's agent turns into "stop the workers and exit". SIGTERM (Slurm's time limit, preemption, scancel)
 # and SIGUSR1 are not among them: the workers save a checkpoint on them and the launcher reports their 85.
 TORCH_HANDLED = "SIGINT,SIGHUP,SIGQUIT"
@@ -70,9 +70,13 @@ def _rendezvous_lost(e: Exception, args, started: bool) -> tuple[int, str, str]:
                 f"allocation cannot run the job as it is, the batch script requeues it")
     cause = e.__cause__ or e
     if not started and conf.get("is_host", "").lower() in ("1", "true", "yes", "y"):
-        return (EXIT_BAD_CONFIG, "fail", f"could not open the rendezvous store at {where} on this node, the first "
+        # Not a lost host: this node is the host. Often a setting (a port another program holds), but it can be a
+        # process of this job's previous run not yet gone: requeued, at most MAX_REQUEUES times, saying which.
+        return (EXIT_HOST_LOST, "retry", f"could not open the rendezvous store at {where} on this node, the first "
                 f"one ({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}): another process "
-                "holds the port, or the address is not this node's; set RDZV_PORT to a free port")
+                "holds the port (a process of this job's previous run not yet gone, or another program), or the "
+                "address is not this node's; the batch script requeues the job, at most MAX_REQUEUES times; if it "
+                "persists, set RDZV_PORT to a free port")
     return (EXIT_HOST_LOST, "retry", f"lost the rendezvous store at {where} ({type(e).__name__}): its host, the "
             f"first node's launcher, is gone or unreachable; this allocation cannot restart the job, the batch script "
             f"requeues it")
