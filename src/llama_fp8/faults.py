@@ -48,6 +48,8 @@ POINTS = {
     "save.renamed": "a save (rank 0): step_N complete under its final name, before older checkpoints are deleted",
     "save.pruning": "a save (rank 0): an old checkpoint renamed for deletion, before its files are deleted",
     "save.async_in_flight": "an async save: state staged, the background write under way, training resumes",
+    "finished": "the last step done, its checkpoint complete and `finished` reported to the launcher, before the "
+                "process ends (a crash in teardown)",
 }
 ACTIONS = ("kill", "hang", "stop", "raise", "sleep", "pause")
 

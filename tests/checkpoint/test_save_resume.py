@@ -262,6 +262,8 @@ def test_sigusr1_to_one_rank_saves_and_exits_with_the_requeue_code(tmp_path):
     (step, path), = K.complete_checkpoints(b / "checkpoints")
     assert step == train_records(b)[-1]["step"] and sorted(x.name for x in path.glob("rank*")) == \
         ["rank0.safetensors", "rank1.safetensors"]
+    (good,) = [m for m in read_metrics(b) if m["type"] == "goodput"]  # a planned stop: not a failure's restart
+    assert good["ended"] == "signal" and good["saves"] >= 1, good
     r = run_cli(["train", *BASE, "--run_dir", str(b), "--max_steps", str(step + 2)], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [m["start_step"] for m in read_metrics(b) if m["type"] == "meta"] == [0, step]

@@ -1,6 +1,6 @@
-"""`llama-fp8 launch`'s restart decisions (cluster/elastic.py), with real torchrun agents and stand-in workers
-(a few lines of Python that report a step and exit as told, so each case takes seconds), and the batch script's
-reading of them (job_lib.sh lf_outcome)."""
+"""`llama-fp8 launch`'s restart decisions (cluster/elastic.py), with a real torchrun agent and stand-in workers
+(standin.py: a few lines of Python that report a step and exit as told, so each case takes seconds). Two
+launchers on localhost: test_elastic_nodes.py; the batch script's reading of the decisions: test_job_outcome.py."""
 
 from __future__ import annotations
 
@@ -9,66 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
-from pathlib import Path
 
 import pytest
+from standin import attempts, launch, outcome
 
 from helpers import REPO, cli_env
 from llama_fp8.telemetry import heartbeat
-
-# A worker: appends "attempt rank" to attempts.txt, reports `step` in its progress file, then acts on the plan:
-# {attempt: {rank: action}} with action an exit code, "kill" (SIGKILL itself), "wait" (sleep until killed).
-WORKER = textwrap.dedent("""
-    import json, os, signal, sys, time
-    from pathlib import Path
-    here = Path(sys.argv[1])
-    rank = int(os.environ["RANK"])
-    with open(here / "attempts.txt", "a") as f:
-        f.write(f"{os.environ['TORCHELASTIC_RESTART_COUNT']} {rank}\\n")
-    attempt = sum(1 for line in open(here / "attempts.txt") if line.split()[1] == str(rank)) - 1
-    plan = json.loads((here / "plan.json").read_text())
-    todo = plan.get(str(attempt), {}).get(str(rank), 0)
-    step = plan.get("steps", {}).get(str(attempt), 5)
-    folder = os.environ.get("LLAMA_FP8_PROGRESS_DIR")
-    if folder:
-        Path(folder, f"rank{rank}.json").write_text(json.dumps(
-            {"rank": rank, "step": step, "phase": "step", "time": time.time() - (60 if todo == "wait" else 0),
-             "pid": os.getpid()}))
-    (here / f"started.{attempt}.{rank}").touch()
-    if todo == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if todo == "wait":
-        time.sleep(120)
-    time.sleep(0.3)
-    sys.exit(todo)
-""")
-
-
-def launch(tmp_path: Path, plan: dict, max_restarts: int = 3, nproc: int = 2, wait: bool = True, **env):
-    (tmp_path / "worker.py").write_text(WORKER)
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    (tmp_path / "attempts.txt").write_text("")
-    cmd = [sys.executable, "-m", "llama_fp8", "launch", "--standalone", f"--nproc_per_node={nproc}",
-           f"--max_restarts={max_restarts}", "--monitor_interval=0.1", str(tmp_path / "worker.py"), str(tmp_path)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                         env=cli_env(LLAMA_FP8_OUTCOME_DIR=str(tmp_path / "outcome"), **env))
-    if not wait:
-        return p
-    out, err = p.communicate(timeout=120)
-    return p.returncode, err
-
-
-def attempts(tmp_path: Path) -> int:
-    lines = (tmp_path / "attempts.txt").read_text().split("\n")
-    return sum(1 for ln in lines if ln.endswith(" 0"))
-
-
-def outcome(tmp_path: Path) -> tuple[int, str, str]:
-    (f,) = list((tmp_path / "outcome").iterdir())
-    code, action, line = f.read_text().strip().split(" ", 2)
-    return int(code), action, line
 
 
 def test_a_crash_restarts_every_rank_and_the_job_succeeds(tmp_path):
@@ -106,14 +53,108 @@ def test_the_same_step_failing_again_after_a_restart_is_not_restarted_again(tmp_
 
 
 def test_a_live_rank_without_progress_is_named_and_killed_at_once(tmp_path):
-    """Rank 0 exits 1 while rank 1 sleeps (a hang): rank 1 is killed with SIGKILL right away (torch would send
-    SIGTERM and wait 30 s) and named, as it has reported no progress for 60 s."""
-    plan = {"0": {"0": 1, "1": "wait"}, "steps": {"0": 5, "1": 6}}
-    t0 = time.monotonic()
+    """Rank 0 exits 1 while rank 1 sleeps (a hang): rank 1 is named, as it has reported no progress for 60 s with
+    0.5 s steps, and killed with SIGKILL (torch would send SIGTERM, which our workers read as "save", and wait
+    30 s): its SIGTERM handler never runs."""
+    plan = {"0": {"0": 1, "1": {"exit": "wait", "age": 60, "step_s": 0.5, "on_term": True}}, "steps": {"0": 5, "1": 6}}
     rc, err = launch(tmp_path, plan)
     assert rc == 0 and attempts(tmp_path) == 2, err[-2000:]
-    assert time.monotonic() - t0 < 25, "the sleeping rank was not killed at once"
     assert "stopped moving: state S in step 5, no progress for" in err, err[-2000:]
+    assert not list(tmp_path.glob("sigterm.*")), "the sleeping rank got SIGTERM before SIGKILL"
+    assert "closing signal SIGTERM" not in err, err[-2000:]  # torch found it reaped: it sent no SIGTERM at all
+
+
+def test_a_healthy_rank_in_a_long_step_is_not_named(tmp_path):
+    """A rank 12 s into a step when its peer fails, its previous step having taken 20 s (a GPU step, a save): it is
+    moving, and must not be named as the rank that stopped (the limit scales with the step's own duration)."""
+    plan = {"0": {"0": 1, "1": {"exit": "wait", "age": 12, "step_s": 20}}, "steps": {"0": 5, "1": 6}}
+    rc, err = launch(tmp_path, plan)
+    assert rc == 0 and attempts(tmp_path) == 2, err[-2000:]
+    assert "stopped moving" not in err, err[-2000:]
+
+
+def test_a_start_up_failure_twice_is_requeued_not_called_deterministic(tmp_path):
+    """A rank that fails before its first progress record, in two attempts in a row (a GPU that does not
+    initialize, memory still held by a killed process): the machine, not the data or the code. No third attempt
+    in place, and the job is requeued (action retry, bounded by MAX_REQUEUES), not failed for good."""
+    dead = {"0": {"exit": 1, "phase": None}, "1": {"exit": "wait", "phase": None}}
+    rc, err = launch(tmp_path, {"0": dead, "1": dead})
+    assert rc == 1 and attempts(tmp_path) == 2, err[-2000:]
+    code, action, line = outcome(tmp_path)
+    assert (code, action) == (1, "retry"), line
+    assert "during start-up again after a restart" in line and "deterministic" not in line
+
+
+def test_a_deterministic_code_wins_over_a_stop_signal(tmp_path):
+    """SIGUSR1 arrives as a rank stops with exit 3 (a non-finite loss) and the other saves (85): the job fails
+    with 3 once, it is not requeued into the same NaN."""
+    plan = {"0": {"0": {"exit": "wait", "on_usr1": 3}, "1": {"exit": "wait", "on_usr1": 85}}}
+    p = launch(tmp_path, plan, wait=False)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"started.0.{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    p.send_signal(signal.SIGUSR1)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 3 and attempts(tmp_path) == 1, err[-2000:]
+    assert outcome(tmp_path)[:2] == (3, "fail")
+
+
+def test_the_failure_is_placed_at_the_failed_ranks_step(tmp_path):
+    """Rank 1 fails in step 5 while rank 0, which the launcher then kills, already reported step 6: the failure
+    is in step 5 (the killed rank's step would make a repeated failure look like progress)."""
+    plan = {"0": {"1": {"exit": 1, "step": 5}, "0": {"exit": "wait", "step": 6, "step_s": 0.5}}}
+    rc, err = launch(tmp_path, plan)
+    assert rc == 0, err[-2000:]
+    assert "rank 1 (exit 1) in step 5; restarting the workers of every node" in err, err[-2000:]
+
+
+def test_a_signal_death_is_named_before_a_peers_exit_1(tmp_path):
+    """Rank 1 is SIGKILLed and rank 0 exits 1 as it sees its peer gone (gloo's error), both seen in one look of
+    the launcher (torch's failure times are whole seconds, ties went to the lowest rank): the SIGKILL is named."""
+    plan = {"0": {"1": "kill", "0": {"exit": 1, "peer_gone": 1, "after": 0}}}
+    rc, err = launch(tmp_path, plan, monitor_interval=2)
+    assert rc == 0, err[-2000:]
+    assert "rank 1 (killed by SIGKILL) in step 5; restarting" in err, err[-2000:]
+
+
+def patched_launcher(code: str) -> list[str]:
+    """`python -m llama_fp8` with ``code`` run first (it patches torch to stage a case torch cannot be told to
+    produce on demand)."""
+    return [sys.executable, "-c", f"import sys\n{code}\nfrom llama_fp8.__main__ import main\nsys.exit(main(sys.argv[1:]))"]
+
+
+def test_torchs_uninterruptible_sleep_guard_is_respected(tmp_path):
+    """torch's agent marks the workers UNHEALTHY and sets its restarts to 0 when one stays in uninterruptible
+    sleep (D state: it holds its GPU); here every worker reads as D. No restart onto the held device, and not
+    "training finished" either (torch's run() returns normally in that case): exit 1, requeued (retry)."""
+    code = ("from torch.distributed.elastic.agent.server import local_elastic_agent as L\n"
+            "L.read_proc_state = lambda pid: 'D'")
+    rc, err = launch(tmp_path, {"0": {"0": "wait", "1": "wait"}}, python=patched_launcher(code),
+                     TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT="0.5")
+    assert attempts(tmp_path) == 1 and rc == 1, err[-2000:]
+    code_, action, line = outcome(tmp_path)
+    assert (code_, action) == (1, "retry") and "uninterruptible sleep" in line, line
+
+
+def test_a_signal_while_workers_start_reaches_them(tmp_path):
+    """SIGUSR1 between the launcher's "no signal yet" check and torch storing the new workers (staged by sending it
+    from torch's _start_workers): the new workers get it too, and the job exits 85 instead of training on."""
+    code = ("import os, signal\n"
+            "from torch.distributed.elastic.agent.server import local_elastic_agent as L\n"
+            "orig = L.LocalElasticAgent._start_workers\n"
+            "def start(self, wg):\n"
+            "    os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "    return orig(self, wg)\n"
+            "L.LocalElasticAgent._start_workers = start")
+    p = launch(tmp_path, {"0": {"0": "wait", "1": "wait"}}, python=patched_launcher(code), wait=False)
+    try:
+        _, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail("the workers never got the signal: still running after 60 s")
+    assert p.returncode == 85 and attempts(tmp_path) <= 1, err[-2000:]  # 0: killed before its first line
+    assert "(killed by SIGUSR1) after SIGUSR1: not restarting" in err, err[-2000:]
+    assert outcome(tmp_path)[:2] == (85, "retry")
 
 
 def test_sigusr1_stops_restarts_and_asks_for_a_requeue(tmp_path):
@@ -130,15 +171,68 @@ def test_sigusr1_stops_restarts_and_asks_for_a_requeue(tmp_path):
     assert outcome(tmp_path)[:2] == (85, "retry"), "nothing was saved: a requeue bounded by MAX_REQUEUES"
 
 
+def test_the_launcher_refuses_a_torch_whose_agent_it_cannot_replace(tmp_path):
+    """The launcher's decisions live in its agent class, which torch's launch_agent builds by the module name
+    LocalElasticAgent. A torch whose launch_agent builds its agent otherwise (staged: a wrapper in its place)
+    would run the job with torch's plain restarts (exit 2 and 3 restarted, a budget per node): the launcher stops
+    before any worker starts, exit 2, naming the torch version."""
+    code = ("from torch.distributed.launcher import api\n"
+            "orig = api.launch_agent\n"
+            "def launch_agent(config, entrypoint, args, *rest):\n"
+            "    return orig(config, entrypoint, args, *rest)\n"
+            "api.launch_agent = launch_agent")
+    rc, err = launch(tmp_path, {"0": {"0": 3, "1": 3}}, python=patched_launcher(code))
+    assert rc == 2 and attempts(tmp_path) == 0, err[-3000:]
+    assert "torch 2." in err and "launch_agent" in err, err[-3000:]
+    assert outcome(tmp_path)[:2] == (2, "fail")
+
+
+def test_the_agent_checks_the_rendezvous_round_and_its_workers():
+    """The two other internals: the round of torch's dynamic rendezvous (the job-wide budget; a static
+    rendezvous has none, and counts per agent as torch does), and the worker processes (SIGKILL, naming, signal
+    forwarding). Missing, each stops the job (exit 2) naming the torch version instead of going on without."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    from llama_fp8.cluster import elastic
+
+    agent = object.__new__(elastic.JobAgent)
+    agent._remaining_restarts = 2
+    agent._worker_group = SimpleNamespace(spec=SimpleNamespace(
+        rdzv_handler=object.__new__(DynamicRendezvousHandler), max_restarts=3, local_world_size=2))
+    with pytest.raises(elastic.JobStop) as e:
+        agent._round()
+    assert e.value.code == 2 and "rendezvous round" in e.value.line and "torch 2." in e.value.line
+    agent._worker_group.spec.rdzv_handler = SimpleNamespace()  # a static rendezvous: no rounds, torch's count
+    assert agent._round() == 1
+    agent._pcontext = SimpleNamespace(close=lambda *a, **k: None)  # workers kept where the agent cannot see them
+    with pytest.raises(elastic.JobStop) as e:
+        agent._check_workers()
+    assert e.value.code == 2 and "worker processes" in e.value.line and "torch 2." in e.value.line
+    elastic.check_torch()  # the torch installed here passes
+
+
 def test_heartbeat_round_trip_and_foreign_files_are_skipped(tmp_path, monkeypatch):
     monkeypatch.setenv(heartbeat.ENV, str(tmp_path))
-    beat = heartbeat.Heartbeat(3)
-    beat.beat(7, "step")
+    clock = iter([100.0, 104.5, 130.0, 131.0])
+    monkeypatch.setattr(heartbeat.time, "time", lambda: next(clock))
+    saved = [None]
+    beat = heartbeat.Heartbeat(3, lambda: saved[0])
+    beat.beat(7, "step")                      # t=100
+    saved[0] = 6
+    beat.beat(7, "save")                      # t=104.5: step 7's own work took 4.5 s
+    assert heartbeat.read(tmp_path)[3] | {"pid": 0} == {"rank": 3, "step": 7, "phase": "save", "time": 104.5,
+                                                        "pid": 0, "step_s": 4.5, "ckpt": 6}
+    beat.beat(8, "step")                      # t=130: the save's 25.5 s are not a step's
+    beat.beat(8, "finished")                  # t=131
+    got = heartbeat.read(tmp_path)[3]
+    assert (got["phase"], got["step_s"], got["pid"]) == ("finished", 1.0, os.getpid())
     (tmp_path / "rank4.json").write_text("{not json")
     (tmp_path / "rank5.json").write_text(json.dumps({"rank": 5, "step": "x"}))
     (tmp_path / "rank6.json").write_bytes(b" " * (heartbeat.MAX_BYTES + 1))
-    got = heartbeat.read(tmp_path)
-    assert list(got) == [3] and got[3]["step"] == 7 and got[3]["phase"] == "step" and got[3]["pid"] == os.getpid()
+    assert list(heartbeat.read(tmp_path)) == [3]
+    assert heartbeat.number({"a": True, "b": 2, "c": "3"}, "a") is None and heartbeat.number({"b": 2}, "b") == 2
     monkeypatch.delenv(heartbeat.ENV)
     heartbeat.Heartbeat(0).beat(1, "step")  # no folder: nothing written, nothing raised
     assert not (tmp_path / "rank0.json").exists()
@@ -159,41 +253,6 @@ def test_flight_recorder_dumps_into_the_run_folder_on_cuda_only(tmp_path, monkey
     assert T.flight_recorder_path(cfg) is None and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
 
 
-def outcome_rc(tmp_path: Path, files: dict[str, str], srun_rc: int, max_requeues: int = 3) -> tuple[int, str]:
-    """job_lib.sh's lf_outcome on these outcome files (no Slurm needed: it reads files and the srun code)."""
-    folder = tmp_path / "out"
-    folder.mkdir(exist_ok=True)
-    for old in folder.iterdir():
-        old.unlink()
-    for name, text in files.items():
-        (folder / name).write_text(text + "\n")
-    script = (f'source {REPO}/scripts/slurm/job_lib.sh; LF_OUTCOME_DIR={folder}; lf_outcome {srun_rc}; '
-              f'echo "rc=$?"')
-    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=tmp_path, check=True,
-                         env={**os.environ, "SLURM_JOB_ID": "77", "MAX_REQUEUES": str(max_requeues)}).stdout
-    return int(out.rsplit("rc=", 1)[1]), out
-
-
-def test_lf_outcome_requeues_what_it_should_and_caps_the_rest(tmp_path):
-    (tmp_path / "logs").mkdir()
-    assert outcome_rc(tmp_path, {"node0": "0 done ok", "node1": "0 done ok"}, 0)[0] == 0
-    # a deterministic failure on one node wins over the other node's requeue, and over srun's 143
-    rc, out = outcome_rc(tmp_path, {"node0": "3 fail rank 0: NaN", "node1": "85 requeue saved"}, 143)
-    assert rc == 3 and "rank 0: NaN; not requeued" in out
-    # a checkpoint saved after a signal: always requeued, whatever srun said
-    assert outcome_rc(tmp_path, {"node1": "85 requeue saved"}, 143)[0] == 85
-    # a launcher that failed by itself before deciding (it could not even start): its code, not requeued
-    rc, out = outcome_rc(tmp_path, {}, 1)
-    assert rc == 1 and "failed with code 1 before its launchers decided (the error is above); not requeued" in out
-    # nothing saved (a lost rendezvous host, a launcher killed without a word): MAX_REQUEUES times, then no more
-    rc, out = outcome_rc(tmp_path, {}, 137, max_requeues=2)
-    assert rc == 85 and "requeue 1 of 2 (MAX_REQUEUES)" in out
-    assert outcome_rc(tmp_path, {"node1": "86 retry lost the rendezvous"}, 143, max_requeues=2)[0] == 85
-    rc, out = outcome_rc(tmp_path, {"node1": "86 retry lost the rendezvous"}, 143, max_requeues=2)
-    assert rc == 143 and "not requeued: 2 requeue(s) without a new checkpoint already (MAX_REQUEUES=2)" in out
-    assert len((tmp_path / "logs" / "llama-fp8-requeues_77").read_text().splitlines()) == 2
-
-
 def test_a_crash_before_the_first_checkpoint_starts_the_job_over(tmp_path):
     """Real training, rank 1 killed in step 1: the restarted attempt finds this job's own metrics.jsonl and no
     checkpoint, and starts over instead of refusing the run dir (which it does for another job's metrics)."""
@@ -207,3 +266,23 @@ def test_a_crash_before_the_first_checkpoint_starts_the_job_over(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "restart 1 of 1 for the job" in p.stderr and "already holds metrics.jsonl" not in p.stderr
     assert [r["step"] for r in train_records(tmp_path / "run")] == [1, 1, 2, 3]  # step 1 trained twice
+
+
+def test_a_rank_killed_after_training_finished_is_not_restarted(tmp_path):
+    """Real training under the launcher, rank 1 SIGKILLed once it reported `finished` (the final checkpoint
+    complete, as in a crash in teardown): the job ends done, no second attempt, the checkpoint of the last step
+    in place."""
+    from helpers import train_records
+    cmd = [sys.executable, "-m", "llama_fp8", "launch", "--standalone", "--nproc_per_node=2", "--max_restarts=1",
+           "-m", "llama_fp8", "train", "--model", "tiny", "--device", "cpu", "--num_layers", "2",
+           "--max_context_width", "32", "--train_batch_size", "2", "--max_steps", "2", "--checkpoint_freq", "2",
+           "--logging_freq", "1", "--run_dir", str(tmp_path / "run")]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=240, env=cli_env(
+        LLAMA_FP8_FAULT="kill@finished:rank=1", LLAMA_FP8_FAULT_DIR=str(tmp_path),
+        LLAMA_FP8_OUTCOME_DIR=str(tmp_path / "outcome")))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "rank 1 (killed by SIGKILL) after training finished" in p.stderr, p.stderr[-3000:]
+    assert [r["step"] for r in train_records(tmp_path / "run")] == [1, 2]  # one attempt
+    assert (tmp_path / "run" / "checkpoints" / "step_2" / "COMPLETE").is_file()
+    (f,) = (tmp_path / "outcome").iterdir()
+    assert f.read_text().split(" ", 3)[:3] == ["0", "done", "2"], f.read_text()  # the latest checkpoint: step 2

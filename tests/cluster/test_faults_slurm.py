@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -113,15 +114,39 @@ def restart_lines(job: Job) -> list[str]:
     return [ln for ln in job.text().splitlines() if "restarting the workers of every node" in ln]
 
 
+def restarts(job: Job) -> dict[int, list[str]]:
+    """Restart number -> the launchers' lines deciding it. One restart can have a line from each node: the node
+    of the failed rank, and another whose gloo rank failed on its own before the first node's launcher joined the
+    next round (it then decides too, for the same round, instead of following)."""
+    out: dict[int, list[str]] = {}
+    for line in restart_lines(job):
+        m = re.search(r"\(restart (\d+) of \d+ for the job\)", line)
+        assert m, line
+        out.setdefault(int(m.group(1)), []).append(line)
+    return out
+
+
+def no_sigterm_wait(job: Job) -> None:
+    """The failed attempt's live workers got SIGKILL at once, never torch's SIGTERM and 30 s wait (the hang
+    bound is the timeout plus a restart; the measured time goes to the fault matrix, not into an assert)."""
+    assert "closing signal SIGTERM" not in job.text(), job.text()[-3000:]
+
+
 def test_worker_sigkilled_twice_restarts_in_the_job(cluster, reference, tmp_path):
-    """(a) SIGKILL of a worker at two random steps (rank 1, then rank 0): two restarts inside the allocation."""
-    first, second = random.sample(range(2, STEPS), 2)
+    """(a) SIGKILL of a worker at two random steps (rank 1, then rank 0): two restarts inside the allocation. The
+    steps vary from run to run (more of the step/checkpoint phases covered over time); every message names them
+    and the seed that drew them."""
+    seed = random.randrange(1 << 30)
+    first, second = random.Random(seed).sample(range(2, STEPS), 2)
+    ctx = f"kills of rank 1 in step {first} and rank 0 in step {second} (seed {seed})"
     job = submit(cluster, tmp_path, LLAMA_FP8_FAULT=f"kill@step:step={first}:rank=1:once;kill@step:step={second}:rank=0:once")
     info = job.wait()
     assert_completed(info, job.log)
-    assert info["Restarts"] == "0", "recovered inside the allocation, not by a requeue"
-    assert len(restart_lines(job)) == 2 and "restart 2 of 3 for the job" in job.text(), job.text()[-3000:]
-    assert "(killed by SIGKILL)" in restart_lines(job)[0]
+    assert info["Restarts"] == "0", f"{ctx}: recovered inside the allocation, not by a requeue"
+    decided = restarts(job)
+    assert sorted(decided) == [1, 2], f"{ctx}: {decided}\n{job.text()[-3000:]}"
+    killed = {k: [ln for ln in lines if "(killed by SIGKILL)" in ln] for k, lines in decided.items()}
+    assert all(killed.values()), f"{ctx}: a restart not decided on the killed rank's node: {decided}"
     assert_bitwise(job, reference)
     kills = sorted([fired_at(job, "step", 1), fired_at(job, "step", 0)])
     back = [back_to_training(job, t) for t in kills]
@@ -140,10 +165,10 @@ def test_worker_sigstopped_is_detected_and_restarted(cluster, reference, tmp_pat
     text = job.text()
     assert "rank 1 (pid" in text and "stopped moving: stopped (SIGSTOP) in step 5" in text, text[-3000:]
     assert f"a collective did not complete within --process_group_timeout={TIMEOUT} s" in text
-    assert len(restart_lines(job)) == 1 and info["Restarts"] == "0"
+    assert sorted(restarts(job)) == [1] and info["Restarts"] == "0", text[-3000:]
+    no_sigterm_wait(job)
     assert_bitwise(job, reference)
     back = back_to_training(job, fired_at(job, "step", 1))
-    assert back <= TIMEOUT + 30, f"{back:.0f} s from the stop to training again (bound: timeout + restart)"
     matrix.record("test_worker_sigstopped_is_detected_and_restarted",
                   f"rank 0's collective timed out after {TIMEOUT} s; \"rank 1 (pid ...) stopped moving: stopped "
                   f"(SIGSTOP) in step 5\"; SIGKILL, restart in the job; stop -> next step {back:.0f} s; losses of "
@@ -159,10 +184,10 @@ def test_rank_hangs_in_a_collective_on_slurm(cluster, reference, tmp_path):
     text = job.text()
     assert f"Timed out waiting {TIMEOUT * 1000}ms" in text, text[-3000:]
     assert "stopped moving" in text and "in step 5, no progress for" in text, text[-3000:]
-    assert len(restart_lines(job)) == 1 and info["Restarts"] == "0"
+    assert sorted(restarts(job)) == [1] and info["Restarts"] == "0", text[-3000:]
+    no_sigterm_wait(job)
     assert_bitwise(job, reference)
     back = back_to_training(job, fired_at(job, "step", 1))
-    assert back <= TIMEOUT + 30, back
     matrix.record("test_rank_hangs_in_a_collective_on_slurm",
                   f"rank 0: \"a collective did not complete within --process_group_timeout={TIMEOUT} s (Timed out "
                   f"waiting {TIMEOUT * 1000}ms ...)\"; rank 1 named (\"stopped moving ... in step 5\"), killed, "
@@ -175,7 +200,8 @@ def test_worker_exiting_1_restarts_in_the_job(cluster, reference, tmp_path):
     job = submit(cluster, tmp_path, LLAMA_FP8_FAULT="raise@step:step=5:rank=0:once")
     info = job.wait()
     assert_completed(info, job.log)
-    assert len(restart_lines(job)) == 1 and "rank 0 (exit 1) in step 5" in restart_lines(job)[0]
+    decided = restarts(job)
+    assert sorted(decided) == [1] and any("rank 0 (exit 1) in step 5" in ln for ln in decided[1]), decided
     assert "resumed from" in job.text() and info["Restarts"] == "0"
     assert_bitwise(job, reference)
     matrix.record("test_worker_exiting_1_restarts_in_the_job",
@@ -241,6 +267,20 @@ def test_rendezvous_host_killed_requeues_and_resumes(cluster, reference, tmp_pat
                   f"and final weights bitwise equal to the uninterrupted run", 1)
 
 
+def node_in_service(env: dict[str, str], name: str, timeout: float = 120) -> None:
+    """Wait until Slurm has node ``name`` back: IDLE, ALLOCATED or MIXED, responding (no ``*``), no DOWN/DRAIN."""
+    deadline, state = time.monotonic() + timeout, "?"
+    while time.monotonic() < deadline:
+        out = subprocess.run(["scontrol", "-o", "show", "node", name], env=env, capture_output=True, text=True,
+                             check=False).stdout
+        m = re.search(r"\bState=(\S+)", out)
+        state = m.group(1) if m else "?"
+        if state in ("IDLE", "ALLOCATED", "MIXED"):
+            return
+        time.sleep(1)
+    pytest.fail(f"node {name} not back in service after {timeout:.0f} s: State={state}")
+
+
 def test_node_marked_down_is_requeued_by_slurm_and_resumes(cluster, reference, tmp_path):
     """(e) the second node set DOWN in step 4 (as an admin or a health check does): Slurm kills the job and
     requeues it (NODE_FAIL, --requeue); once the node is back the job resumes from its latest checkpoint."""
@@ -252,11 +292,12 @@ def test_node_marked_down_is_requeued_by_slurm_and_resumes(cluster, reference, t
         job.wait(120, until=lambda i: i.get("Restarts") == "1")
     finally:  # back in service: slurmd re-registers it by itself here (ReturnToService=2), then this is refused
         subprocess.run([*scontrol, "State=RESUME"], env=job.env, check=False, capture_output=True)
+    node_in_service(job.env, "n2")  # the requeued job must not start on it before it is (a second NODE_FAIL)
     (job.faults / "release").touch()
     release_requeued(job.id, job.env)
     info = job.wait()
     assert_completed(info, job.log)
-    assert info["Restarts"] == "1" and "resumed from" in job.text()
+    assert info["Restarts"] == "1" and "resumed from" in job.text(), (info, job.text()[-4000:])
     assert_bitwise(job, reference)
     matrix.record("test_node_marked_down_is_requeued_by_slurm_and_resumes",
                   f"Slurm requeued the job (Restarts=1); after the node's return it resumed from the latest "

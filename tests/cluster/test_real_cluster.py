@@ -3,6 +3,7 @@ submitit, and the A/B script. Each asserts on the job's state, its log and the r
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -49,13 +50,17 @@ def test_sbatch_two_nodes_rendezvous(job_env, tmp_path):
     """Two nodes x 1 process: the c10d rendezvous address comes from `scontrol show node` (NodeAddr)."""
     (tmp_path / "logs").mkdir()
     run = tmp_path / "run"
-    env = dict(job_env, NPROC_PER_NODE="1", SKIP_PREFLIGHT="1")
+    # LOGLEVEL=INFO: torch's agent logs the workers' master_addr (rank 0's node: its Slurm NodeAddr, 127.0.0.1 here,
+    # not the name socket.getfqdn() gives, which need not resolve on a cluster)
+    env = dict(job_env, NPROC_PER_NODE="1", SKIP_PREFLIGHT="1", LOGLEVEL="INFO")
     job = sbatch(["--nodes=2", SBATCH, *SMALL, "--max_steps", "3", "--run_dir", str(run)], env, tmp_path)
     info = wait_job(job, env)
     log = tmp_path / "logs" / f"llama-fp8_{job}.out"
     assert_completed(info, log)
     assert info["NodeList"] == "n[1-2]"
     assert "2 node(s) x 1 process(es)" in log.read_text() and "rendezvous 127.0.0.1:" in log.read_text()
+    addrs = set(re.findall(r"master_addr=(\S+)", log.read_text()))
+    assert addrs == {"127.0.0.1"}, addrs
     assert batch_lines(log) == [1, 2, 3]
     assert read_jsonl(run / "metrics.jsonl")[0]["world_size"] == 2
 

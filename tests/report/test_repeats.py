@@ -190,3 +190,35 @@ def test_goodput_section_shows_time_lost_to_restarts_and_the_checkpoint_interval
     t1 = checkpoint_interval(save, 3600)
     assert f"(a save blocks training {save:.2f} s; Young/Daly): MTBF 1 h -> every {t1 / 60:.1f} min, " \
            f"{(t1 / 2 + 40.0) / 60:.1f} min lost per failure" in report
+
+
+def test_restart_figures_leave_out_planned_requeues_and_count_every_save(tmp_path):
+    """A run requeued once on purpose (its first attempt ended on SIGUSR1, saved, and waited 2 h in the queue) and
+    restarted once after a crash: one restart of 25 s, not two with the queue in them; and the save cost is the
+    checkpoint time over the saves the attempts report (5, counting the one at the signal and the one redone),
+    not over the 4 an uninterrupted run makes."""
+    paths, _ = make_pairs(tmp_path, [1], 0.0)
+    metrics = Path(paths[1]) / "metrics.jsonl"
+    recs = [json.loads(x) for x in metrics.read_text().splitlines()]
+    t = 1000.0
+    for r in recs:
+        if r["type"] == "train":
+            r["time"], t = t, t + 1.0
+    meta, train, good = recs[0], recs[1:-1], recs[-1]
+    parts = {f"{k}_s": good[f"{k}_s"] / 3 for k in goodput.PARTS}
+    first = dict(good, **parts, saves=2, ended="signal")     # steps 1-15, a save at 10 and at the signal (15)
+    second = dict(good, **parts, saves=2, ended="failed")    # resumed at 15 two hours later, crashed after 25
+    third = dict(good, **parts, saves=1, ended="finished")   # resumed at 20 (its save), to the end
+    queued = [dict(r, time=r["time"] + 7200.0) for r in train[15:25]]
+    redo = [dict(r, time=r["time"] + 7225.0) for r in train[20:]]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in
+                               [meta, *train[:15], first, meta, *queued, second, meta, *redo, third]))
+    (Path(paths[1]) / "config.yaml").write_text(yaml.safe_dump({"asked": {"seed": 1, "fp8": True,
+                                                                          "checkpoint_freq": 10}}))
+    run(paths, tmp_path / "o")
+    report = (tmp_path / "o" / "report.md").read_text()
+    # the crash: last step 8224 (step 25), first step after 8245 (step 21 redone)
+    assert "| restarts: time from the last step before to the first after | none | 1: 21.0 s (median 21.0, " \
+           "max 21.0) |" in report, report
+    save = (good["checkpoint_sync_s"] + good["checkpoint_async_s"]) / 5
+    assert f"(a save blocks training {save:.2f} s; Young/Daly)" in report, report

@@ -4,11 +4,14 @@ redoes to restart loss."""
 from __future__ import annotations
 
 import shutil
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
-from helpers import read_metrics, run_cli
+from helpers import REPO, cli_env, read_metrics, run_cli
 from llama_fp8.telemetry import goodput
 
 
@@ -28,6 +31,7 @@ def test_goodput_parts_add_up_to_wall_time_and_resume_counts_restart_loss(tiny_a
     for k in ("startup", "warmup", "productive", "evaluation", "checkpoint_sync"):
         assert parts[k] > 0, k
     assert parts["restart_loss"] == 0 and parts["checkpoint_async"] == 0 and g["step"] == 12
+    assert (g["saves"], g["ended"]) == (2, "finished")                       # saves at steps 6 and 12
     assert g["goodput"] == pytest.approx(parts["productive"] / g["wall_s"])
     assert "Goodput: " in proc.stdout and f"{100 * g['goodput']:.1f} % of" in proc.stdout
     running = [r["goodput"] for r in recs if r["type"] == "train"]
@@ -65,6 +69,15 @@ def test_restart_gaps_measure_last_step_before_to_first_step_after():
     assert goodput.restart_gaps(recs[:3]) == []  # one attempt: no restart
 
 
+def test_a_planned_stop_is_not_a_restart():
+    """An attempt that ended on SIGUSR1/SIGTERM (a time limit, a preemption: its goodput record says so) was
+    requeued on purpose; the hours it may have waited in the queue are not time lost to a failure."""
+    recs = [{"type": "meta"}, {"type": "train", "step": 1, "time": 10.0}, {"type": "goodput", "ended": "signal"},
+            {"type": "meta"}, {"type": "train", "step": 2, "time": 7210.0}, {"type": "train", "step": 3, "time": 7211.0},
+            {"type": "goodput", "ended": "failed"}, {"type": "meta"}, {"type": "train", "step": 3, "time": 7220.0}]
+    assert goodput.restart_gaps(recs) == [9.0]
+
+
 def test_checkpoint_interval_is_youngs_to_first_order_and_daly_beyond():
     young = (2 * 10 * 3600) ** 0.5
     daly = goodput.checkpoint_interval(10, 3600)
@@ -85,14 +98,49 @@ def test_checkpoint_interval_is_youngs_to_first_order_and_daly_beyond():
 
 
 def test_written_by_this_job_reads_the_first_meta_record(tmp_path):
+    """A run dir with metrics.jsonl and no checkpoint is taken over only by a later attempt of the job that
+    wrote it: a restart inside the allocation (attempt > 0 of the same torchrun run id) or a requeue of the same
+    Slurm job (SLURM_RESTART_COUNT > 0). A first attempt never is, whatever its ids."""
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"type": "meta", "repro": {"slurm_job_id": "42", "elastic_run_id": "abc"}}\n{"type": "train"}\n')
-    assert goodput.written_by_this_job(path, {"SLURM_JOB_ID": "42"})
-    assert goodput.written_by_this_job(path, {"TORCHELASTIC_RUN_ID": "abc"})
-    assert not goodput.written_by_this_job(path, {"SLURM_JOB_ID": "43", "TORCHELASTIC_RUN_ID": "xyz"})
+    assert goodput.written_by_this_job(path, {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1"})  # a requeue
+    assert goodput.written_by_this_job(path, {"TORCHELASTIC_RUN_ID": "abc", "LLAMA_FP8_ATTEMPT": "1"})
+    assert goodput.written_by_this_job(path, {"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "2"})
+    assert not goodput.written_by_this_job(path, {"SLURM_JOB_ID": "43", "TORCHELASTIC_RUN_ID": "xyz",
+                                                  "SLURM_RESTART_COUNT": "1", "LLAMA_FP8_ATTEMPT": "1"})
     assert not goodput.written_by_this_job(path, {})  # no ids on either side: another run's, refused
-    path.write_text('{"type": "meta", "repro": {"slurm_job_id": null}}\n')
-    assert not goodput.written_by_this_job(path, {"SLURM_JOB_ID": ""})
-    path.write_bytes(b"\xff garbage")
+    # a second run in one allocation (salloc, an sbatch running two trainings): same job id, not requeued
     assert not goodput.written_by_this_job(path, {"SLURM_JOB_ID": "42"})
-    assert not goodput.written_by_this_job(tmp_path / "missing.jsonl", {"SLURM_JOB_ID": "42"})
+    assert not goodput.written_by_this_job(path, {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "0"})
+    # the same --rdzv_id again, in a new launch (its first attempt)
+    assert not goodput.written_by_this_job(path, {"TORCHELASTIC_RUN_ID": "abc", "LLAMA_FP8_ATTEMPT": "0"})
+    # torchrun's default run id is "none" for every run without --rdzv_id (static or multi-node)
+    path.write_text('{"type": "meta", "repro": {"slurm_job_id": null, "elastic_run_id": "none"}}\n')
+    assert not goodput.written_by_this_job(path, {"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0"})
+    assert not goodput.written_by_this_job(path, {"SLURM_JOB_ID": "", "SLURM_RESTART_COUNT": "1"})
+    path.write_bytes(b"\xff garbage")
+    assert not goodput.written_by_this_job(path, {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1"})
+    assert not goodput.written_by_this_job(tmp_path / "missing.jsonl", {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1"})
+
+
+def test_a_second_torchrun_without_a_run_id_is_refused_the_first_ones_run_dir(tmp_path):
+    """Two plain multi-node-style torchrun runs (c10d rendezvous, no --rdzv_id: torchrun's run id "none" for
+    both) into one --run_dir: the second stops before writing anything (its config.yaml and metrics.jsonl are the
+    first run's, kept byte for byte), as a second run with any other launcher is."""
+    def torchrun():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=1",
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "-m", "llama_fp8", "train",
+               "--model", "tiny", "--device", "cpu", "--num_layers", "1", "--max_context_width", "16",
+               "--train_batch_size", "1", "--max_steps", "1", "--checkpoint_freq", "0", "--run_dir",
+               str(tmp_path / "run")]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=240, env=cli_env())
+
+    first = torchrun()
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.is_file()}
+    second = torchrun()
+    assert second.returncode != 0 and "already holds metrics.jsonl" in second.stderr, second.stderr[-3000:]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.is_file()} == before

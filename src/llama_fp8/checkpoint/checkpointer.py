@@ -65,6 +65,7 @@ class Checkpointer:
         self._own_digests: dict[str, tuple[int, str]] = {}  # the per-rank file and train_state.json, as written
         self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ckpt-delete")  # retired checkpoints
         self._swept = False  # leftovers of an earlier attempt removed (by the first save of this run)
+        self.last_complete: int | None = None  # the step of the latest checkpoint known complete (saved or loaded)
 
     # --- save ----------------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, scheduler, loader, cfg, plan=None) -> None:
@@ -188,6 +189,7 @@ class Checkpointer:
                 self._deleter.submit(shutil.rmtree, folder, ignore_errors=True)
 
         self._agree(step, publish, tmp)
+        self.last_complete = step
 
     # --- agreement: a failure on one rank stops every rank at the same point ----------------------------
     def _gather(self, obj: Any) -> list:
@@ -263,7 +265,8 @@ class Checkpointer:
         self._agreed_load(path, last)
         log.info("resumed from %s (step %d, saved by %d ranks, now %d)", path, meta["step"], meta["world_size"],
                  self.world)
-        return int(meta["step"])
+        self.last_complete = int(meta["step"])
+        return self.last_complete
 
     def _agreed_load(self, path: Path, fn) -> None:
         """Run a step of a load on every rank; if it failed on any, every rank raises the same AgreedError."""

@@ -6,7 +6,7 @@
 # Reads (all optional; README: Environment variables): IMAGE, CONTAINER_MOUNTS, LLAMA_FP8_CONTAINER, KEEP_CONTAINER,
 # HOST_PYTHON, VENV, REPO_DIR, DEVICE, NPROC_PER_NODE, RDZV_PORT, SKIP_PREFLIGHT, PREFLIGHT_REPORT, NCCL_NET,
 # MAX_RESTARTS, MAX_REQUEUES.
-# Sets: DEVICE DEVICE_ARGS NPROC_PER_NODE CPUS PY WHERE CONTAINER_ARGS RDZV_ADDR RDZV_PORT LF_OUTCOME_DIR.
+# Sets: DEVICE DEVICE_ARGS NPROC_PER_NODE CPUS PY WHERE CONTAINER_ARGS RDZV_ADDR RDZV_PORT LF_NODE_ADDRS LF_OUTCOME_DIR.
 
 # shellcheck disable=SC2034  # read by the scripts that source this file
 EXIT_REQUEUE=85  # llama_fp8.errors.EXIT_REQUEUE: a checkpoint was saved after SIGUSR1/SIGTERM, requeue me
@@ -42,8 +42,8 @@ lf_setup_devices() {
     fi
     if [[ "$DEVICE" == cuda ]]; then
         NPROC_PER_NODE=${NPROC_PER_NODE:-$gpus}
-        # 3: on a timeout or an NCCL error the watchdog aborts the communicator and ends the process without the
-        # clean-up that can itself hang; the launcher then restarts every rank.
+        # 3 (SkipCleanUp): on a timeout or an NCCL error the watchdog ends the process without aborting its
+        # communicators (ncclCommAbort can itself hang: ProcessGroupNCCL.hpp); the launcher then restarts every rank.
         export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}
         export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
         # NCCL's flight recorder: the last collectives of every rank, dumped on a timeout into the run folder's
@@ -155,10 +155,19 @@ lf_remove_containers() {  # the job's named containers, on every node (Pyxis kee
 
 # ---- rendezvous: c10d store on the first node, a port derived from the job id.
 lf_setup_rendezvous() {
-    local first
+    local first line name addr
     first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-    # Node names need not resolve (and differ from addresses on many clusters): ask Slurm for the address.
-    RDZV_ADDR=$(scontrol -o show node "$first" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+    # Node names need not resolve (and differ from addresses on many clusters): ask Slurm for the addresses of
+    # the job's nodes, in one call ("NAME=ADDR ..."; each node's launcher takes its own: lf_train).
+    LF_NODE_ADDRS="" RDZV_ADDR=""
+    while read -r line; do
+        name="" addr=""
+        if [[ "$line" =~ (^|[[:space:]])NodeName=([^[:space:]]+) ]]; then name=${BASH_REMATCH[2]}; fi
+        if [[ "$line" =~ (^|[[:space:]])NodeAddr=([^[:space:]]+) ]]; then addr=${BASH_REMATCH[2]}; fi
+        if [[ -n "$name" && -n "$addr" ]]; then LF_NODE_ADDRS+="$name=$addr "; fi
+        if [[ "$name" == "$first" ]]; then RDZV_ADDR=$addr; fi
+    done < <(scontrol -o show node "$SLURM_JOB_NODELIST")
+    if [[ -z "$RDZV_ADDR" ]]; then RDZV_ADDR=$first; fi
     RDZV_PORT=${RDZV_PORT:-$((29500 + SLURM_JOB_ID % 1000))}
 }
 
@@ -210,53 +219,83 @@ lf_estimate() {  # lf_estimate TRAIN_ARGS...
 
 # ---- training: one `llama_fp8 launch` per node: torchrun's elastic agent (llama_fp8/cluster/elastic.py). When a
 # worker dies or fails it restarts the workers of every node in this allocation, which resume from the latest
-# complete checkpoint, up to MAX_RESTARTS times for the job; exit 2 (bad config or data), 3 (non-finite loss), the
-# same step failing twice and a SIGUSR1/SIGTERM are never restarted. The first node's launcher hosts the rendezvous
-# (is_host, explicit: names and addresses need not match); losing it ends the step, and the job is requeued.
+# complete checkpoint, up to MAX_RESTARTS times for this training step (the srun below: a requeued job, and each
+# arm of the A/B job, start with the full count again); exit 2 (bad config or data), 3 (non-finite loss), the
+# same step failing twice and a SIGUSR1/SIGTERM are never restarted. The first node's launcher hosts the
+# rendezvous (is_host, explicit: names and addresses need not match); losing it ends the step, and the job is
+# requeued.
 lf_is_hyperpod() { [[ -d /opt/sagemaker_cluster ]]; }
 
+lf_check_knobs() {  # MAX_RESTARTS and MAX_REQUEUES are counts: checked before anything runs
+    local name value
+    for name in MAX_RESTARTS MAX_REQUEUES; do
+        value=${!name-3}
+        [[ "$value" =~ ^[0-9]+$ ]] || lf_die "$name=$value: must be a whole number >= 0 (default 3; 0 turns it off)"
+    done
+}
+
+# The per-node wrapper of the training step, run by srun on each node with the address map as $1: this node's
+# Slurm address for torchrun's --local_addr (the workers' MASTER_ADDR is rank 0's node's: torch otherwise takes
+# socket.getfqdn(), a name that need not resolve), and is_host (node 0 hosts the rendezvous store) added to any
+# --rdzv_conf the user set in PET_RDZV_CONF (e.g. join_timeout=900).
+# shellcheck disable=SC2016  # expanded by the task's shell, on its node
+LF_NODE_WRAPPER='addr=""
+for kv in $1; do if [[ "${kv%%=*}" == "${SLURMD_NODENAME-}" ]]; then addr=${kv#*=}; fi; done
+shift
+if [[ -n "$addr" ]]; then export PET_LOCAL_ADDR="$addr"; fi
+export PET_RDZV_CONF="${PET_RDZV_CONF:+$PET_RDZV_CONF,}is_host=$((SLURM_NODEID == 0))"
+exec "$@"'
+
 lf_train() {  # lf_train TRAIN_ARGS... ; returns 0, 85 (requeue me) or a failure's code (lf_outcome)
-    local resume=() rc
+    local resume=() rc attempt addrs=${LF_NODE_ADDRS-}
+    if [[ -z "$addrs" ]]; then addrs=none; fi  # no map: torchrun finds its own address
     if lf_is_hyperpod; then
         # SageMaker HyperPod: replace faulty nodes and resume. An srun flag (sbatch rejects it), and it only
         # applies to the step that carries it: the training step.
         resume=(--auto-resume=1)
     fi
-    # Each node's launcher writes its final decision here (code, requeue|fail, one line); srun's own exit code
-    # cannot carry it: it is 143 as soon as one node ends before the others (--kill-on-bad-exit).
-    LF_OUTCOME_DIR="$PWD/logs/llama-fp8-outcome_$SLURM_JOB_ID"
+    # Each node's launcher writes its final decision here (code, action, checkpoint, one line); srun's own exit
+    # code cannot carry it: it is 143 as soon as one node ends before the others (--kill-on-bad-exit). One folder
+    # and one rendezvous id per run of the job (SLURM_RESTART_COUNT): a launcher of an earlier run that is still
+    # going away can neither write into this run's decisions nor join this run's rendezvous.
+    attempt="${SLURM_JOB_ID}.${SLURM_RESTART_COUNT:-0}"
+    LF_OUTCOME_DIR="$PWD/logs/llama-fp8-outcome_$attempt"
     rm -rf "$LF_OUTCOME_DIR"
     mkdir -p "$LF_OUTCOME_DIR"
-    # shellcheck disable=SC2016  # expanded by the task's shell, on its node: node 0 hosts the rendezvous store
     LLAMA_FP8_OUTCOME_DIR="$LF_OUTCOME_DIR" \
         srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task="$CPUS" --kill-on-bad-exit=1 \
         ${CONTAINER_ARGS[@]+"${CONTAINER_ARGS[@]}"} ${resume[@]+"${resume[@]}"} \
-        bash -c 'PET_RDZV_CONF="is_host=$((SLURM_NODEID == 0))" exec "$@"' lf_node \
+        bash -c "$LF_NODE_WRAPPER" lf_node "$addrs" \
         "${PY[@]}" -m llama_fp8 launch \
         --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE" --max_restarts="${MAX_RESTARTS:-3}" \
-        --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ADDR:$RDZV_PORT" --rdzv_id="$SLURM_JOB_ID" \
+        --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ADDR:$RDZV_PORT" --rdzv_id="$attempt" \
         -m llama_fp8 train ${DEVICE_ARGS[@]+"${DEVICE_ARGS[@]}"} "$@"
     rc=$?
     lf_outcome "$rc"
 }
 
-# ---- after the training step: the launchers' decisions (LF_OUTCOME_DIR/node<N>: "CODE ACTION LINE"), one line
-# saying what happened and what comes next, and the code for the calling script. A failure that a restart cannot
-# fix (ACTION fail) wins over a requeue; a checkpoint saved after a signal (requeue) is always requeued; a requeue
-# that saved nothing new (retry: a signal during a restart, the rendezvous host lost) or a launcher killed without
-# a word (srun's code >= 128: its node gone, SIGKILL) is requeued at most MAX_REQUEUES times for the job, so that a
-# node that breaks every attempt cannot requeue it forever (Slurm requeues a node failure by itself: NODE_FAIL,
-# --requeue); a launcher that failed by itself before deciding (srun's code < 128) is not requeued.
+# ---- after the training step: the launchers' decisions (LF_OUTCOME_DIR/node<N>: "CODE ACTION CHECKPOINT LINE"),
+# one line saying what happened and what comes next, and the code for the calling script. A failure that a
+# restart cannot fix (ACTION fail) wins over a requeue; a checkpoint saved after a signal (requeue) is always
+# requeued; a node that finished (done) means the training is complete (every rank passed the final checkpoint),
+# whatever the others say; a requeue that saved nothing new (retry: a signal during a restart, the rendezvous host
+# lost, a start-up failing twice; closed; a launcher killed without a word: srun's code >= 128) is requeued at most
+# MAX_REQUEUES times without a new checkpoint, so that a node that breaks every attempt cannot requeue the job
+# forever (Slurm requeues a node failure by itself: NODE_FAIL, --requeue); a launcher that failed by itself before
+# deciding (srun's code < 128) is not requeued.
 lf_outcome() {  # lf_outcome SRUN_RC -> return 0, 85 or the failure's code
-    local rc=$1 f code action line fail="" failcode=0 requeue="" retry="" files=0 count=0 cap=${MAX_REQUEUES:-3} counter
+    local rc=$1 f code action ckpt line fail="" failcode=0 requeue="" retry="" finished="" closed="" files=0 latest=""
     for f in "$LF_OUTCOME_DIR"/node*; do
         [[ -f "$f" ]] || continue
         files=$((files + 1))
-        read -r code action line <"$f" || true
+        read -r code action ckpt line <"$f" || true
+        if [[ "$ckpt" =~ ^[0-9]+$ ]] && ((ckpt > ${latest:--1})); then latest=$ckpt; fi
         case "$action" in
             fail) fail=$line; failcode=$code ;;
             requeue) requeue=$line ;;
             retry) retry=$line ;;
+            done) finished=$line ;;
+            closed) closed=$line ;;
         esac
     done
     if [[ -n "$fail" ]]; then
@@ -267,25 +306,55 @@ lf_outcome() {  # lf_outcome SRUN_RC -> return 0, 85 or the failure's code
         echo "job $SLURM_JOB_ID: ${requeue:-training saved a checkpoint and exited 85}"
         return "$EXIT_REQUEUE"
     fi
-    if [[ -z "$retry" ]] && ((rc < 128)); then  # no decision and no signal: a launcher failed by itself
+    if [[ -n "$finished" ]]; then
+        echo "job $SLURM_JOB_ID: $finished${retry:+ (another node then: $retry)}${closed:+ (another node then: $closed)}"
+        return 0
+    fi
+    if [[ -z "$retry$closed" ]] && ((rc < 128)); then  # no decision and no signal: a launcher failed by itself
         if ((rc != 0)); then
             echo "job $SLURM_JOB_ID: the training step failed with code $rc before its launchers decided (the error is above); not requeued"
         fi
         return "$rc"
     fi
-    counter="$PWD/logs/llama-fp8-requeues_$SLURM_JOB_ID"
-    if [[ -f "$counter" ]]; then count=$(wc -l <"$counter"); fi
-    line=${retry:-"the training step ended with code $rc, a launcher killed before it decided (the first node's launcher or a node lost)"}
+    lf_count_requeue "$rc" "${latest:--}" \
+        "${retry:-${closed:+a launcher ended the job without a word ($closed)}}"
+}
+
+# A requeue without a new checkpoint, counted in logs/llama-fp8-requeues_<job>, one line per requeue ("CHECKPOINT
+# requeue N of CAP: why"). The count starts again when the launchers report a later complete checkpoint than any
+# counted requeue; a first run of the job (SLURM_RESTART_COUNT 0) ignores a count an earlier job with this id left
+# (a rebuilt cluster reuses ids). A requeue that cannot be counted is not made.
+lf_count_requeue() {  # lf_count_requeue SRUN_RC CHECKPOINT|- WHY -> return 85, or not requeued
+    local rc=$1 latest=$2 line=$3 cap=${MAX_REQUEUES:-3} counter="$PWD/logs/llama-fp8-requeues_$SLURM_JOB_ID"
+    local count=0 best=-1 c _ no=$(($1 == 0 || $1 == EXIT_REQUEUE ? 1 : $1))
+    line=${line:-"the training step ended with code $rc, a launcher killed before it decided (the first node's launcher or a node lost)"}
+    [[ "$cap" =~ ^[0-9]+$ ]] || lf_die "MAX_REQUEUES=$cap: must be a whole number >= 0"
+    if ((${SLURM_RESTART_COUNT:-0} == 0)); then rm -f "$counter" 2>/dev/null; fi
+    if [[ -f "$counter" ]]; then
+        while read -r c _; do
+            count=$((count + 1))
+            if [[ "$c" =~ ^[0-9]+$ ]] && ((c > best)); then best=$c; fi
+        done <"$counter"
+    fi
+    if [[ "$latest" =~ ^[0-9]+$ ]] && ((count > 0 && latest > best)); then
+        echo "job $SLURM_JOB_ID: checkpoint step $latest is newer than the last requeue's: requeues without a new checkpoint counted from 0"
+        count=0
+        : >"$counter" 2>/dev/null || true
+    fi
     if ((count >= cap)); then
         echo "job $SLURM_JOB_ID: $line; not requeued: $count requeue(s) without a new checkpoint already (MAX_REQUEUES=$cap)"
-        return $((rc == 0 || rc == EXIT_REQUEUE ? 1 : rc))
+        return "$no"
     fi
-    echo "requeue $((count + 1)) of $cap: $line" >>"$counter"
+    if ! { echo "$latest requeue $((count + 1)) of $cap: $line" >>"$counter"; } 2>/dev/null; then
+        echo "job $SLURM_JOB_ID: $line; not requeued: the requeue cannot be counted in $counter (MAX_REQUEUES bounds requeues only where logs/ is writable)"
+        return "$no"
+    fi
     echo "job $SLURM_JOB_ID: $line; requeue $((count + 1)) of $cap (MAX_REQUEUES)"
     return "$EXIT_REQUEUE"
 }
 
 lf_setup() {  # lf_setup TRAIN_ARGS...: everything before the first srun
+    lf_check_knobs
     lf_setup_devices
     lf_setup_efa
     lf_setup_runtime "$@"

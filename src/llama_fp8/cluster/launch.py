@@ -11,7 +11,8 @@ this process with the agent of cluster/elastic.py (``JobAgent``). 1.train_llama.
 
 Exit code: 0, the workers' code (2 bad config, 3 non-finite loss, 85 checkpoint saved: requeue, 1 or the code of a
 crash once restarts are used up or the same step failed twice), 128 + N for a signal N to the launcher
-(SIGINT, SIGHUP, SIGQUIT), or ``EXIT_HOST_LOST`` when the rendezvous host went away.
+(SIGINT, SIGHUP, SIGQUIT), 2 when this torch lacks what the launcher relies on, or ``EXIT_HOST_LOST`` when the
+rendezvous could not go on (its host gone or unreachable, a node missing, its port taken on the first node).
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ import signal
 
 from llama_fp8.cluster import elastic
 from llama_fp8.errors import EXIT_REQUEUE
+from llama_fp8.telemetry import heartbeat
 
 EXIT_HOST_LOST = 86
-"""The rendezvous host (the first node's launcher) is gone: nothing in this allocation can restart the job."""
+"""The rendezvous cannot go on (its host, the first node's launcher, is gone or unreachable, a node never joined,
+or the first node cannot open its port): nothing in this allocation can restart the job; the batch script
+requeues it (MAX_REQUEUES)."""
 # Signals torch's agent turns into "stop the workers and exit". SIGTERM (Slurm's time limit, preemption, scancel)
 # and SIGUSR1 are not among them: the workers save a checkpoint on them and the launcher reports their 85.
 TORCH_HANDLED = "SIGINT,SIGHUP,SIGQUIT"
@@ -34,7 +38,7 @@ TORCH_HANDLED = "SIGINT,SIGHUP,SIGQUIT"
 @contextlib.contextmanager
 def _agent_class(cls):
     """torch's ``launch_agent`` builds its agent by the name ``LocalElasticAgent`` in its module: bind that name to
-    our subclass while torchrun runs in this process (it takes the same arguments)."""
+    our subclass while torchrun runs in this process (it takes the same arguments; ``elastic.check_torch``)."""
     from torch.distributed.launcher import api
 
     original = api.LocalElasticAgent
@@ -43,6 +47,39 @@ def _agent_class(cls):
         yield
     finally:
         api.LocalElasticAgent = original
+
+
+def _rdzv_conf(args) -> dict[str, str]:
+    """--rdzv_conf (``key=value,...``) as torchrun reads it."""
+    out = {}
+    for item in (getattr(args, "rdzv_conf", "") or "").split(","):
+        key, _, value = item.partition("=")
+        if key.strip():
+            out[key.strip()] = value.strip()
+    return out
+
+
+def _rendezvous_lost(e: Exception, args, started: bool) -> tuple[int, str, str]:
+    """(code, action, line) for a rendezvous that could not go on, saying which case it is."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    conf, where = _rdzv_conf(args), getattr(args, "rdzv_endpoint", "")
+    if isinstance(e, RendezvousTimeoutError):
+        return (EXIT_HOST_LOST, "retry", f"not every node joined the rendezvous: a node did not join within "
+                f"{conf.get('join_timeout', '600')} s (join_timeout; its launcher did not start, or died); this "
+                f"allocation cannot run the job as it is, the batch script requeues it")
+    cause = e.__cause__ or e
+    if not started and conf.get("is_host", "").lower() in ("1", "true", "yes", "y"):
+        # Not a lost host: this node is the host. Often a setting (a port another program holds), but it can be a
+        # process of this job's previous run not yet gone: requeued, at most MAX_REQUEUES times, saying which.
+        return (EXIT_HOST_LOST, "retry", f"could not open the rendezvous store at {where} on this node, the first "
+                f"one ({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}): another process "
+                "holds the port (a process of this job's previous run not yet gone, or another program), or the "
+                "address is not this node's; the batch script requeues the job, at most MAX_REQUEUES times; if it "
+                "persists, set RDZV_PORT to a free port")
+    return (EXIT_HOST_LOST, "retry", f"lost the rendezvous store at {where} ({type(e).__name__}): its host, the "
+            f"first node's launcher, is gone or unreachable; this allocation cannot restart the job, the batch script "
+            f"requeues it")
 
 
 def run_torchrun(torchrun_args: list[str]) -> int:
@@ -65,11 +102,18 @@ def run_torchrun(torchrun_args: list[str]) -> int:
         args.signals_to_handle = TORCH_HANDLED
     for sig in elastic.STOP_SIGNALS:  # Python handlers: the workers (exec'd) get the default disposition back
         signal.signal(sig, elastic.on_signal)
-    elastic.JobAgent.signalled = None
+    elastic.JobAgent.signalled = elastic.JobAgent.last = None
+    saved_env = {k: os.environ.get(k) for k in (heartbeat.ENV, elastic.ATTEMPT_ENV)}
     code, action, line = 0, "done", "training finished on every node"
     try:
+        elastic.check_torch()
         with _agent_class(elastic.JobAgent):
             torchrun.run(args)
+        agent = elastic.JobAgent.last
+        if agent is None:  # check_torch passed, yet torch ran its own agent
+            raise elastic.internals("launch_agent that builds its agent by the name LocalElasticAgent")
+        if agent.decision is not None:  # done after a failure past the end, or torch's D-state stop
+            code, action, line = agent.decision.code, agent.decision.action, agent.decision.line
     except ChildFailedError as e:
         agent = elastic.JobAgent.last
         if agent is not None and agent.decision is not None:
@@ -87,15 +131,19 @@ def run_torchrun(torchrun_args: list[str]) -> int:
         code, action, line = 1, "closed", "another node ended the job (its line says why)"
         elastic.say(line)
     except (RendezvousConnectionError, RendezvousTimeoutError, dist.DistNetworkError, dist.DistStoreError) as e:
-        code, action = EXIT_HOST_LOST, "retry"
-        line = (f"lost the rendezvous ({type(e).__name__}): its host, the first node's launcher, is gone; this "
-                f"allocation cannot restart the job, the batch script requeues it")
+        code, action, line = _rendezvous_lost(e, args, started=elastic.JobAgent.last is not None)
         elastic.say(line)
     finally:
-        agent = elastic.JobAgent.last
+        for key, value in saved_env.items():  # this process may launch again (tests): no stale folder, attempt
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        agent, checkpoint = elastic.JobAgent.last, None
         if agent is not None:
+            checkpoint = agent.latest_checkpoint()
             shutil.rmtree(agent.progress_dir, ignore_errors=True)
-    elastic.write_outcome(code, action, line)
+    elastic.write_outcome(code, action, checkpoint, line)
     return code
 
 

@@ -87,9 +87,14 @@ def goodput(runs: list[Run]) -> dict[str, Any] | None:
 
 
 def _saves(run: Run) -> int:
-    """Checkpoints a run saved (every --checkpoint_freq steps and at the end; 0 when its config is unknown)."""
+    """Checkpoint saves a run made, redone ones included: the sum of its attempts' goodput records (``saves``);
+    for records of an earlier version, the saves an uninterrupted run makes (every --checkpoint_freq steps and
+    at the end; 0 when its config is unknown)."""
     from llama_fp8.report.runs import _find_key
 
+    counts = [g.get("saves") for g in run.goodput]
+    if counts and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+        return sum(counts)
     freq, last = _find_key(run.config, "checkpoint_freq"), max((int(r["step"]) for r in run.train), default=0)
     return -(-last // freq) if isinstance(freq, int) and freq > 0 else 0
 

@@ -57,7 +57,7 @@ def _read_jsonl(path: Path) -> tuple[list[dict], list[dict], dict, list[dict], l
             bad += 1  # e.g. a last line cut short when the job was killed
             continue
         kind = rec.get("type") or ("val" if "val_loss" in rec else "train" if "loss" in rec else "")
-        if kind in ("meta", "train"):
+        if kind in ("meta", "train", "goodput"):
             order.append(rec)
         if kind == "meta":
             meta = meta or rec

@@ -16,7 +16,9 @@ loop's own bookkeeping, which is folded into the step it belongs to):
   checkpoint it resumed from was written), less their data wait.
 
 A requeued run writes one ``goodput`` record per attempt; the time spent queued between attempts is
-nobody's wall time here.
+nobody's wall time here. Each record also says how the attempt ``ended`` (``finished``; ``signal``: a stop
+asked by SIGUSR1/SIGTERM, saved; ``failed``) and how many checkpoint ``saves`` it made (the report's cost of
+one save is checkpoint time / saves).
 """
 
 from __future__ import annotations
@@ -65,9 +67,20 @@ def last_logged_step(metrics_path: Path, max_bytes: int = 64 << 20) -> int:
     return last
 
 
+def _count(env, var: str) -> int:
+    try:
+        return int(env.get(var) or 0)
+    except ValueError:
+        return 0
+
+
 def written_by_this_job(metrics_path: Path, env: dict[str, str] | None = None, max_bytes: int = 1 << 20) -> bool:
-    """Whether the first attempt recorded in ``metrics_path`` was this same job: the Slurm job id of its meta record
-    equals ours (a requeue), or torchrun's run id does (a restart inside the job). Reads at most ``max_bytes``."""
+    """Whether the first attempt recorded in ``metrics_path`` was an earlier attempt of this same job, which this one
+    may continue in place: a restart inside the allocation (an attempt > 0 of this launch: ``LLAMA_FP8_ATTEMPT``
+    from ``llama-fp8 launch``, else torchrun's ``TORCHELASTIC_RESTART_COUNT``) with the same torchrun run id, or a
+    requeue (``SLURM_RESTART_COUNT`` > 0) of the same Slurm job. A first attempt never is, whatever its ids match:
+    torchrun's run id is "none" for every run without --rdzv_id, and two runs in one allocation (salloc, or one
+    batch script training twice) share the job id. Reads at most ``max_bytes``."""
     env = os.environ if env is None else env
     try:
         with metrics_path.open("rb") as f:
@@ -78,8 +91,13 @@ def written_by_this_job(metrics_path: Path, env: dict[str, str] | None = None, m
     repro = rec.get("repro") if isinstance(rec, dict) and rec.get("type") == "meta" else None
     if not isinstance(repro, dict):
         return False
-    return any(env.get(var) and repro.get(key) == env.get(var)
-               for key, var in (("slurm_job_id", "SLURM_JOB_ID"), ("elastic_run_id", "TORCHELASTIC_RUN_ID")))
+    attempt = _count(env, "LLAMA_FP8_ATTEMPT") if "LLAMA_FP8_ATTEMPT" in env else \
+        _count(env, "TORCHELASTIC_RESTART_COUNT")
+    restarted = attempt > 0 and bool(env.get("TORCHELASTIC_RUN_ID")) and \
+        repro.get("elastic_run_id") == env.get("TORCHELASTIC_RUN_ID")
+    requeued = _count(env, "SLURM_RESTART_COUNT") > 0 and bool(env.get("SLURM_JOB_ID")) and \
+        repro.get("slurm_job_id") == env.get("SLURM_JOB_ID")
+    return restarted or requeued
 
 
 class Goodput:
@@ -93,6 +111,8 @@ class Goodput:
         self._proc_start = process_start_time()
         self._t_loop = self._inside = None
         self.last_step = start_step
+        self.saves = 0  # checkpoint saves this attempt made (the loop counts them)
+        self.ended = "failed"  # the loop sets "finished", or "signal" for a stop asked by SIGUSR1/SIGTERM
 
     def begin(self) -> None:
         self._t_loop = time.perf_counter()
@@ -136,18 +156,23 @@ class Goodput:
         wall = self.wall()
         return {"type": "goodput", "step": self.last_step, "start_step": self.start_step, "wall_s": wall,
                 **{f"{k}_s": v for k, v in self.parts.items()},
-                "goodput": self.parts["productive"] / wall if wall > 0 else None}
+                "goodput": self.parts["productive"] / wall if wall > 0 else None, "saves": self.saves,
+                "ended": self.ended}
 
 
 def restart_gaps(records: list[dict]) -> list[float]:
     """Seconds from the last step an attempt logged to the first step the next attempt logged, for every restart
-    (inside the allocation or a requeue) in one run's records, in file order: failure detection, the restart,
-    start-up and the steps redone up to the first logged one. Records without a ``time`` are skipped."""
-    gaps, last, pending = [], None, False
+    after a failure (inside the allocation or a requeue) in one run's records, in file order: failure detection,
+    the restart, start-up and the steps redone up to the first logged one. An attempt that ended on a stop
+    signal (its goodput record: ``ended`` "signal") was requeued on purpose: the gap after it (the queue) is not
+    counted. Records without a ``time`` are skipped."""
+    gaps, last, pending, planned = [], None, False, False
     for rec in records:
         kind = rec.get("type")
-        if kind == "meta":
-            pending = last is not None
+        if kind == "goodput":
+            planned = rec.get("ended") == "signal"
+        elif kind == "meta":
+            pending, planned = last is not None and not planned, False
         elif kind == "train" and isinstance(rec.get("time"), (int, float)):
             if pending:
                 gaps.append(max(rec["time"] - last, 0.0))

@@ -61,19 +61,29 @@ def loop(s: TrainState) -> list[float]:
             if note and s.env.is_main:
                 log.warning("step %d: %s", step, note)
         if s.val_loader is not None and step % cfg.validation_freq == 0:
+            s.heartbeat.beat(step, "eval")
             with clock.timed("evaluation"):
                 s.writer.write(*validate(s, step))
         stop = s.watch.requested()
         periodic = cfg.checkpoint_freq and (step % cfg.checkpoint_freq == 0 or step == cfg.max_steps)
         if periodic or stop:
             s.guard.check()  # never write a non-finite model over the last good checkpoint
+            s.heartbeat.beat(step, "save")
             with clock.timed(clock.checkpoint_part):
                 s.checkpointer.save(step, s.model, s.optimizer, s.scheduler, s.train_loader, s.cfg, s.plan)
+            clock.saves += 1
         clock.end_step(step, data_wait)
         if stop:
             with clock.timed(clock.checkpoint_part):
                 s.checkpointer.wait()
+            clock.ended = "signal"
             raise faults.Preempted(step)
+    with clock.timed(clock.checkpoint_part):  # the final save complete (async: written) before "finished"
+        s.checkpointer.wait()
+    clock.ended = "finished"
+    # From here a rank that dies (a segfault in teardown) loses nothing: the launcher does not restart the job.
+    s.heartbeat.beat(cfg.max_steps, "finished")
+    faults.at("finished", cfg.max_steps)
     return losses
 
 

@@ -75,7 +75,7 @@ def start(cfg: TrainConfig, env: parallel.DistEnv) -> TrainState:
     clock = goodput.Goodput(start_step, goodput.first_log_step(start_step, cfg.logging_freq, cfg.max_steps),
                             redo_until, cfg.async_checkpoint)
     meter, writer = start_metrics(cfg, plan, env, size, start_step)
-    beat = heartbeat.Heartbeat(env.rank)
+    beat = heartbeat.Heartbeat(env.rank, lambda: ckpt.last_complete)
     beat.beat(start_step, "startup")  # built and resumed: a failure from here on is not a start-up failure
     return TrainState(cfg, plan, env, impl, prec, model, size, optimizer, scheduler, train_loader, val_loader, ckpt,
                       meter, writer, faults.SignalWatch(env.world_size),

@@ -1,0 +1,156 @@
+"""The batch script's side of the in-job restarts (scripts/slurm/job_lib.sh): ``lf_outcome`` reading the
+launchers' decisions and counting requeues, the knobs' validation, and the per-node wrapper of the training
+step (rendezvous settings). No Slurm needed: the functions read files and environment variables; srun is
+replaced by a recorder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from helpers import REPO
+
+
+def outcome_rc(tmp_path: Path, files: dict[str, str], srun_rc: int, max_requeues: str | int = 3,
+               restarts: int = 1) -> tuple[int, str]:
+    """job_lib.sh's lf_outcome on these outcome files (``CODE ACTION CKPT LINE``) and srun's code, in a job whose
+    SLURM_RESTART_COUNT is ``restarts`` (0: its first run)."""
+    folder = tmp_path / "out"
+    folder.mkdir(exist_ok=True)
+    for old in folder.iterdir():
+        old.unlink()
+    for name, text in files.items():
+        (folder / name).write_text(text + "\n")
+    script = (f'source {REPO}/scripts/slurm/job_lib.sh; LF_OUTCOME_DIR={folder}; lf_outcome {srun_rc}; '
+              f'echo "rc=$?"')
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=tmp_path, check=True,
+                         env={**os.environ, "SLURM_JOB_ID": "77", "MAX_REQUEUES": str(max_requeues),
+                              "SLURM_RESTART_COUNT": str(restarts)})
+    return int(out.stdout.rsplit("rc=", 1)[1]), out.stdout + out.stderr
+
+
+def counter(tmp_path: Path) -> list[str]:
+    path = tmp_path / "logs" / "llama-fp8-requeues_77"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_lf_outcome_requeues_what_it_should_and_caps_the_rest(tmp_path):
+    (tmp_path / "logs").mkdir()
+    assert outcome_rc(tmp_path, {"node0": "0 done 8 ok", "node1": "0 done 8 ok"}, 0)[0] == 0
+    # a deterministic failure on one node wins over the other node's requeue, and over srun's 143
+    rc, out = outcome_rc(tmp_path, {"node0": "3 fail 4 rank 0: NaN", "node1": "85 requeue 4 saved"}, 143)
+    assert rc == 3 and "rank 0: NaN; not requeued" in out
+    # a checkpoint saved after a signal: always requeued, whatever srun said
+    assert outcome_rc(tmp_path, {"node1": "85 requeue 6 saved"}, 143)[0] == 85
+    # a launcher that failed by itself before deciding (it could not even start): its code, not requeued
+    rc, out = outcome_rc(tmp_path, {}, 1)
+    assert rc == 1 and "failed with code 1 before its launchers decided (the error is above); not requeued" in out
+    # nothing saved (a lost rendezvous host, a launcher killed without a word): MAX_REQUEUES times, then no more
+    rc, out = outcome_rc(tmp_path, {}, 137, max_requeues=2)
+    assert rc == 85 and "requeue 1 of 2 (MAX_REQUEUES)" in out
+    assert outcome_rc(tmp_path, {"node1": "86 retry - lost the rendezvous"}, 143, max_requeues=2)[0] == 85
+    rc, out = outcome_rc(tmp_path, {"node1": "86 retry - lost the rendezvous"}, 143, max_requeues=2)
+    assert rc == 143 and "not requeued: 2 requeue(s) without a new checkpoint already (MAX_REQUEUES=2)" in out
+    assert len(counter(tmp_path)) == 2
+
+
+def test_a_finished_node_and_a_closed_one_is_a_finished_job(tmp_path):
+    """One node finished training (its launcher: done), the other's launcher found the rendezvous closed: the
+    training is complete (every rank passed the final checkpoint), not "failed before its launchers decided"."""
+    (tmp_path / "logs").mkdir()
+    rc, out = outcome_rc(tmp_path, {"node0": "1 closed 8 another node ended the job (its line says why)",
+                                    "node1": "0 done 8 training finished on every node"}, 1)
+    assert rc == 0, out
+    assert "training finished" in out and "before its launchers decided" not in out
+
+
+def test_requeues_are_counted_from_the_latest_new_checkpoint(tmp_path):
+    """MAX_REQUEUES bounds requeues *without a new checkpoint*: a requeue whose launchers report a later
+    complete checkpoint than the last counted one starts the count again."""
+    (tmp_path / "logs").mkdir()
+    retry = {"node1": "86 retry {} lost the rendezvous"}
+
+    def once(ckpt):
+        return outcome_rc(tmp_path, {k: v.format(ckpt) for k, v in retry.items()}, 143, max_requeues=2)
+
+    assert once(4)[0] == 85 and once(4)[0] == 85
+    rc, out = once(6)
+    assert rc == 85 and "requeue 1 of 2" in out, out  # step 6 saved since the last requeue: counted from 0
+    assert once(6)[0] == 85
+    rc, out = once(6)
+    assert rc == 143 and "not requeued: 2 requeue(s) without a new checkpoint already" in out, out
+    rc, out = once("-")  # a launcher that could not tell: never a reason to count again
+    assert rc == 143, out
+
+
+def test_a_requeue_that_cannot_be_counted_is_not_made(tmp_path):
+    """logs/ not writable (here: a file in its place): the count cannot be kept, so the job is not requeued
+    (an uncounted requeue could repeat forever)."""
+    (tmp_path / "logs").write_text("not a folder")
+    rc, out = outcome_rc(tmp_path, {"node1": "86 retry 4 lost the rendezvous"}, 143)
+    assert rc == 143 and "not requeued" in out and "cannot be counted" in out, out
+
+
+def test_a_counter_left_by_an_earlier_job_with_this_id_is_ignored(tmp_path):
+    """A first run of a job (SLURM_RESTART_COUNT 0) finds a requeue count for its job id (a rebuilt cluster
+    reuses ids): not this job's; it starts from 0."""
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "llama-fp8-requeues_77").write_text("4 requeue 1 of 2: old\n4 requeue 2 of 2: old\n")
+    rc, out = outcome_rc(tmp_path, {"node1": "86 retry 4 lost the rendezvous"}, 143, max_requeues=2, restarts=0)
+    assert rc == 85 and "requeue 1 of 2" in out, out
+    assert len(counter(tmp_path)) == 1
+
+
+def run_lib(script: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """Source job_lib.sh under `set -euo pipefail` with srun replaced by a recorder (srun.calls) and run
+    ``script``."""
+    harness = f"""
+set -euo pipefail
+source {REPO}/scripts/slurm/job_lib.sh
+srun() {{ printf '%s\\x1f' "$@" >>{tmp_path}/srun.calls; printf '\\x1e' >>{tmp_path}/srun.calls; }}
+{script}
+"""
+    return subprocess.run(["bash", "-c", harness], capture_output=True, text=True, check=False, cwd=tmp_path,
+                          env={**os.environ, **env})
+
+
+def test_restart_and_requeue_knobs_must_be_counts(tmp_path):
+    for name, value in (("MAX_REQUEUES", "three"), ("MAX_RESTARTS", "-1"), ("MAX_REQUEUES", "")):
+        proc = run_lib("lf_check_knobs; echo checked", tmp_path, **{name: value})
+        assert proc.returncode == 1 and "checked" not in proc.stdout, (name, value, proc.stdout)
+        assert f"{name}={value}" in proc.stderr and "a whole number" in proc.stderr, proc.stderr
+    assert "checked" in run_lib("lf_check_knobs; echo checked", tmp_path, MAX_REQUEUES="0", MAX_RESTARTS="5").stdout
+
+
+def test_each_node_gives_torchrun_its_own_address_and_keeps_the_users_rendezvous_settings(tmp_path):
+    """The per-node wrapper of the training step: this node's Slurm NodeAddr as torchrun's --local_addr (the
+    workers' MASTER_ADDR is rank 0's, which torch otherwise takes from socket.getfqdn(), a name that need not
+    resolve), and is_host appended to a PET_RDZV_CONF the user set (join_timeout, ...), not written over it."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text(
+        "#!/bin/sh\ncase \"$*\" in\n  'show hostnames n[1-2]') printf 'n1\\nn2\\n';;\n"
+        "  '-o show node n[1-2]') echo 'NodeName=n1 Arch=x86_64 NodeAddr=10.0.0.1 NodeHostName=h1'\n"
+        "                         echo 'NodeName=n2 Arch=x86_64 NodeAddr=10.0.0.2 NodeHostName=h2';;\n"
+        "  *) exit 1;;\nesac\n")
+    (fake / "scontrol").chmod(0o755)
+    (tmp_path / "logs").mkdir()
+    script = ("lf_setup_rendezvous; SLURM_JOB_NUM_NODES=2 CPUS=1 NPROC_PER_NODE=1 DEVICE=cpu PY=(python) "
+              "CONTAINER_ARGS=() DEVICE_ARGS=(); lf_train --model tiny || true")
+    proc = run_lib(script, tmp_path, PATH=f"{fake}:{os.environ['PATH']}", SLURM_JOB_ID="7",
+                   SLURM_JOB_NODELIST="n[1-2]")
+    assert proc.returncode == 0, proc.stderr
+    (call,) = [c.split("\x1f")[:-1] for c in (tmp_path / "srun.calls").read_text().split("\x1e")[:-1]]
+    assert "--rdzv_endpoint=10.0.0.1:29507" in call, call
+    wrapper = call.index("bash")
+    launcher = call.index("-m", wrapper)
+    assert call[wrapper + 1] == "-c" and call[launcher + 1:launcher + 3] == ["llama_fp8", "launch"], call
+    for node, name, addr in ((0, "n1", "10.0.0.1"), (1, "n2", "10.0.0.2")):
+        # the wrapper as srun runs it on that node, with `env` in place of the launcher (python -m llama_fp8 ...)
+        task = subprocess.run(["bash", *call[wrapper + 1:launcher - 1], "env"], capture_output=True, text=True,
+                              check=True, env={**os.environ, "SLURM_NODEID": str(node), "SLURMD_NODENAME": name,
+                                               "PET_RDZV_CONF": "join_timeout=900"})
+        got = dict(line.split("=", 1) for line in task.stdout.splitlines() if "=" in line)
+        assert got["PET_RDZV_CONF"] == f"join_timeout=900,is_host={int(node == 0)}", got["PET_RDZV_CONF"]
+        assert got.get("PET_LOCAL_ADDR") == addr, (node, got.get("PET_LOCAL_ADDR"))
