@@ -43,14 +43,30 @@ def test_the_estimate_step_gets_the_jobs_shape_and_the_gpus_memory(tmp_path):
     r = run_lib(tmp_path, f"lf_estimate {TINY}", srun="return 0")
     assert r.returncode == 0 and "TRAINING-WOULD-START" in r.stdout, r.stderr
     (call,) = srun_calls(tmp_path)
-    assert call.startswith("--nodes=1 --ntasks=1 --cpus-per-task=2 ")
+    assert call.startswith("--nodes=1 --ntasks=1 --cpus-per-task=2 --time=30 ")  # a hung estimate ends in 30 min
     assert f"-m llama_fp8 estimate --nodes 2 --gpus_per_node 8 --gpu_memory_gib 79.6475 --suggest 0 {TINY}" in call
+    assert "warning" not in r.stderr
+
+
+def test_without_nvidia_smis_memory_the_estimate_says_which_gpu_it_checks_against(tmp_path):
+    r = run_lib(tmp_path, f"lf_estimate {TINY}", srun="return 0", smi_mib="'N/A'")
+    (call,) = srun_calls(tmp_path)
+    assert r.returncode == 0 and "--gpu_memory_gib" not in call
+    assert "nvidia-smi reported no memory.total ('N/A'): checking against an H100's memory" in r.stderr
+
+
+def test_the_shell_and_python_agree_on_the_estimates_exit_codes():
+    from llama_fp8 import errors
+
+    lib = (REPO / "src/llama_fp8/cluster/job_lib.sh").read_text()
+    assert re.search(r"local does_not_fit=(\d+) stand_in=(\d+)", lib).groups() == (
+        str(errors.EXIT_DOES_NOT_FIT), str(errors.EXIT_STAND_IN_DOES_NOT_FIT))
 
 
 @pytest.mark.parametrize(("rc", "goes_on", "words"), [
     (4, False, "does not fit the GPUs' memory"),
     (2, True, "could not decide (exit code 2): training goes on"),
-    (5, True, "could not decide (exit code 5)"),  # does not fit as estimated through a stand-in: a warning
+    (5, True, "does not fit as estimated through a stand-in"),  # a warning: an approximation
     (1, True, "could not decide (exit code 1)"),
 ])
 def test_only_a_run_that_does_not_fit_stops_the_job(tmp_path, rc, goes_on, words):
@@ -101,6 +117,25 @@ def test_submit_does_not_submit_a_run_that_does_not_fit(monkeypatch, capsys):
     assert submit.main(argv) == 0 and len(submitted) == 1
     monkeypatch.setattr(cli, "main", lambda argv: 2)  # cannot estimate: submitted, with a warning
     assert submit.main(argv) == 0 and len(submitted) == 2 and "could not decide" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "main", lambda argv: 5)  # does not fit through a stand-in: submitted, with a warning
+    assert submit.main(argv) == 0 and len(submitted) == 3
+    assert "does not fit as estimated through a stand-in" in capsys.readouterr().err
+
+
+def test_submit_submits_with_a_warning_when_the_estimate_fails_unexpectedly(monkeypatch, capsys):
+    """An error the estimate did not foresee (not a flag it refuses) is the estimate's problem, not the job's: the
+    job is submitted, with a warning naming the error and how to skip the estimate."""
+    from llama_fp8.estimate import assess
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("an op fake tensors cannot run")
+
+    submitted = []
+    monkeypatch.setattr(assess, "estimate", broken)
+    monkeypatch.setattr(submit, "submit", lambda *a: submitted.append(a) or 0)
+    assert submit.main(["--gpus_per_node", "8", "--", "--model", "tiny"]) == 0 and len(submitted) == 1
+    err = capsys.readouterr().err
+    assert "RuntimeError: an op fake tensors cannot run" in err and "--estimate 0" in err and "submitting" in err
 
 
 def test_submit_estimate_switches(monkeypatch, capsys):
