@@ -103,6 +103,19 @@ def test_the_batch_script_estimates_after_preflight_and_before_training():
     assert re.search(r"^lf_preflight\(\) \{.*?^\}\n\n# ---- estimate.*?^lf_estimate\(\) \{", lib, re.S | re.M)
 
 
+def test_the_ab_job_estimates_both_arms_after_preflight_and_before_the_first_run(tmp_path):
+    lines = [ln.strip() for ln in (REPO / "scripts/slurm/ab_job.sbatch").read_text().splitlines()]
+    order = [next(i for i, ln in enumerate(lines) if ln.startswith(step)) for step in
+             ('lf_preflight "$@"', "for fp8 in 1 0; do lf_estimate", 'lf_train "$@"')]
+    assert order == sorted(order)
+    loop = lines[order[1]].split("  #")[0]
+    r = run_lib(tmp_path, loop.replace('"$@"', TINY), srun="return 0")  # the line as the job runs it
+    assert r.returncode == 0 and [c.split(" estimate ")[1].split()[-1] for c in srun_calls(tmp_path)] == [
+        "--fp8=1", "--fp8=0"]
+    r = run_lib(tmp_path, loop.replace('"$@"', TINY), srun='[[ "$*" == *--fp8=0* ]] && return 4; return 0')
+    assert r.returncode != 0 and "TRAINING-WOULD-START" not in r.stdout  # one arm that does not fit stops the job
+
+
 def test_submit_does_not_submit_a_run_that_does_not_fit(monkeypatch, capsys):
     from llama_fp8.estimate import cli
 
