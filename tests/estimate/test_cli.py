@@ -207,8 +207,9 @@ def test_auto_is_estimated_as_the_te_model_a_gpu_node_with_transformer_engine_ru
     d = json.loads(out)
     assert code == cli.EXIT_STAND_IN_DOES_NOT_FIT and d["verdict"]["status"] == "does not fit"
     assert d["model_impl"] == "hf" and d["stand_in"].startswith("--model_impl auto picks te"), d["stand_in"]
+    assert d["job_model_impl"] == "te"
     _, text, _ = run_main(capsys, *TINY_AUTO, "--gpu_memory_gib", memory, "--suggest", "0")
-    assert "STAND-IN: --model_impl auto picks te" in text
+    assert "STAND-IN: --model_impl auto picks te" in text and "--model_impl te, estimated through hf)" in text
     # what the TE model refuses is refused for auto too (the job in the default image would be), with the way out
     code, out, err = run_main(capsys, *TINY_AUTO, "--activation_checkpointing", "selective")
     assert code == 2 and "the TE model checkpoints whole blocks" in err and "--model_impl hf" in err

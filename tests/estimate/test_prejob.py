@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from helpers import REPO, cli_env
+from llama_fp8 import errors
 from llama_fp8.cluster import submit
 
 TINY = "--model tiny --num_layers 2 --max_context_width 128 --train_batch_size 2"
@@ -56,17 +57,15 @@ def test_without_nvidia_smis_memory_the_estimate_says_which_gpu_it_checks_agains
 
 
 def test_the_shell_and_python_agree_on_the_estimates_exit_codes():
-    from llama_fp8 import errors
-
     lib = (REPO / "src/llama_fp8/cluster/job_lib.sh").read_text()
     assert re.search(r"local does_not_fit=(\d+) stand_in=(\d+)", lib).groups() == (
         str(errors.EXIT_DOES_NOT_FIT), str(errors.EXIT_STAND_IN_DOES_NOT_FIT))
 
 
 @pytest.mark.parametrize(("rc", "goes_on", "words"), [
-    (4, False, "does not fit the GPUs' memory"),
-    (2, True, "could not decide (exit code 2): training goes on"),
-    (5, True, "does not fit as estimated through a stand-in"),  # a warning: an approximation
+    (errors.EXIT_DOES_NOT_FIT, False, "does not fit the GPUs' memory"),
+    (errors.EXIT_BAD_CONFIG, True, "could not decide (exit code 2): training goes on"),
+    (errors.EXIT_STAND_IN_DOES_NOT_FIT, True, "does not fit as estimated through a stand-in"),  # a warning
     (1, True, "could not decide (exit code 1)"),
 ])
 def test_only_a_run_that_does_not_fit_stops_the_job(tmp_path, rc, goes_on, words):

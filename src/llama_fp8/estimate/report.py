@@ -38,7 +38,8 @@ def headline(e: Estimate) -> str:
     layout = " x ".join(f"{n} {s}" for n, s in d.dims.shape)
     ac = {"0": "off", "1": "full", "selective": "selective"}[c.activation_checkpointing]
     accum = f", {c.grad_accum_steps} micro-batches" if c.grad_accum_steps > 1 else ""
-    return (f"{c.model} ({e.measurement.num_params / 1e9:.2f} B parameters, --model_impl {d.impl.name}), "
+    impl = d.impl.name if not d.stand_in else f"{d.job_impl.name}, estimated through {d.impl.name}"
+    return (f"{c.model} ({e.measurement.num_params / 1e9:.2f} B parameters, --model_impl {impl}), "
             f"{e.opts.nodes} node(s) x {e.opts.gpus_per_node} GPUs = {e.opts.world_size} ({layout}); "
             f"{c.train_batch_size} x {c.max_context_width} tokens per GPU{accum}; {d.precision.name}; "
             f"activation checkpointing {ac}")
@@ -100,7 +101,8 @@ def floor_text(e: Estimate) -> str:
 def to_dict(e: Estimate) -> dict:
     m = e.measurement
     return {
-        "model": e.cfg.model, "model_impl": m.decision.impl.name, "stand_in": m.decision.stand_in,
+        "model": e.cfg.model, "model_impl": m.decision.impl.name, "job_model_impl": m.decision.job_impl.name,
+        "stand_in": m.decision.stand_in,
         "notes": list(m.decision.notes), "precision": m.decision.precision.name,
         "nodes": e.opts.nodes, "gpus_per_node": e.opts.gpus_per_node, "world_size": e.opts.world_size,
         "mesh": dict(m.decision.dims.shape), "train_batch_size": e.cfg.train_batch_size,
