@@ -146,6 +146,8 @@ def test_does_not_fit_exits_4_and_each_suggestion_is_its_own_estimate(capsys):
     (["--cpu_offload", "1"], "--cpu_offload 1 cannot be estimated"),
     (["--optimizer", "adamw8bit"], "--optimizer adamw8bit cannot be estimated"),
     (["--cp_size", "2"], "cannot be estimated: --cp_size 2 with the Hugging Face model needs CUDA"),
+    (["--cp_size", "2", "--model_impl", "te"],  # the TE model's own context parallelism, which its stand-in lacks
+     "cannot be estimated through the stand-in --model_impl hf for --model_impl te: --cp_size 2"),
     (["--tp_size", "3", "--gpus_per_node", "6"], "--num_heads 4 is not divisible by --tp_size 3"),
 ])
 def test_refusals_name_the_flag_and_exit_2(capsys, argv, words):

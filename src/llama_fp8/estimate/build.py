@@ -140,7 +140,13 @@ def decide(cfg, env: parallel.DistEnv) -> Decision:
         stand_in = f"{assumed}. {why}" if assumed else why
         cfg = dataclasses.replace(cfg, fp8_backend="auto", fp8_recipe="auto")
     cfg = dataclasses.replace(cfg, model_impl=impl.name)
-    impl, choice, dims = plan.decide_setup(cfg, env, impl=impl, memory_only=True)
+    try:
+        impl, choice, dims = plan.decide_setup(cfg, env, impl=impl, memory_only=True)
+    except ConfigError as e:
+        if stand_in is None:
+            raise
+        raise ConfigError(f"cannot be estimated through the stand-in --model_impl {impl.name} for --model_impl "
+                          f"{target.name}: {e}") from None
     if choice.backend != "none" and dims.tp > 1:
         notes.append("tensor-parallel collectives counted in BF16: FP8 ones (torchao's FP8 styles need NCCL)")
     return Decision(cfg, impl, dims, choice, stand_in, tuple(notes), target)
