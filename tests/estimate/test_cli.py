@@ -286,3 +286,17 @@ def test_through_a_stand_in_what_any_implementation_holds_still_decides():
     with capsys_disabled_json(args + ["--gpu_memory_gib", f"{between / 2**30:.9f}"]) as (code, d, text):
         assert code == cli.EXIT_STAND_IN_DOES_NOT_FIT and d["verdict"]["status"] == "does not fit"
         assert "the verdict above rests on the stand-in's activations" in text and not d["floor"]["decides"]
+
+
+def test_the_estimate_leaves_the_callers_logging_as_it_was(capsys):
+    """`submit` (and a test session) runs the estimate inside its own process: the estimate quiets the libraries'
+    logging for its own report only, and puts every level back when it returns, also after an error."""
+    import logging
+
+    names = ("llama_fp8", "torchao", "torch.utils._pytree", "torch.distributed.tensor._redistribute")
+    logging.getLogger("llama_fp8").setLevel(logging.INFO)
+    before = {n: logging.getLogger(n).level for n in names}
+    assert run_main(capsys, *TINY, "--suggest", "0")[0] == 0
+    assert {n: logging.getLogger(n).level for n in names} == before
+    assert run_main(capsys, *TINY, "--cp_size", "2")[0] == 2
+    assert {n: logging.getLogger(n).level for n in names} == before

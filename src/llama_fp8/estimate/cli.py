@@ -9,10 +9,12 @@ progress to stderr.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
 import time
+from collections.abc import Iterator
 
 from llama_fp8.config.estimate_flags import parse_estimate_args
 from llama_fp8.errors import EXIT_BAD_CONFIG, EXIT_DOES_NOT_FIT, EXIT_STAND_IN_DOES_NOT_FIT, ConfigError
@@ -26,13 +28,23 @@ def _progress(start: float):
     return say
 
 
-def _quiet_libraries() -> None:
+@contextlib.contextmanager
+def _quiet_libraries() -> Iterator[None]:
     """The estimate's own output only: the training path's INFO lines, torchao's "FP8 is EMULATED" warning (true
-    here and meaningless for a GPU estimate) and DTensor's advice about 2-D reductions stay out of it."""
+    here and meaningless for a GPU estimate), DTensor's advice about 2-D reductions and torchao's deprecated enum
+    registrations (torch's pytree, on import) stay out of it. The levels are put back on return: ``submit`` runs
+    the estimate in its own process."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    for name in ("llama_fp8", "torch.distributed.tensor._redistribute", "torchao",
-                 "torch.utils._pytree"):  # torchao's deprecated registrations of its enums, on import
-        logging.getLogger(name).setLevel(logging.ERROR)
+    loggers = [logging.getLogger(name) for name in ("llama_fp8", "torch.distributed.tensor._redistribute", "torchao",
+                                                    "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def main(argv: list[str]) -> int:
@@ -41,16 +53,16 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"llama-fp8 estimate: error: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    _quiet_libraries()
     start = time.perf_counter()
     say = _progress(start)
     from llama_fp8.estimate import assess, report, suggest
 
     try:
-        est = assess.estimate(cfg, opts, say)
-        if opts.suggest and est.verdict.status != "fits":
-            est.suggestions = suggest.suggest(est, say)
-            est.seconds = time.perf_counter() - start
+        with _quiet_libraries():
+            est = assess.estimate(cfg, opts, say)
+            if opts.suggest and est.verdict.status != "fits":
+                est.suggestions = suggest.suggest(est, say)
+                est.seconds = time.perf_counter() - start
     except ConfigError as e:
         print(f"llama-fp8 estimate: error: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
