@@ -45,7 +45,8 @@ test-te:
 
 # The torch of the NGC image line (26.09: NVIDIA's 2.14 build) beside the pinned CPU 2.13: the tests that cover
 # what a torch upgrade can break (FSDP2, DTensor/TP, DCP checkpoints and their safe reader, torchao FP8,
-# torch.compile, the fault matrix's checkpoint rows), in their own venv, on CPU. torch 2.14.1 here is the
+# torch.compile, the fault matrix's checkpoint rows, the memory estimate's fake-mode corrections and its equality
+# with a real run: the pre-job check runs in the image's torch), in their own venv, on CPU. torch 2.14.1 here is the
 # CUDA build from local disk (as for test-te); elsewhere point TORCH_INDEX at PyTorch's CPU wheel index so pip
 # never fetches a multi-GB CUDA build: make test-torch214 TORCH_INDEX=<url>.
 TORCH214_VENV ?= .venv-torch214
@@ -69,7 +70,11 @@ TORCH214_TESTS ?= \
 	tests/precision/test_precision.py \
 	tests/models/test_common.py \
 	tests/models/te/test_te_model.py \
-	tests/models/te/test_te_master_weights.py
+	tests/models/te/test_te_master_weights.py \
+	tests/estimate/test_corrections.py \
+	tests/estimate/test_equality.py::test_estimate_equals_the_real_run_to_the_byte \
+	tests/estimate/test_equality.py::test_estimate_equals_a_tracked_step_of_train_itself \
+	tests/estimate/test_closed_forms.py
 
 test-torch214:
 	@$(MAKE) --no-print-directory install VENV=$(TORCH214_VENV) TORCH_SPEC="$(TORCH214_SPEC)" EXTRAS=torchao,dev

@@ -2,8 +2,9 @@
 of every preset at several world sizes, each in a fresh process, against the cost of starting that process and
 importing what the estimate imports (the baseline, measured in the same run).
 
-Each estimate is ``python -m llama_fp8 estimate --model PRESET --nodes N --gpus_per_node G --json --suggest 0``
-with the preset's own sequence length and batch (FSDP over every GPU, BF16, no activation checkpointing): G = 1
+Each estimate is ``python -m llama_fp8 estimate --model PRESET --model_impl hf --nodes N --gpus_per_node G --json
+--suggest 0`` with the preset's own sequence length and batch (the Hugging Face model, which ``auto``'s TE model is
+estimated through anyway; FSDP over every GPU, BF16, no activation checkpointing): G = 1
 for one GPU, else 8 GPUs per node. Time and peak RSS come from ``os.wait4`` on the child (its own rusage). The
 verdict and the tracked peak are printed too. Prints a table, then one JSON line ``{"bench": "estimate", ...}``
 (``ratio``: the most expensive estimate's CPU seconds over the baseline's; CPU time, unlike wall time, does not
@@ -69,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     for preset in args.presets:
         for gpus in args.gpus:
             nodes, per_node = (1, gpus) if gpus <= 8 else (gpus // 8, 8)
-            cmd = [sys.executable, "-m", "llama_fp8", "estimate", "--model", preset, "--nodes", str(nodes),
-                   "--gpus_per_node", str(per_node), "--json", "--suggest", "0"]
+            cmd = [sys.executable, "-m", "llama_fp8", "estimate", "--model", preset, "--model_impl", "hf", "--nodes",
+                   str(nodes), "--gpus_per_node", str(per_node), "--json", "--suggest", "0"]
             wall, cpu, rss, code, out = run_child(cmd, args.timeout)
             rec = {"preset": preset, "gpus": gpus, "seconds": round(wall, 1), "cpu_s": round(cpu, 1),
                    "peak_rss_mib": round(rss), "exit_code": code}

@@ -9,6 +9,12 @@ EXIT_REQUEUE = 85
 """Exit code meaning "checkpoint saved after SIGUSR1/SIGTERM, requeue me" (read by 1.train_llama.sbatch)."""
 EXIT_NONFINITE = 3
 """Exit code of a run stopped by a non-finite loss or gradient norm (--nan_policy error)."""
+EXIT_DOES_NOT_FIT = 4
+"""``llama_fp8 estimate``: the configuration does not fit the GPU's memory (the batch scripts' pre-job check and
+``submit`` stop on it)."""
+EXIT_STAND_IN_DOES_NOT_FIT = 5
+"""``llama_fp8 estimate``: it does not fit as estimated through a stand-in implementation, while what any
+implementation holds does (a warning: nothing is stopped on it)."""
 
 
 class ConfigError(ValueError):

@@ -46,7 +46,7 @@ class RunPlan:
 
 def make_plan(cfg: TrainConfig, env: DistEnv) -> RunPlan:
     """Check everything that can be checked before building, decide, write config.yaml (rank 0)."""
-    impl, choice, dims = parallel.on_every_rank(env, lambda: _decide_setup(cfg, env))
+    impl, choice, dims = parallel.on_every_rank(env, lambda: decide_setup(cfg, env))
     run_dir, ckpt_dir, resume = _agree_on_dirs(cfg, env)
     plan = RunPlan(model_impl=impl.name, precision=choice, device=env.device.type, world_size=env.world_size,
                    dims=dims, run_dir=str(run_dir), checkpoint_dir=str(ckpt_dir),
@@ -58,23 +58,30 @@ def make_plan(cfg: TrainConfig, env: DistEnv) -> RunPlan:
     return plan
 
 
-def _decide_setup(cfg: TrainConfig, env: DistEnv):
-    """The checks and choices every rank makes (a missing path or a tokenizer without EOS fails here)."""
+def decide_setup(cfg: TrainConfig, env: DistEnv, impl: models.ModelImpl | None = None, memory_only: bool = False):
+    """The checks and choices every rank makes (a missing path or a tokenizer without EOS fails here): (the
+    implementation, the precision, the layout). ``impl``: the implementation to check and use (default: what
+    ``--model_impl`` resolves to on ``env.device``). ``memory_only`` (``llama_fp8 estimate``, on a machine that is
+    not the training node): without the checks of the data, the logging sinks and the device's options, which do
+    not change the memory; any other check added here reaches the estimate too."""
     from llama_fp8 import data
 
     dims = ParallelDims.from_config(cfg, env)
     parallel.check_shapes(cfg, dims)
-    try:
-        data.validate_data_config(cfg, dims.dp_size)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    for flag, module, extra in (("tensorboard_dir", "tensorboard", "tensorboard"), ("wandb_project", "wandb", "wandb")):
-        if getattr(cfg, flag) and importlib.util.find_spec(module) is None:
-            raise ConfigError(f"--{flag} needs {module}: pip install 'llama-fp8[{extra}]'")
-    impl = models.resolve(cfg.model_impl, env.device)
+    if not memory_only:
+        try:
+            data.validate_data_config(cfg, dims.dp_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for flag, module, extra in (("tensorboard_dir", "tensorboard", "tensorboard"),
+                                    ("wandb_project", "wandb", "wandb")):
+            if getattr(cfg, flag) and importlib.util.find_spec(module) is None:
+                raise ConfigError(f"--{flag} needs {module}: pip install 'llama-fp8[{extra}]'")
+    impl = impl or models.resolve(cfg.model_impl, env.device)
     impl.check(cfg, env.device)
     choice = precision.resolve(cfg, impl, env.device, env.world_size, models.implementations())
-    check_device_options(cfg, env)
+    if not memory_only:
+        check_device_options(cfg, env)
     return impl, choice, dims
 
 

@@ -1,36 +1,95 @@
-"""One rank of the real run the equality tests compare the estimate with: ``torchrun --nproc_per_node 2
-real_worker.py OUT.json 'JSON list of train flag lists'``. The process group is gloo (real collectives, real CPU
-tensors); each configuration runs ``estimate.run.measure(..., fake_run=False)``: the same build and steps as the
-estimate, with real tensors and no fake-mode correction. Rank 0 writes one record per configuration."""
+"""One rank of the real runs the equality tests compare the estimate with: ``torchrun --nproc_per_node 2
+real_worker.py OUT.json 'JSON list of train flag lists' ['JSON train flag list' RUN_DIR]``. The process group is
+gloo (real collectives, real CPU tensors).
+
+- Each configuration of the list runs ``estimate.run.measure(..., fake_run=False)``: the same build and steps as
+  the estimate, with real tensors and no fake-mode correction.
+- The optional last one is ``llama_fp8 train`` itself (``train.main``: the plan, ``train.state.start``'s build,
+  optimizer and data loader, ``loop.loop``) for 2 steps into RUN_DIR, with step 2 run under the estimate's
+  tracker: what the estimate's own set-up (random-token batches, its optimizer and state) could hide shows there.
+  It runs last: training ends by leaving the process group.
+
+Rank 0 writes ``{"measured": [record per configuration], "trained": record or null}``."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 
 from llama_fp8 import config, parallel
 from llama_fp8.estimate import run
+from llama_fp8.estimate.tracker import StepTracker
 
 
-def record(m: run.Measurement) -> dict:
+def record(m) -> dict:
+    """The compared numbers of a Measurement (or of a tracker's summary, as a namespace)."""
     return {"peak_bytes": m.peak_bytes, "by_kind": m.by_kind, "at_optimizer": m.at_optimizer,
             "where": dataclasses.asdict(m.where), "collectives": m.collectives, "local_param_numel": m.local_param_numel}
 
 
-def main(out: str, configs: str) -> None:
-    results = []
+class _Counted:
+    """Training's batches, telling the tracker as each micro-batch is fetched (as the estimate's batches do)."""
+
+    def __init__(self, batches, tracker: StepTracker):
+        self.batches, self.tracker = batches, tracker
+
+    def __next__(self):
+        self.tracker.next_micro_batch()
+        return next(self.batches)
+
+
+def train_record(args: list[str], run_dir: str) -> dict | None:
+    """``llama_fp8 train ARGS --max_steps 2 --run_dir RUN_DIR`` in this process, step 2 under the tracker."""
+    from types import SimpleNamespace
+
+    from llama_fp8 import train
+    from llama_fp8.train import build as train_build
+    from llama_fp8.train import loop
+
+    seen: dict = {}
+    real_step, real_sharded = loop.train_step, train_build.build_sharded
+
+    def build_sharded(*a, **k):
+        out = real_sharded(*a, **k)
+        seen["mesh"] = out[3]
+        return out
+
+    def train_step(s, batches, step):
+        if step != 2:
+            return real_step(s, batches, step)
+        names, _ = run.mesh_groups(seen["mesh"], s.plan.dims, s.env.rank)
+        tracker = StepTracker(s.model, s.optimizer, names)
+        with tracker:
+            out = real_step(s, _Counted(batches, tracker), step)
+        seen.update(tracker.summary(), local_param_numel=train_build.local_numel(s.model))
+        return out
+
+    loop.train_step, train_build.build_sharded = train_step, build_sharded
+    try:
+        code = train.main([*args, "--max_steps", "2", "--run_dir", run_dir, "--logging_freq", "1"])
+    finally:
+        loop.train_step, train_build.build_sharded = real_step, real_sharded
+    assert code == 0, f"train exited with {code}"
+    return record(SimpleNamespace(**seen))
+
+
+def main(out: str, configs: str, train_args: str | None = None, run_dir: str | None = None) -> None:
+    measured = []
     env = None
     for args in json.loads(configs):
         cfg = config.parse_args(args)
         if env is None:
             env = parallel.init_distributed(cfg)
-        results.append(record(run.measure(cfg, env, fake_run=False)))
-    if env.rank == 0:
+        measured.append(record(run.measure(cfg, env, fake_run=False)))
+    trained = train_record(json.loads(train_args), run_dir) if train_args else None
+    if os.environ["RANK"] == "0":
         with open(out, "w") as f:
-            json.dump(results, f)
-    parallel.destroy_distributed(barrier=True)
+            json.dump({"measured": measured, "trained": trained}, f)
+    if env is not None and trained is None:
+        parallel.destroy_distributed(barrier=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -5,6 +5,7 @@ here, refusals that name the flag. Each estimate flag has a test of its effect (
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -13,9 +14,11 @@ import pytest
 
 from llama_fp8 import config
 from llama_fp8.config.estimate_flags import EstimateOptions, parse_estimate_args
-from llama_fp8.estimate import assess, cli, gpus
+from llama_fp8.estimate import assess, cli, gpus, suggest
 
-TINY = ["--model", "tiny", "--num_layers", "2", "--max_context_width", "128", "--train_batch_size", "2"]
+TINY = ["--model", "tiny", "--num_layers", "2", "--max_context_width", "128", "--train_batch_size", "2", "--model_impl",
+        "hf"]
+TINY_AUTO = TINY[:-2]  # --model_impl auto: the TE model on a GPU node where Transformer Engine imports
 
 ESTIMATE_FLAG_TESTS = {
     "nodes": ["test_cluster_shape_sets_the_world_and_the_links"],
@@ -32,6 +35,21 @@ def run_main(capsys, *argv: str) -> tuple[int, str, str]:
     code = cli.main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
+
+
+@contextlib.contextmanager
+def capsys_disabled_json(argv: list[str]):
+    """(exit code, the JSON, the report) of ``argv``'s estimate, run twice (--json and text) without suggestions."""
+    import io
+
+    outs = []
+    for extra in (["--json"], []):
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(io.StringIO()):
+            code = cli.main([*argv, "--suggest", "0", *extra])
+        outs.append((code, buffer.getvalue()))
+    assert outs[0][0] == outs[1][0]
+    yield outs[0][0], json.loads(outs[0][1]), outs[1][1]
 
 
 def test_every_estimate_flag_has_a_test_of_its_effect():
@@ -122,10 +140,14 @@ def test_does_not_fit_exits_4_and_each_suggestion_is_its_own_estimate(capsys):
     (["--gpus_per_node", "x"], "--gpus_per_node 'x'"),
     (["--gpu", "X100"], "--gpu 'X100' is not valid; valid: H100"),
     (["--gpu_memory_gib", "-1"], "--gpu_memory_gib -1"),
+    (["--gpu_memory_gib", "inf"], "--gpu_memory_gib inf is out of range; valid: a finite number > 0"),
+    (["--gpu_memory_gib", "nan"], "--gpu_memory_gib nan is out of range"),
     (["--suggest", "2"], "--suggest '2'"),
     (["--cpu_offload", "1"], "--cpu_offload 1 cannot be estimated"),
     (["--optimizer", "adamw8bit"], "--optimizer adamw8bit cannot be estimated"),
     (["--cp_size", "2"], "cannot be estimated: --cp_size 2 with the Hugging Face model needs CUDA"),
+    (["--cp_size", "2", "--model_impl", "te"],  # the TE model's own context parallelism, which its stand-in lacks
+     "cannot be estimated through the stand-in --model_impl hf for --model_impl te: --cp_size 2"),
     (["--tp_size", "3", "--gpus_per_node", "6"], "--num_heads 4 is not divisible by --tp_size 3"),
 ])
 def test_refusals_name_the_flag_and_exit_2(capsys, argv, words):
@@ -139,12 +161,16 @@ def test_a_mistyped_flag_exits_2_with_a_suggestion(capsys):
     assert e.value.code == 2 and "did you mean --nodes" in capsys.readouterr().err
 
 
-def test_an_implementation_that_cannot_run_here_is_estimated_through_a_stated_stand_in(capsys):
+def te_cannot_run_here():
     from llama_fp8 import models
 
-    te = models.get("te")
-    if te.unavailable(assess.build.CUDA) is None:
+    if models.get("te").unavailable(assess.build.CUDA) is None:
         pytest.skip("Transformer Engine imports here: this test is about a machine without it")
+    return models.get("te")
+
+
+def test_an_implementation_that_cannot_run_here_is_estimated_through_a_stated_stand_in(capsys):
+    te = te_cannot_run_here()
     code, out, _ = run_main(capsys, *TINY, "--model_impl", "te", "--activation_checkpointing", "1", "--json")
     d = json.loads(out)
     assert code == 0 and d["model_impl"] == "hf" and "--model_impl te" in d["stand_in"]
@@ -156,10 +182,70 @@ def test_an_implementation_that_cannot_run_here_is_estimated_through_a_stated_st
     assert code == 2 and out == "" and "the TE model checkpoints whole blocks" in err
     assert run_main(capsys, *TINY, "--model_impl", "te", "--tp_size", "2")[0] == 2
     assert "unavailable" not in vars(te)  # the availability override is gone again
-    # through a stand-in, "does not fit" is its own exit code: a warning, never a stopped job (test_prejob.py)
-    code, out, _ = run_main(capsys, *TINY, "--model_impl", "te", "--activation_checkpointing", "1",
-                            "--gpu_memory_gib", "0.5", "--suggest", "0", "--json")
+    # through a stand-in, "does not fit" is its own exit code: a warning, never a stopped job (test_prejob.py),
+    # unless what any implementation holds does not fit either (the floor, below)
+    te_args = [*TINY, "--model_impl", "te", "--activation_checkpointing", "1"]
+    code, out, _ = run_main(capsys, *te_args, "--gpu_memory_gib", between_floor_and_needed(capsys, te_args),
+                            "--suggest", "0", "--json")
     assert code == cli.EXIT_STAND_IN_DOES_NOT_FIT == 5 and json.loads(out)["verdict"]["status"] == "does not fit"
+
+
+def between_floor_and_needed(capsys, argv: list[str]) -> str:
+    """A GPU memory (--gpu_memory_gib) above what any implementation of these shapes holds (the floor) and below
+    what the estimated one needs."""
+    code, out, _ = run_main(capsys, *argv, "--suggest", "0", "--json")
+    d = json.loads(out)
+    assert code == 0 and 0 < d["floor"]["bytes"] < d["verdict"]["needed"], d["floor"]
+    return f"{(d['floor']['bytes'] + d['verdict']['needed']) / 2 / 2**30:.9f}"
+
+
+def test_auto_is_estimated_as_the_te_model_a_gpu_node_with_transformer_engine_runs(capsys):
+    """``auto`` is the TE model on a GPU node where Transformer Engine imports (the default image). A machine
+    without it (a login node) estimates that job through the stand-in and says so: its "does not fit" is the
+    stand-in's exit code, as in the job's own container, never the HF model's 4 in silence."""
+    te_cannot_run_here()
+    memory = between_floor_and_needed(capsys, TINY_AUTO)
+    code, out, _ = run_main(capsys, *TINY_AUTO, "--gpu_memory_gib", memory, "--suggest", "0", "--json")
+    d = json.loads(out)
+    assert code == cli.EXIT_STAND_IN_DOES_NOT_FIT and d["verdict"]["status"] == "does not fit"
+    assert d["model_impl"] == "hf" and d["stand_in"].startswith("--model_impl auto picks te"), d["stand_in"]
+    assert d["job_model_impl"] == "te"
+    _, text, _ = run_main(capsys, *TINY_AUTO, "--gpu_memory_gib", memory, "--suggest", "0")
+    assert "STAND-IN: --model_impl auto picks te" in text and "--model_impl te, estimated through hf)" in text
+    # what the TE model refuses is refused for auto too (the job in the default image would be), with the way out
+    code, out, err = run_main(capsys, *TINY_AUTO, "--activation_checkpointing", "selective")
+    assert code == 2 and "the TE model checkpoints whole blocks" in err and "--model_impl hf" in err
+    # --model_impl hf is the HF model, as before: its own verdict and exit code
+    code, out, _ = run_main(capsys, *TINY, "--gpu_memory_gib", memory, "--suggest", "0", "--json")
+    assert code == cli.EXIT_DOES_NOT_FIT and json.loads(out)["stand_in"] is None
+
+
+def test_a_stand_ins_suggestions_are_those_the_jobs_implementation_takes():
+    """The TE model checkpoints whole blocks only (--activation_checkpointing 1) and has no tensor parallelism:
+    the suggestions for a TE job are its changes, not the stand-in's (whose next level would be selective)."""
+    te_cannot_run_here()
+    e = assess.estimate(config.parse_args(TINY_AUTO + ["--model_impl", "te"]), EstimateOptions(suggest=False))
+    assert e.measurement.decision.stand_in and e.measurement.decision.impl.name == "hf"
+    found = {change.split(" (")[0]: cfg for change, cfg, _ in suggest.candidates(e)}
+    assert found["--activation_checkpointing 1"].activation_checkpointing == "1"
+    assert found["--activation_checkpointing 1"].model_impl == "te"  # estimated as the job's, i.e. its stand-in
+    assert not [c for c in found if "selective" in c or c.startswith("--tp_size")], list(found)
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--fp8_all_gather", "1", "--activation_checkpointing", "1"], "--fp8_all_gather 1 with --activation_checkpointing 1"),
+    (["--fp8_recipe", "block", "--fp8_all_gather", "1"], "--fp8_all_gather 1 with --fp8_recipe block"),
+    (["--fp8_all_gather", "1", "--sharding_strategy", "hybrid", "--nodes", "2"], "works with plain FSDP only"),
+    (["--fp8_recipe", "delayed", "--compile", "1"], "--fp8_recipe delayed cannot be combined with --compile 1"),
+    (["--fp8_stats", "10", "--compile", "1"], "--fp8_stats with --fp8_backend te and --compile 1"),
+    (["--fp8_backend", "torchao"], "--fp8_backend torchao does not work with --model_impl te"),
+    (["--fp8_recipe", "rowwise"], "--fp8_recipe rowwise is a recipe of --fp8_backend torchao"),
+])
+def test_what_training_refuses_for_the_te_model_the_estimate_refuses(capsys, argv, words):
+    """TE's FP8 refusals of the flags alone (no library, no GPU needed to make them), made on a machine without
+    Transformer Engine too, before the stand-in (which has another FP8 backend) is chosen."""
+    code, out, err = run_main(capsys, *TINY, "--model_impl", "te", "--fp8", "1", *argv)
+    assert code == 2 and words in err and out == "", err[-600:]
 
 
 def test_where_the_peak_is_follows_the_shapes():
@@ -177,3 +263,40 @@ def test_hybrid_sharding_all_reduces_across_nodes_and_reduce_scatters_within(cap
     reduce_scatter, all_reduce = by[("reduce_scatter", "dp_shard")], by[("all_reduce", "dp_replicate")]
     assert reduce_scatter["link"] == "NVLink" and all_reduce["link"] == "network" and all_reduce["ranks"] == 2
     assert all_reduce["bytes"] * 4 == reduce_scatter["bytes"]  # each replica all-reduces its FP32 shard (1/4)
+
+
+def test_through_a_stand_in_what_any_implementation_holds_still_decides():
+    """Through a stand-in the activations are an approximation, but the sharded parameters, gradients and AdamW
+    states as the optimizer step starts (the same for any implementation of these shapes) and the GPU terms that
+    do not depend on the implementation are not: when they alone exceed the memory, the job cannot fit (exit 4,
+    a verdict the batch script stops on); above them, the stand-in's "does not fit" stays a warning (exit 5)."""
+    args = [*TINY, "--model_impl", "te", "--activation_checkpointing", "1"]
+    e = assess.estimate(config.parse_args(args), EstimateOptions(suggest=False))
+    held = e.measurement.at_optimizer
+    independent = [t for t in e.terms if t.added and t.any_implementation]
+    assert {t.name.split(" (")[0] for t in independent} == {"CUDA context and driver reserve", "NCCL buffers",
+                                                           "cuBLAS workspace"}
+    assert e.floor == (held["Sharded Param"] + held["Sharded Grad"] + held["OptState"]
+                       + sum(t.bytes for t in independent))
+    assert held["OptState"] > 0 and e.floor < e.verdict.needed
+    with capsys_disabled_json(args + ["--gpu_memory_gib", f"{0.99 * e.floor / 2**30:.9f}"]) as (code, d, text):
+        assert code == cli.EXIT_DOES_NOT_FIT and d["floor"]["bytes"] == e.floor and d["stand_in"]
+        assert "whatever the implementation" in text
+    between = (e.floor + e.verdict.needed) / 2
+    with capsys_disabled_json(args + ["--gpu_memory_gib", f"{between / 2**30:.9f}"]) as (code, d, text):
+        assert code == cli.EXIT_STAND_IN_DOES_NOT_FIT and d["verdict"]["status"] == "does not fit"
+        assert "the verdict above rests on the stand-in's activations" in text and not d["floor"]["decides"]
+
+
+def test_the_estimate_leaves_the_callers_logging_as_it_was(capsys):
+    """`submit` (and a test session) runs the estimate inside its own process: the estimate quiets the libraries'
+    logging for its own report only, and puts every level back when it returns, also after an error."""
+    import logging
+
+    names = ("llama_fp8", "torchao", "torch.utils._pytree", "torch.distributed.tensor._redistribute")
+    logging.getLogger("llama_fp8").setLevel(logging.INFO)
+    before = {n: logging.getLogger(n).level for n in names}
+    assert run_main(capsys, *TINY, "--suggest", "0")[0] == 0
+    assert {n: logging.getLogger(n).level for n in names} == before
+    assert run_main(capsys, *TINY, "--cp_size", "2")[0] == 2
+    assert {n: logging.getLogger(n).level for n in names} == before

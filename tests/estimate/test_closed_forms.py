@@ -14,7 +14,8 @@ from helpers import build_meta
 from llama_fp8 import config
 from llama_fp8.estimate import build, fake, run
 
-ARGS = ["--model", "tiny", "--num_layers", "2", "--max_context_width", "64", "--train_batch_size", "1"]
+ARGS = ["--model", "tiny", "--num_layers", "2", "--max_context_width", "64", "--train_batch_size", "1", "--model_impl",
+        "hf"]  # the HF model's TP plan (auto is the TE model where Transformer Engine imports, which has none)
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "embed_tokens")  # rows split by TP
 ROWWISE = ("o_proj", "down_proj")  # columns split by TP
 

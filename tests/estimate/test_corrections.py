@@ -110,11 +110,19 @@ def test_torchao_asks_the_truth_value_of_its_scale_and_the_correction_answers_as
 
 
 def test_corrections_are_undone_on_exit():
+    pytest.importorskip("torchao")
     from torch.distributed.tensor import _sharding_prop
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
     from transformers import masking_utils
 
-    before = (masking_utils.find_packed_sequence_indices, _sharding_prop.detect_fake_mode)
+    def now():
+        return (masking_utils.find_packed_sequence_indices, _sharding_prop.detect_fake_mode,
+                WeightWithDynamicFloat8CastTensor.__tensor_flatten__)
+
+    before = now()
     with corrections.all_corrections():
-        assert masking_utils.find_packed_sequence_indices is not before[0]
-        assert _sharding_prop.detect_fake_mode is not before[1]
-    assert (masking_utils.find_packed_sequence_indices, _sharding_prop.detect_fake_mode) == before
+        assert all(a is not b for a, b in zip(now(), before))  # each of the three replaced
+    assert now() == before
+    with pytest.raises(RuntimeError), corrections.all_corrections():  # also when the estimate fails inside
+        raise RuntimeError("inside")
+    assert now() == before

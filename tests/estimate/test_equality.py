@@ -3,6 +3,8 @@
 "Real" here: the same program (``estimate.run.measure``: the training build path, a warm-up step and one
 ``train_step`` under the same tracker) on 2 real processes over gloo with real CPU tensors, and no fake-mode
 correction; the estimate runs it as rank 0 of 2 in this one process on the fake process group with fake tensors.
+One case is also compared with ``llama_fp8 train`` itself (2 steps, the second under the tracker): its plan,
+data loader, optimizer and loop, not the estimate's set-up of them.
 Both are measured by the same instrument (FSDPMemTracker), so any difference is the fake world's: a tensor the
 fake run allocates that the real one does not, or the reverse. What the instrument itself cannot see on a GPU
 is another question (estimate/terms.py, and the GPU test).
@@ -29,7 +31,7 @@ from helpers import REPO, cli_env
 pytestmark = pytest.mark.slow
 
 BASE = ["--model", "tiny", "--device", "cpu", "--num_layers", "2", "--max_context_width", "128",
-        "--train_batch_size", "2"]
+        "--train_batch_size", "2", "--model_impl", "hf"]
 CASES = {
     "bf16": [],
     "fp8": ["--fp8", "1"],
@@ -42,16 +44,26 @@ CASES = {
 }
 
 
+TRAINED = "fp8-all-gather"  # the case also run as `llama_fp8 train` itself (FP8's prepare and post-step included)
+
+
 @pytest.fixture(scope="module")
-def real(tmp_path_factory) -> dict[str, dict]:
-    """Every case in one 2-process gloo job (one start-up for all)."""
-    out = tmp_path_factory.mktemp("real") / "real.json"
+def real_runs(tmp_path_factory) -> dict:
+    """Every case in one 2-process gloo job (one start-up for all), then `train` of one case in the same job."""
+    folder = tmp_path_factory.mktemp("real")
+    out = folder / "real.json"
     configs = [BASE + extra for extra in CASES.values()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(Path(__file__).with_name("real_worker.py")), str(out), json.dumps(configs)]
+           str(Path(__file__).with_name("real_worker.py")), str(out), json.dumps(configs),
+           json.dumps(BASE + CASES[TRAINED]), str(folder / "run")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=cli_env(), cwd=REPO)
     assert r.returncode == 0, r.stderr[-4000:]
-    return dict(zip(CASES, json.loads(out.read_text())))
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def real(real_runs) -> dict[str, dict]:
+    return dict(zip(CASES, real_runs["measured"]))
 
 
 def fake_record(args: list[str]) -> dict:
@@ -66,7 +78,11 @@ def fake_record(args: list[str]) -> dict:
 
 @pytest.mark.parametrize("case", CASES)
 def test_estimate_equals_the_real_run_to_the_byte(real, case):
-    estimate, real_run = fake_record(BASE + CASES[case]), dict(real[case])
+    assert_equal(fake_record(BASE + CASES[case]), real[case])
+
+
+def assert_equal(estimate: dict, real_run: dict) -> None:
+    estimate, real_run = dict(estimate), dict(real_run)
     # As the optimizer step starts, gloo may still hold the gradient norm's all-reduce buffer (84 bytes here) or may
     # have released it: it completes on its own thread, and the real run itself varies from run to run there.
     # The sharded state at that moment must match exactly; the activations of that moment are not compared.
@@ -76,6 +92,13 @@ def test_estimate_equals_the_real_run_to_the_byte(real, case):
     for key, value in real_run.items():
         assert estimate[key] == value, key
     assert estimate["peak_bytes"] > 0 and estimate["collectives"]
+
+
+def test_estimate_equals_a_tracked_step_of_train_itself(real_runs):
+    """The estimate's own set-up (random-token batches made in the step, its optimizer and state, fused AdamW)
+    against `llama_fp8 train --max_steps 2` with its second step under the same tracker: the plan, the build,
+    the synthetic data loader, the CPU's (unfused) AdamW and the loop are training's own."""
+    assert_equal(fake_record(BASE + CASES[TRAINED]), real_runs["trained"])
 
 
 def test_the_cases_differ_where_they_should(real):

@@ -10,7 +10,9 @@ on the CPU with fake tensors. Stated and checked:
   the estimate's allocator-side terms (cuBLAS workspace, FP8 operand copies) claim to cover, within 5 % of the peak;
 - ``torch.cuda.max_memory_reserved()`` stays below the tracked peak + those terms + the allocator margin (the
   verdict's assumption);
-- the CUDA context and driver reserve (total - free - reserved after the step) is within 2x of its term.
+- the CUDA context and driver reserve (total - free - reserved after the step) is within 2x of its term;
+- with 2 GPUs, the memory one NCCL communicator takes outside the allocator after a step's collectives is within
+  4x of the NCCL term (its sources range from 0.5 to 1.6 GB; skipped with one GPU).
 
 Each number is printed (``-s`` shows it) and goes into the assertion message when one fails: these are the
 "to calibrate" terms' first measurement.
@@ -82,3 +84,25 @@ def test_estimate_against_max_memory_allocated_and_reserved(variant):
     assert real["reserved"] <= tracked + allocator_terms + est.verdict.margin, numbers
     assert terms.CONTEXT_BYTES / 2 <= real["outside_allocator"] <= 2 * terms.CONTEXT_BYTES, numbers
 
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs: a communicator between two ranks")
+def test_one_nccl_communicator_against_its_term(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from llama_fp8.estimate import terms
+
+    out = tmp_path / "nccl.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(Path(__file__).with_name("nccl_worker.py")), str(out)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    numbers = (f"NCCL {d['nccl']}: one communicator of 2 ranks, outside the allocator: {d['bytes_per_rank']} bytes "
+               f"per rank (term {terms.NCCL_PER_COMMUNICATOR})")
+    print(numbers)
+    for used in d["bytes_per_rank"]:
+        assert terms.NCCL_PER_COMMUNICATOR / 4 <= used <= 4 * terms.NCCL_PER_COMMUNICATOR, numbers

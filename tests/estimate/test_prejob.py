@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from helpers import REPO, cli_env
+from llama_fp8 import errors
 from llama_fp8.cluster import submit
 
 TINY = "--model tiny --num_layers 2 --max_context_width 128 --train_batch_size 2"
@@ -43,14 +44,28 @@ def test_the_estimate_step_gets_the_jobs_shape_and_the_gpus_memory(tmp_path):
     r = run_lib(tmp_path, f"lf_estimate {TINY}", srun="return 0")
     assert r.returncode == 0 and "TRAINING-WOULD-START" in r.stdout, r.stderr
     (call,) = srun_calls(tmp_path)
-    assert call.startswith("--nodes=1 --ntasks=1 --cpus-per-task=2 ")
+    assert call.startswith("--nodes=1 --ntasks=1 --cpus-per-task=2 --time=30 ")  # a hung estimate ends in 30 min
     assert f"-m llama_fp8 estimate --nodes 2 --gpus_per_node 8 --gpu_memory_gib 79.6475 --suggest 0 {TINY}" in call
+    assert "warning" not in r.stderr
+
+
+def test_without_nvidia_smis_memory_the_estimate_says_which_gpu_it_checks_against(tmp_path):
+    r = run_lib(tmp_path, f"lf_estimate {TINY}", srun="return 0", smi_mib="'N/A'")
+    (call,) = srun_calls(tmp_path)
+    assert r.returncode == 0 and "--gpu_memory_gib" not in call
+    assert "nvidia-smi reported no memory.total ('N/A'): checking against an H100's memory" in r.stderr
+
+
+def test_the_shell_and_python_agree_on_the_estimates_exit_codes():
+    lib = (REPO / "src/llama_fp8/cluster/job_lib.sh").read_text()
+    assert re.search(r"local does_not_fit=(\d+) stand_in=(\d+)", lib).groups() == (
+        str(errors.EXIT_DOES_NOT_FIT), str(errors.EXIT_STAND_IN_DOES_NOT_FIT))
 
 
 @pytest.mark.parametrize(("rc", "goes_on", "words"), [
-    (4, False, "does not fit the GPUs' memory"),
-    (2, True, "could not decide (exit code 2): training goes on"),
-    (5, True, "could not decide (exit code 5)"),  # does not fit as estimated through a stand-in: a warning
+    (errors.EXIT_DOES_NOT_FIT, False, "does not fit the GPUs' memory"),
+    (errors.EXIT_BAD_CONFIG, True, "could not decide (exit code 2): training goes on"),
+    (errors.EXIT_STAND_IN_DOES_NOT_FIT, True, "does not fit as estimated through a stand-in"),  # a warning
     (1, True, "could not decide (exit code 1)"),
 ])
 def test_only_a_run_that_does_not_fit_stops_the_job(tmp_path, rc, goes_on, words):
@@ -87,6 +102,19 @@ def test_the_batch_script_estimates_after_preflight_and_before_training():
     assert re.search(r"^lf_preflight\(\) \{.*?^\}\n\n# ---- estimate.*?^lf_estimate\(\) \{", lib, re.S | re.M)
 
 
+def test_the_ab_job_estimates_both_arms_after_preflight_and_before_the_first_run(tmp_path):
+    lines = [ln.strip() for ln in (REPO / "scripts/slurm/ab_job.sbatch").read_text().splitlines()]
+    order = [next(i for i, ln in enumerate(lines) if ln.startswith(step)) for step in
+             ('lf_preflight "$@"', "for fp8 in 1 0; do lf_estimate", 'lf_train "$@"')]
+    assert order == sorted(order)
+    loop = lines[order[1]].split("  #")[0]
+    r = run_lib(tmp_path, loop.replace('"$@"', TINY), srun="return 0")  # the line as the job runs it
+    assert r.returncode == 0 and [c.split(" estimate ")[1].split()[-1] for c in srun_calls(tmp_path)] == [
+        "--fp8=1", "--fp8=0"]
+    r = run_lib(tmp_path, loop.replace('"$@"', TINY), srun='[[ "$*" == *--fp8=0* ]] && return 4; return 0')
+    assert r.returncode != 0 and "TRAINING-WOULD-START" not in r.stdout  # one arm that does not fit stops the job
+
+
 def test_submit_does_not_submit_a_run_that_does_not_fit(monkeypatch, capsys):
     from llama_fp8.estimate import cli
 
@@ -101,6 +129,25 @@ def test_submit_does_not_submit_a_run_that_does_not_fit(monkeypatch, capsys):
     assert submit.main(argv) == 0 and len(submitted) == 1
     monkeypatch.setattr(cli, "main", lambda argv: 2)  # cannot estimate: submitted, with a warning
     assert submit.main(argv) == 0 and len(submitted) == 2 and "could not decide" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "main", lambda argv: 5)  # does not fit through a stand-in: submitted, with a warning
+    assert submit.main(argv) == 0 and len(submitted) == 3
+    assert "does not fit as estimated through a stand-in" in capsys.readouterr().err
+
+
+def test_submit_submits_with_a_warning_when_the_estimate_fails_unexpectedly(monkeypatch, capsys):
+    """An error the estimate did not foresee (not a flag it refuses) is the estimate's problem, not the job's: the
+    job is submitted, with a warning naming the error and how to skip the estimate."""
+    from llama_fp8.estimate import assess
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("an op fake tensors cannot run")
+
+    submitted = []
+    monkeypatch.setattr(assess, "estimate", broken)
+    monkeypatch.setattr(submit, "submit", lambda *a: submitted.append(a) or 0)
+    assert submit.main(["--gpus_per_node", "8", "--", "--model", "tiny"]) == 0 and len(submitted) == 1
+    err = capsys.readouterr().err
+    assert "RuntimeError: an op fake tensors cannot run" in err and "--estimate 0" in err and "submitting" in err
 
 
 def test_submit_estimate_switches(monkeypatch, capsys):

@@ -21,13 +21,15 @@ def test_the_readme_table_is_current_and_lists_every_preset():
 def test_a_changed_input_makes_the_table_stale(monkeypatch):
     text = table.replace_block(f"x\n{table.MARKERS[0]}\n{table.MARKERS[1]}\n", table.render([], table.fingerprint()))
     assert table.stale(text) is None
-    real_load = config.load_preset
+    from llama_fp8.config import flags
+
+    real_load = flags.load_preset
 
     def longer_sequence(name):
         values = real_load(name)
         return {**values, "max_context_width": 2 * values["max_context_width"]} if name == "tiny" else values
 
-    monkeypatch.setattr(config, "load_preset", longer_sequence)
+    monkeypatch.setattr(flags, "load_preset", longer_sequence)
     assert "other inputs" in table.stale(text)
     monkeypatch.undo()
     monkeypatch.setattr(terms, "ALLOCATOR_MARGIN", 0.1)
@@ -38,9 +40,28 @@ def test_a_changed_input_makes_the_table_stale(monkeypatch):
     assert "no table" in table.stale("nothing here")
 
 
+def test_a_changed_default_of_the_training_flags_makes_the_table_stale(monkeypatch):
+    """The table is made from each preset's whole resolved configuration (the train defaults the presets do not set,
+    e.g. the micro-batch, BF16, the sharding), not only from what the preset files hold."""
+    from llama_fp8.config import fields, flags
+
+    text = table.replace_block(f"x\n{table.MARKERS[0]}\n{table.MARKERS[1]}\n", table.render([], table.fingerprint()))
+    batch = fields.TrainConfig.__dataclass_fields__["train_batch_size"]
+
+    @dataclasses.dataclass(frozen=True)
+    class LargerDefaultBatch(fields.TrainConfig):
+        train_batch_size: int = dataclasses.field(default=batch.default + 1, metadata=batch.metadata)
+
+    assert config.parse_args(["--model", "llama3.1-8b"]).train_batch_size == batch.default
+    monkeypatch.setattr(flags, "TrainConfig", LargerDefaultBatch)
+    assert config.parse_args(["--model", "llama3.1-8b"]).train_batch_size == batch.default + 1
+    assert "other inputs" in (table.stale(text) or "")
+
+
 def test_rows_render_as_the_readme_shows_them():
     row = {"preset": "p", "params_b": 8.03, "seq": 8192, "batch": 2, "nodes": 2, "ac": "selective",
            "tracked_gib": 60.0, "needed_gib": 61.2, "margin_gib": 3.0, "peak_at": "backward, in the loss"}
-    out = table.render([row, {"preset": "q", "nodes": None}], "abc")
+    out = table.render([row, {"preset": "q", "nodes": None}], "abc", "torch 9.9")
+    assert "Estimated for the Hugging Face model (`--model_impl hf`), with torch 9.9:" in out
     assert "| p | 8.03 B | 8192 x 2 | 2 node(s), 16 GPUs | selective | 61.2 (60.0) + 3.0 | backward, in the loss |" in out
     assert "| q | | | does not fit on 64 nodes" in out and "fingerprint abc" in out

@@ -80,6 +80,7 @@ FAKE_JOB_LIB = """EXIT_REQUEUE=85
 lf_die() { echo "error: $*" >&2; exit 1; }
 lf_setup() { PY=("$FAKE_PY"); CONTAINER_ARGS=(); }
 lf_preflight() { :; }
+lf_estimate() { :; }  # tests/estimate/test_prejob.py
 lf_train() {  # like the real one: a job step (srun), which reads its stdin
     srun --nodes=1 bash -c 'echo "$*" >>"$AB_DIR/train.calls"; d="${*: -1}"; mkdir -p "${d#--run_dir=}"' _ "$@"
 }

@@ -190,11 +190,14 @@ lf_preflight() {  # lf_preflight TRAIN_ARGS...
 
 # ---- estimate: will the run fit the GPUs' memory? `llama_fp8 estimate` (a fake process group and fake tensors: no
 # GPU needed) as one task on the first node, for this job's nodes x processes and the GPUs' memory as nvidia-smi
-# reports it. Exit 4 (it does not fit) stops the job before the training step starts on every node; anything else
-# lets the job go on with a warning (2: flags it cannot estimate, which training reports itself; 5: it does not fit as
-# estimated through a stand-in for an implementation that cannot run there, e.g. the TE model). Skipped on CPU
-# and with SKIP_ESTIMATE=1. From a login node: python -m llama_fp8 estimate --nodes N TRAIN_ARGS (with suggestions).
+# reports it (an H100's, with a warning, when it reports none). Exit 4 (it does not fit) stops the job before the
+# training step starts on every node; anything else lets the job go on with a warning (2: flags it cannot estimate,
+# which training reports itself; 5: it does not fit as estimated through a stand-in for an implementation that cannot
+# run there, e.g. the TE model, while what any implementation holds does; a crash, or 30 minutes without an answer:
+# srun's step time limit). Reads SKIP_ESTIMATE (1: skipped); skipped on CPU. From a login node:
+# python -m llama_fp8 estimate --nodes N TRAIN_ARGS (with suggestions).
 lf_estimate() {  # lf_estimate TRAIN_ARGS...
+    local does_not_fit=4 stand_in=5  # llama_fp8.errors.EXIT_DOES_NOT_FIT, EXIT_STAND_IN_DOES_NOT_FIT
     if [[ "${SKIP_ESTIMATE:-0}" == 1 ]]; then
         echo "estimate: skipped (SKIP_ESTIMATE=1)"
         return 0
@@ -205,15 +208,23 @@ lf_estimate() {  # lf_estimate TRAIN_ARGS...
     fi
     local mib mem_args=() rc=0
     mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1 | tr -d ' ') || true
-    if [[ "$mib" =~ ^[0-9]+$ ]]; then mem_args=(--gpu_memory_gib "$(awk -v m="$mib" 'BEGIN { print m / 1024 }')"); fi
-    srun --nodes=1 --ntasks=1 --cpus-per-task="$CPUS" ${CONTAINER_ARGS[@]+"${CONTAINER_ARGS[@]}"} \
+    if [[ "$mib" =~ ^[0-9]+$ ]]; then
+        mem_args=(--gpu_memory_gib "$(awk -v m="$mib" 'BEGIN { print m / 1024 }')")
+    else
+        echo "warning: estimate: nvidia-smi reported no memory.total ('${mib}'): checking against an H100's memory" >&2
+    fi
+    srun --nodes=1 --ntasks=1 --cpus-per-task="$CPUS" --time=30 ${CONTAINER_ARGS[@]+"${CONTAINER_ARGS[@]}"} \
         "${PY[@]}" -m llama_fp8 estimate --nodes "$SLURM_JOB_NUM_NODES" --gpus_per_node "$NPROC_PER_NODE" \
         ${mem_args[@]+"${mem_args[@]}"} --suggest 0 "$@" || rc=$?
-    if ((rc == 4)); then
+    if ((rc == does_not_fit)); then
         lf_die "estimate: this configuration does not fit the GPUs' memory (report above); change it (python -m" \
             "llama_fp8 estimate ... on a login node suggests what fits) or set SKIP_ESTIMATE=1 to start it anyway"
+    elif ((rc == stand_in)); then
+        echo "warning: estimate: it does not fit as estimated through a stand-in for the job's model implementation" \
+            "(report above), an approximation: training goes on" >&2
+    elif ((rc != 0)); then
+        echo "warning: estimate could not decide (exit code $rc): training goes on" >&2
     fi
-    if ((rc != 0)); then echo "warning: estimate could not decide (exit code $rc): training goes on" >&2; fi
     return 0
 }
 

@@ -6,7 +6,8 @@ Own flags come first; everything after `--` goes to `python -m llama_fp8 train` 
 as `sbatch 1.train_llama.sbatch ...`). One Slurm task per GPU (or --tasks_per_node on CPU); each task
 takes its rank/world from Slurm's environment. With --image, tasks run in that Enroot image via Pyxis.
 With --gpus_per_node the run is estimated here first (`llama_fp8 estimate`, no GPU needed) and not submitted
-when it does not fit the GPUs' memory (exit code 4; --estimate 0 submits without asking).
+when it does not fit the GPUs' memory (exit code 4; --estimate 0 submits without asking); anything else the
+estimate says or raises submits the job with a warning.
 
 Requeue after a time-limit or preemption signal happens on the host, never in a task: a task may run in a
 container without Slurm's client tools (`scontrol`). Slurm sends SIGUSR1 120 s before the limit; training
@@ -31,6 +32,7 @@ from typing import Any
 
 from llama_fp8.cluster import mounts
 from llama_fp8.config import EXIT_BAD_CONFIG, EXIT_REQUEUE, ConfigError, parse_args
+from llama_fp8.errors import EXIT_DOES_NOT_FIT, EXIT_STAND_IN_DOES_NOT_FIT
 
 REQUEUE_MARKER = "llama-fp8-requeue"
 """Written by task 0 into the job's submitit folder when training exited with EXIT_REQUEUE."""
@@ -73,16 +75,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def estimate_fits(args: argparse.Namespace, train_args: list[str]) -> bool:
     """``llama_fp8 estimate`` for this job's nodes and GPUs (its report on stdout); False only when the run does
-    not fit. A run it cannot estimate, or estimates through a stand-in only (exit 5), is submitted with a warning:
-    training reports its own errors."""
+    not fit (exit 4). A run it cannot estimate (2), one that does not fit only as estimated through a stand-in (5),
+    and an error of the estimate itself are submitted with a warning: training reports its own errors."""
     from llama_fp8.estimate import cli
 
-    rc = cli.main([*train_args, "--nodes", str(args.nodes), "--gpus_per_node", str(args.gpus_per_node), "--gpu",
-                   args.estimate_gpu, "--suggest", "0"])
-    if rc not in (0, cli.EXIT_DOES_NOT_FIT):
+    try:
+        rc = cli.main([*train_args, "--nodes", str(args.nodes), "--gpus_per_node", str(args.gpus_per_node), "--gpu",
+                       args.estimate_gpu, "--suggest", "0"])
+    except Exception as e:  # noqa: BLE001 - the estimate's own failure is no reason to hold the job back
+        print(f"llama-fp8 submit: warning: the estimate failed ({type(e).__name__}: {e}); submitting (--estimate 0 "
+              f"skips it)", file=sys.stderr)
+        return True
+    if rc == EXIT_STAND_IN_DOES_NOT_FIT:
+        print("llama-fp8 submit: warning: it does not fit as estimated through a stand-in for the job's model "
+              "implementation (report above), an approximation; submitting", file=sys.stderr)
+    elif rc not in (0, EXIT_DOES_NOT_FIT):
         print(f"llama-fp8 submit: warning: the estimate could not decide (exit code {rc}); submitting",
               file=sys.stderr)
-    return rc != cli.EXIT_DOES_NOT_FIT
+    return rc != EXIT_DOES_NOT_FIT
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -311,11 +321,8 @@ def main(argv: list[str]) -> int:
     if args.gpus_per_node and args.estimate == "1" and not estimate_fits(args, train_args):
         print("llama-fp8 submit: not submitted: the run does not fit the GPUs' memory (report above); change it, or "
               "--estimate 0 to submit anyway", file=sys.stderr)
-        return ESTIMATE_DOES_NOT_FIT
+        return EXIT_DOES_NOT_FIT
     return submit(args, train_args, params)
-
-
-ESTIMATE_DOES_NOT_FIT = 4  # llama_fp8.estimate.cli.EXIT_DOES_NOT_FIT (not imported at module level: torch-heavy)
 
 
 if __name__ == "__main__":

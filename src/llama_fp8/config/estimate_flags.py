@@ -6,6 +6,7 @@ holds them."""
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, fields
 
 from llama_fp8.config.fields import TrainConfig
@@ -91,8 +92,8 @@ def _options(ns: dict) -> EstimateOptions:
             out["gpu_memory_gib"] = float(ns["gpu_memory_gib"])
         except ValueError:
             raise ConfigError(f"--gpu_memory_gib {ns['gpu_memory_gib']!r} is not valid; valid: a number > 0") from None
-        if not out["gpu_memory_gib"] > 0:
-            raise ConfigError(f"--gpu_memory_gib {ns['gpu_memory_gib']} is out of range; valid: a number > 0")
+        if not 0 < out["gpu_memory_gib"] < math.inf:
+            raise ConfigError(f"--gpu_memory_gib {ns['gpu_memory_gib']} is out of range; valid: a finite number > 0")
     if "suggest" in ns:
         if ns["suggest"] not in ("0", "1"):
             raise ConfigError(f"--suggest {ns['suggest']!r} is not valid; valid: 0 or 1")

@@ -26,10 +26,17 @@ class Estimate:
     collectives: list[dict]  # the measurement's, with "ranks", "link", "gbs", "seconds"
     suggestions: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    floor: int = 0  # terms.floor: what any implementation of these shapes holds
 
     @property
     def fits(self) -> bool:
         return self.verdict.status != "does not fit"
+
+    @property
+    def decided(self) -> bool:
+        """Whether "does not fit" is a verdict to stop a job on: the job's own implementation was estimated, or
+        what any implementation holds (the floor) does not fit either."""
+        return not self.measurement.decision.stand_in or self.floor > self.gpu.memory_bytes
 
 
 def link_of(ranks: list[int], gpus_per_node: int, gpu: gpus.Gpu) -> tuple[str, float]:
@@ -57,9 +64,10 @@ def estimate(cfg, opts: EstimateOptions, progress: run.Progress = lambda _: None
     env = build.env_for(opts.world_size, opts.gpus_per_node)
     with fake.process_group(opts.world_size):
         m = run.measure(cfg, env, fake_run=True, progress=progress)
-    found = terms.gpu_terms(m.collectives, m.group_ranks, m.fp8_operand_bytes, bool(cfg.compile), m.peak_bytes)
+    found = terms.gpu_terms(m.collectives, m.group_ranks, m.fp8_operand_bytes, bool(cfg.compile))
     return Estimate(cfg, opts, gpu, m, found, terms.verdict(m.peak_bytes, found, gpu),
-                    timed(m.collectives, m.group_ranks, opts.gpus_per_node, gpu), seconds=time.perf_counter() - t0)
+                    timed(m.collectives, m.group_ranks, opts.gpus_per_node, gpu), seconds=time.perf_counter() - t0,
+                    floor=terms.floor(m.at_optimizer or {}, found))
 
 
 CORRECTIONS = corrections.NAMES

@@ -1,9 +1,10 @@
 """``python -m llama_fp8 estimate [train flags] [--nodes N --gpus_per_node G --gpu NAME --json]``.
 
-Exit codes: 0 the run fits (or is tight: it fits without the allocator margin), 4 it does not fit, 5 it does not
-fit as estimated through a stand-in (the job's implementation cannot run here: a warning, not a verdict the batch
-script stops a job on), 2 a flag the training run itself would refuse or that cannot be estimated (the message
-names it). The report (or JSON) goes to stdout, progress to stderr.
+Exit codes (errors.py): 0 the run fits (or is tight: it fits without the allocator margin), 4 it does not fit, 5 it
+does not fit as estimated through a stand-in (the job's implementation cannot run here) while what any
+implementation holds does (a warning, not a verdict the batch script stops a job on), 2 a flag the training run
+itself would refuse or that cannot be estimated (the message names it). The report (or JSON) goes to stdout,
+progress to stderr.
 """
 
 from __future__ import annotations
@@ -13,14 +14,12 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Iterator
 
 from llama_fp8.config.estimate_flags import parse_estimate_args
-from llama_fp8.errors import EXIT_BAD_CONFIG, ConfigError
+from llama_fp8.errors import EXIT_BAD_CONFIG, EXIT_DOES_NOT_FIT, EXIT_STAND_IN_DOES_NOT_FIT, ConfigError
 
-EXIT_DOES_NOT_FIT = 4
-"""The configuration does not fit the GPU's memory (1.train_llama.sbatch stops the job on it)."""
-EXIT_STAND_IN_DOES_NOT_FIT = 5
-"""It does not fit as estimated through a stand-in implementation (reported; nothing is stopped on it)."""
+__all__ = ["EXIT_DOES_NOT_FIT", "EXIT_STAND_IN_DOES_NOT_FIT", "main"]
 
 
 def _progress(start: float):
@@ -29,14 +28,15 @@ def _progress(start: float):
     return say
 
 
-QUIETED = ("llama_fp8", "torch.distributed.tensor._redistribute", "torchao")
+QUIETED = ("llama_fp8", "torch.distributed.tensor._redistribute", "torchao", "torch.utils._pytree")
 
 
 @contextlib.contextmanager
-def _quiet_libraries():
+def _quiet_libraries() -> Iterator[None]:
     """The estimate's own output only: the training path's INFO lines, torchao's "FP8 is EMULATED" warning (true
-    here and meaningless for a GPU estimate) and DTensor's advice about 2-D reductions stay out of it. Only while
-    it runs: ``submit`` estimates in its own process, and its logging must come back as it was."""
+    here and meaningless for a GPU estimate), DTensor's advice about 2-D reductions and torchao's deprecated enum
+    registrations (torch's pytree, on import) stay out of it. Only while it runs: ``submit`` estimates in its own
+    process, and its logging (levels and the root's handlers) must come back as it was."""
     root = logging.getLogger()
     handlers, levels = list(root.handlers), {name: logging.getLogger(name).level for name in QUIETED}
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -57,27 +57,23 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"llama-fp8 estimate: error: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    with _quiet_libraries():
-        return _run(cfg, opts)
-
-
-def _run(cfg, opts) -> int:
     start = time.perf_counter()
     say = _progress(start)
     from llama_fp8.estimate import assess, report, suggest
 
     try:
-        est = assess.estimate(cfg, opts, say)
-        if opts.suggest and est.verdict.status != "fits":
-            est.suggestions = suggest.suggest(est, say)
-            est.seconds = time.perf_counter() - start
+        with _quiet_libraries():
+            est = assess.estimate(cfg, opts, say)
+            if opts.suggest and est.verdict.status != "fits":
+                est.suggestions = suggest.suggest(est, say)
+                est.seconds = time.perf_counter() - start
     except ConfigError as e:
         print(f"llama-fp8 estimate: error: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     print(json.dumps(report.to_dict(est)) if opts.json else report.text(est), flush=True)
     if est.fits:
         return 0
-    return EXIT_STAND_IN_DOES_NOT_FIT if est.measurement.decision.stand_in else EXIT_DOES_NOT_FIT
+    return EXIT_DOES_NOT_FIT if est.decided else EXIT_STAND_IN_DOES_NOT_FIT
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ def headline(e: Estimate) -> str:
     layout = " x ".join(f"{n} {s}" for n, s in d.dims.shape)
     ac = {"0": "off", "1": "full", "selective": "selective"}[c.activation_checkpointing]
     accum = f", {c.grad_accum_steps} micro-batches" if c.grad_accum_steps > 1 else ""
-    return (f"{c.model} ({e.measurement.num_params / 1e9:.2f} B parameters, --model_impl {d.impl.name}), "
+    impl = d.impl.name if not d.stand_in else f"{d.job_impl.name}, estimated through {d.impl.name}"
+    return (f"{c.model} ({e.measurement.num_params / 1e9:.2f} B parameters, --model_impl {impl}), "
             f"{e.opts.nodes} node(s) x {e.opts.gpus_per_node} GPUs = {e.opts.world_size} ({layout}); "
             f"{c.train_batch_size} x {c.max_context_width} tokens per GPU{accum}; {d.precision.name}; "
             f"activation checkpointing {ac}")
@@ -60,10 +61,12 @@ def text(e: Estimate) -> str:
         lines.append(f"  {'+' if t.added else ' '} {t.name:<40} {gib(t.bytes) if t.added else 'not added':>12}   "
                      f"[{i}{state}]")
     v = e.verdict
+    shout = v.text.replace("does not fit", "DOES NOT FIT", 1) if v.status == "does not fit" else v.text
     lines += [f"  = {'needed':<40} {gib(v.needed):>12}",
               f"  + {'allocator margin':<40} {gib(v.margin):>12}   [{len(e.terms) + 1}, to calibrate]",
-              "", f"Verdict against {e.gpu.name} ({gib(e.gpu.memory_bytes)}, {e.gpu.source.split(';')[0]}): "
-              f"{v.text.upper() if v.status == 'does not fit' else v.text}"]
+              "", f"Verdict against {e.gpu.name} ({gib(e.gpu.memory_bytes)}, {e.gpu.source.split(';')[0]}): {shout}"]
+    if m.decision.stand_in:
+        lines.append(floor_text(e))
     lines += ["", "Communication per step (rank 0's groups; bytes of the whole buffer: an all-gather's output, a "
               "reduce-scatter's input; time = bytes x NCCL's bus factor / the stated bandwidth: no latency, no "
               "overlap with compute, a lower bound):"]
@@ -82,10 +85,24 @@ def text(e: Estimate) -> str:
     return "\n".join(lines)
 
 
+FLOOR_WHAT = ("the sharded parameters, gradients and optimizer states as the optimizer step starts, and the terms "
+              "that do not depend on the implementation")
+
+
+def floor_text(e: Estimate) -> str:
+    """Through a stand-in: what any implementation holds, and whether that alone decides."""
+    held = f"Whatever the implementation saves for backward, it holds {gib(e.floor)} ({FLOOR_WHAT})"
+    if e.floor > e.gpu.memory_bytes:
+        return f"{held}: more than the GPU's {gib(e.gpu.memory_bytes)}, so it does not fit whatever the implementation"
+    return (f"{held}: that fits the GPU's {gib(e.gpu.memory_bytes)}; the verdict above rests on the stand-in's "
+            f"activations")
+
+
 def to_dict(e: Estimate) -> dict:
     m = e.measurement
     return {
-        "model": e.cfg.model, "model_impl": m.decision.impl.name, "stand_in": m.decision.stand_in,
+        "model": e.cfg.model, "model_impl": m.decision.impl.name, "job_model_impl": m.decision.job_impl.name,
+        "stand_in": m.decision.stand_in,
         "notes": list(m.decision.notes), "precision": m.decision.precision.name,
         "nodes": e.opts.nodes, "gpus_per_node": e.opts.gpus_per_node, "world_size": e.opts.world_size,
         "mesh": dict(m.decision.dims.shape), "train_batch_size": e.cfg.train_batch_size,
@@ -96,6 +113,7 @@ def to_dict(e: Estimate) -> dict:
         "peak_at": {**dataclasses.asdict(m.where), "micro_batches": m.micro_batches},
         "terms": [t.to_dict() for t in e.terms], "margin_why": MARGIN_WHY,
         "verdict": e.verdict.to_dict(), "collectives": e.collectives,
+        "floor": {"bytes": e.floor, "what": FLOOR_WHAT, "decides": e.decided and bool(m.decision.stand_in)},
         "suggestions": e.suggestions, "seconds": round(e.seconds, 1),
         "corrections": list(CORRECTIONS), "versions": versions(),
     }

@@ -58,9 +58,7 @@ class Batches:
     def __next__(self) -> dict[str, torch.Tensor]:
         self.count += 1
         if self.tracker is not None:
-            self.tracker.micro_batch += 1
-            if self.tracker.micro_batch > 1:  # the tracker refuses a second forward of the root otherwise; its
-                self.tracker.reset_mod_stats()  # per-module snapshots go, the step's peak and totals stay
+            self.tracker.next_micro_batch()
         shape = (self.cfg.train_batch_size, self.cfg.max_context_width)
         return {"input_ids": torch.randint(0, self.cfg.vocab_size, shape),
                 "labels": torch.randint(0, self.cfg.vocab_size, shape)}
@@ -103,20 +101,11 @@ def measure(cfg, env: parallel.DistEnv, fake_run: bool = True, progress: Progres
         names, group_ranks = mesh_groups(mesh, decision.dims, env.rank)
         with mode:
             tracker = _steps(cfg, env, decision, model, context, prec, names, progress)
-    (peak,) = tracker.get_tracker_snapshot("peak").values()
-    collectives = [{"kind": k, "dim": d, "phase": p, "calls": c, "bytes": b}
-                   for (k, d, p), (c, b) in sorted(tracker.collectives.by_key.items())]
     return Measurement(
-        peak_bytes=peak["Total"], by_kind=_by_name(peak), where=tracker.peak_where, micro_batches=cfg.grad_accum_steps,
-        collectives=collectives, group_ranks=group_ranks, decision=decision, num_params=size.num_params,
-        local_param_numel=train_build.local_numel(model), seconds=time.perf_counter() - t0,
-        fp8_operand_bytes=terms.fp8_operand_copies(model, cfg.train_batch_size * cfg.max_context_width),
-        at_optimizer=_by_name(tracker.at_optimizer or {}))
-
-
-def _by_name(snapshot: dict) -> dict[str, int]:
-    """A tracker snapshot by its kinds' names (without the total)."""
-    return {getattr(k, "value", str(k)): v for k, v in snapshot.items() if k != "Total"}
+        **tracker.summary(), micro_batches=cfg.grad_accum_steps, group_ranks=group_ranks, decision=decision,
+        num_params=size.num_params, local_param_numel=train_build.local_numel(model),
+        seconds=time.perf_counter() - t0,
+        fp8_operand_bytes=terms.fp8_operand_copies(model, cfg.train_batch_size * cfg.max_context_width))
 
 
 def _steps(cfg, env, decision, model, context, prec, names, progress) -> StepTracker:

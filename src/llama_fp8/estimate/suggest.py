@@ -1,7 +1,8 @@
 """What would make a run fit: the next activation-checkpointing level, half the micro-batch (with twice the
 accumulation: the same global batch), twice the nodes, twice the tensor parallelism. Each change is estimated
 the same way as the run itself (one more estimate each), never guessed; a change the run's flags cannot take
-(a layout that does not divide, an implementation without it) is skipped with its reason."""
+(a layout that does not divide, an implementation without it) is skipped with its reason. The changes are those
+the job's implementation takes (through a stand-in: the TE model's, not the stand-in's)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ AC_ORDER = ("0", "selective", "1")  # from the least recomputation to the most
 
 def candidates(e: assess.Estimate) -> list[tuple[str, object, object]]:
     """(the change as flags, the config, the options) of each suggestion that applies to ``e``'s run."""
-    cfg, opts, d = e.cfg, e.opts, e.measurement.decision
+    cfg, opts, job = e.cfg, e.opts, e.measurement.decision.job_impl
     out = []
-    modes = [m for m in AC_ORDER if m == "0" or m in d.impl.activation_checkpointing_modes]
+    modes = [m for m in AC_ORDER if m == "0" or m in job.activation_checkpointing_modes]
     if cfg.activation_checkpointing in modes and modes.index(cfg.activation_checkpointing) + 1 < len(modes):
         nxt = modes[modes.index(cfg.activation_checkpointing) + 1]
         out.append((f"--activation_checkpointing {nxt}", dataclasses.replace(cfg, activation_checkpointing=nxt), opts))
@@ -29,9 +30,9 @@ def candidates(e: assess.Estimate) -> list[tuple[str, object, object]]:
     if cfg.sharding_strategy == "full" and cfg.dp_shard_size == -1:
         out.append((f"--nodes {opts.nodes * 2} (FSDP shards over twice the GPUs; the global batch doubles)", cfg,
                     dataclasses.replace(opts, nodes=opts.nodes * 2)))
-    if d.impl.tensor_parallel and not d.stand_in and cfg.tp_size * 2 <= opts.gpus_per_node:
-        out.append((f"--tp_size {cfg.tp_size * 2} (within a node)", dataclasses.replace(cfg, tp_size=cfg.tp_size * 2),
-                    opts))
+    if job.tensor_parallel and cfg.tp_size * 2 <= opts.gpus_per_node:
+        out.append((f"--tp_size {cfg.tp_size * 2} (within a node; half the data-parallel ranks: the global batch "
+                    f"halves)", dataclasses.replace(cfg, tp_size=cfg.tp_size * 2), opts))
     return out
 
 

@@ -1,10 +1,14 @@
-"""The README's "what fits" table: for every preset at its own sequence length and batch, the smallest number of
-8-GPU H100 nodes, and at that size the activation checkpointing with the least recomputation, whose estimate
-fits (with the allocator margin). ``scripts/estimate_table.py`` runs the search (26 estimates: 14 minutes on
-2 cores) and writes the table between ``<!-- fit-table:start -->`` and ``<!-- fit-table:end -->``.
+"""The README's "what fits" table: for every preset at its own sequence length and batch, the Hugging Face model
+(``--model_impl hf``: the model the estimate runs; ``auto``'s TE model is estimated through it), the smallest
+number of 8-GPU H100 nodes, and at that size the activation checkpointing with the least recomputation, whose
+estimate fits (with the allocator margin). ``scripts/estimate_table.py`` runs the search (26 estimates: 14 minutes
+on 2 cores) and writes the table between ``<!-- fit-table:start -->`` and ``<!-- fit-table:end -->``.
 
-The table carries a fingerprint of everything that decides it: the presets, the search's settings, the GPU, the
-terms' sizes and margin, and ``REVISION``, raised by hand when the estimator's counting changes.
+The table carries a fingerprint of what decides it: every preset's whole resolved configuration as the search
+asks for it (the presets, and the train defaults they do not set: micro-batch, BF16, sharding, ...), the
+search's settings, the GPU, the terms' sizes and margin, and ``REVISION``, raised by hand when the estimator's
+counting changes (the code is not hashed: any edit would make the table stale). The library versions it was
+made with are stated in the table, not fingerprinted: CI installs what the lower bounds in pyproject.toml allow.
 tests/estimate/test_table.py recomputes the fingerprint (no estimate runs in CI) and fails when the table is
 stale.
 """
@@ -17,12 +21,17 @@ import json
 import re
 from collections.abc import Callable
 
-REVISION = 1
+REVISION = 2  # 2: the NCCL term per communicator and the world's communicator
 GPU = "H100"
 GPUS_PER_NODE = 8
 NODES = (1, 2, 4, 8, 16, 32, 64)
 AC_SEARCH = ("1", "selective", "0")  # full first (the least memory), then less recomputation while it fits
 MARKERS = ("<!-- fit-table:start -->", "<!-- fit-table:end -->")
+
+
+def train_flags(preset: str, ac: str) -> list[str]:
+    """The train command line of one estimate of the search."""
+    return ["--model", preset, "--model_impl", "hf", "--activation_checkpointing", ac]
 
 
 def _inputs() -> dict:
@@ -32,11 +41,19 @@ def _inputs() -> dict:
     return {"revision": REVISION, "gpu": dataclasses.asdict(gpus.GPUS[GPU]), "gpus_per_node": GPUS_PER_NODE,
             "nodes": NODES, "ac": AC_SEARCH,
             "terms": [terms.CONTEXT_BYTES, terms.NCCL_PER_COMMUNICATOR, terms.CUBLAS_WORKSPACE, terms.ALLOCATOR_MARGIN],
-            "presets": {name: config.load_preset(name) for name in config.available_presets()}}
+            "presets": {name: dataclasses.asdict(config.parse_args(train_flags(name, AC_SEARCH[0])))
+                        for name in config.available_presets()}}  # the other AC modes differ in that flag only
 
 
 def fingerprint() -> str:
     return hashlib.sha256(json.dumps(_inputs(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def versions() -> str:
+    """The installed libraries the estimates run on (those every report states), as the table states them."""
+    from llama_fp8.estimate import report
+
+    return ", ".join(f"{name} {version}" for name, version in report.versions().items())
 
 
 def search(preset: str, progress: Callable[[str], None] = lambda _: None) -> dict:
@@ -51,7 +68,7 @@ def search(preset: str, progress: Callable[[str], None] = lambda _: None) -> dic
         nonlocal runs
         runs += 1
         progress(f"{preset}: {nodes} node(s), activation checkpointing {ac}")
-        cfg = config.parse_args(["--model", preset, "--activation_checkpointing", ac])
+        cfg = config.parse_args(train_flags(preset, ac))
         return assess.estimate(cfg, EstimateOptions(nodes=nodes, gpus_per_node=GPUS_PER_NODE, gpu=GPU, suggest=False))
 
     for nodes in NODES:
@@ -76,9 +93,10 @@ def _row(preset: str, e, runs: int) -> dict:
             "estimates": runs, "seconds": round(e.seconds)}
 
 
-def render(rows: list[dict], fp: str) -> str:
+def render(rows: list[dict], fp: str, made_with: str | None = None) -> str:
     ac = {"0": "off", "selective": "selective", "1": "full"}
     lines = [f"<!-- fingerprint {fp} (estimate/table.py; scripts/estimate_table.py rewrites this table) -->",
+             f"Estimated for the Hugging Face model (`--model_impl hf`), with {made_with or versions()}:", "",
              "| preset | parameters | sequence x batch per GPU | smallest fit (8 x H100 80GB per node) | activation "
              "checkpointing | needed (tracked peak) + margin, GiB | the peak is in |",
              "|---|---|---|---|---|---|---|"]

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from llama_fp8.estimate.gpus import GIB, MIB, Gpu
 
 CONTEXT_BYTES = 1 * GIB
-NCCL_PER_COMMUNICATOR = 128 * MIB
+NCCL_PER_COMMUNICATOR = 640 * MIB
 CUBLAS_WORKSPACE = 32 * MIB
 ALLOCATOR_MARGIN = 0.05  # of the tracked peak
 
@@ -26,14 +26,23 @@ class Term:
     source: str
     calibrated: bool = False  # False: "to calibrate" (not measured on a GPU yet)
     added: bool = True  # False: stated only (it cannot be sized)
+    any_implementation: bool = True  # the same for every model implementation of these shapes (the floor's)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def communicators(collectives: list[dict], group_ranks: dict[str, list[int]]) -> list[str]:
-    """Mesh dimensions whose collectives need an NCCL communicator on this rank (groups of more than one rank)."""
-    return sorted({c["dim"] for c in collectives if len(group_ranks.get(c["dim"], [0, 1])) > 1})
+    """The NCCL communicators on this rank: one per mesh dimension whose collectives run over more than one rank,
+    and the world's. Training creates the world's eagerly (``init_process_group`` with ``device_id``, parallel/
+    dist.py); a mesh dimension over the whole world uses it (torch's DeviceMesh reuses the default group), every
+    other group is a communicator of its own (split from the world's without sharing its buffers, NCCL's
+    default)."""
+    found = {c["dim"] for c in collectives if c["dim"] != "world" and len(group_ranks.get(c["dim"], [0, 1])) > 1}
+    world = len(group_ranks.get("world", [0]))
+    if world > 1 and not any(len(group_ranks.get(d, ())) == world for d in found):
+        found.add("world")
+    return sorted(found)
 
 
 def _tp_local_shape(weight) -> list[int]:
@@ -62,8 +71,13 @@ def fp8_operand_copies(model, tokens: int) -> int:
 SOURCES = {
     "context": "outside PyTorch's allocator (not in max_memory_reserved); its size depends on the driver, the CUDA "
                "version and lazy module loading (CUDA C++ Programming Guide, Lazy Loading); 1 GiB assumed",
-    "nccl": "per communicator: NCCL_BUFFSIZE (4 MiB by default, NCCL's environment variable documentation) per channel "
-            "and direction, 16 channels assumed: 128 MiB; allocated by NCCL outside PyTorch's allocator",
+    "nccl": "per communicator, allocated by NCCL outside PyTorch's allocator: buffers per channel, peer connection and "
+            "protocol (SIMPLE's NCCL_BUFFSIZE, 4 MiB by default, LL, LL128) and, on NVSwitch nodes (H100, H200) for "
+            "groups of 3+ GPUs, NVLS buffers; it grows with the channels NCCL opens for the link's bandwidth. "
+            "Reported: 544 MB (2 GPUs) and 688 MB (4) per group on 4 x A100 NVLink (NVIDIA/nccl#964), about 1.6 GB "
+            "for one communicator (NVIDIA/nccl#864), NVLS 288 MiB per rank on 8 x H200 (vllm-project/vllm#9699; "
+            "NCCL_NVLS_ENABLE=0 saves it: NVIDIA/NeMo-Framework-Launcher#127). 640 MiB assumed (the A100 reports); "
+            "H100 nodes with NVLS likely need more",
     "cublas": "allocated through PyTorch's allocator by the GEMM library, not by an op the tracker sees; "
               "torch.backends.cuda.cublas_workspace_size() on the node gives it; 32 MiB assumed",
     "fp8": "the dispatch mode does not enter a tensor subclass's own dispatch: one-byte copies of both operands of the "
@@ -74,8 +88,8 @@ SOURCES = {
 }
 
 
-def gpu_terms(collectives: list[dict], group_ranks: dict[str, list[int]], fp8_copies: int, compiled: bool,
-              tracked: int) -> list[Term]:
+def gpu_terms(collectives: list[dict], group_ranks: dict[str, list[int]], fp8_copies: int, compiled: bool
+              ) -> list[Term]:
     comms = communicators(collectives, group_ranks)
     terms = [
         Term("CUDA context and driver reserve", CONTEXT_BYTES, SOURCES["context"]),
@@ -85,16 +99,30 @@ def gpu_terms(collectives: list[dict], group_ranks: dict[str, list[int]], fp8_co
     ]
     if fp8_copies:
         terms.append(Term("FP8 matmul operand copies inside torchao's tensor subclass (upper bound)", fp8_copies,
-                          SOURCES["fp8"]))
+                          SOURCES["fp8"], any_implementation=False))
     if compiled:
-        terms.append(Term("torch.compile", 0, SOURCES["compile"], added=False))
+        terms.append(Term("torch.compile", 0, SOURCES["compile"], added=False, any_implementation=False))
     return terms
+
+
+HELD_BY_ANY = ("Sharded Param", "Sharded Grad", "OptState")
+"""What every implementation of the same shapes holds as the optimizer step starts (the tracker's kinds)."""
+
+
+def floor(at_optimizer: dict[str, int], terms: list[Term]) -> int:
+    """Bytes a GPU holds whatever the model implementation saves for backward: the sharded parameters, gradients
+    and AdamW states as the optimizer step starts (every implementation of these shapes has the same parameters;
+    the TE model's FP8 primary weights add FP32 masters) and the terms that do not depend on the implementation.
+    Through a stand-in the activations are an approximation; this part is not."""
+    return sum(at_optimizer.get(k, 0) for k in HELD_BY_ANY) + sum(
+        t.bytes for t in terms if t.added and t.any_implementation)
 
 
 def terms_table_markdown() -> str:
     """The README's table of the terms (generated: reference.py), from the same sizes and sources."""
     rows = [("CUDA context and driver reserve", f"{CONTEXT_BYTES / GIB:g} GiB", "context"),
-            ("NCCL buffers", f"{NCCL_PER_COMMUNICATOR / MIB:g} MiB per mesh dimension with collectives", "nccl"),
+            ("NCCL buffers", f"{NCCL_PER_COMMUNICATOR / MIB:g} MiB per communicator: each mesh dimension with "
+                             "collectives, and the world's", "nccl"),
             ("cuBLAS workspace", f"{CUBLAS_WORKSPACE / MIB:g} MiB", "cublas"),
             ("FP8 matmul operand copies (torchao)", "tokens x (in + out) bytes of the largest FP8 linear", "fp8"),
             ("torch.compile (`--compile 1`)", "not added: stated", "compile")]
@@ -123,11 +151,16 @@ MARGIN_WHY = (f"allocator margin: {ALLOCATOR_MARGIN:.0%} of the tracked peak, to
               "error is about reserved memory, not allocated")
 
 
+def size_text(b: float) -> str:
+    """GiB with one decimal, or MiB below one GiB (a small run's margin is not "0.0 GiB")."""
+    return f"{b / GIB:.1f} GiB" if abs(b) >= GIB else f"{b / MIB:.1f} MiB"
+
+
 def verdict(tracked: int, terms: list[Term], gpu: Gpu) -> Verdict:
     needed = tracked + sum(t.bytes for t in terms if t.added)
     margin = int(ALLOCATOR_MARGIN * tracked)
     mem = gpu.memory_bytes
-    gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    gib = size_text
     if needed + margin <= mem:
         status, text = "fits", (f"fits: {gib(needed)} + {gib(margin)} margin of {gib(mem)} ({gpu.name}), "
                                 f"{gib(mem - needed - margin)} to spare")

@@ -41,7 +41,10 @@ class Where:
 
     def text(self, micro_batches: int) -> str:
         mb = f", micro-batch {self.micro_batch} of {micro_batches}" if micro_batches > 1 else ""
-        where = "outside the model's modules (the loss)" if self.module == "-" else f"in {self.module}"
+        if self.module != "-":
+            where = f"in {self.module}"
+        else:  # forward or backward outside the model's modules: the loss (the upcast logits, the cross entropy)
+            where = "outside the model's modules" + (" (the loss)" if self.phase in ("forward", "backward") else "")
         return f"{self.phase}, {where}{mb}"
 
 
@@ -70,6 +73,21 @@ class StepTracker(FSDPMemTracker):
         self.micro_batch = 0  # set by the batch source as each micro-batch is fetched
         self._backward_seen = 0  # the micro-batch whose backward has run (0: none yet)
 
+    def next_micro_batch(self) -> None:
+        """Called as each micro-batch is fetched (inside the step)."""
+        self.micro_batch += 1
+        if self.micro_batch > 1:  # the tracker refuses a second forward of the root otherwise; its per-module
+            self.reset_mod_stats()  # snapshots go, the step's peak and totals stay
+
+    def summary(self) -> dict:
+        """The step as measured: the peak (bytes, by kind, where), the collectives, the state as the optimizer
+        step starts."""
+        (peak,) = self.get_tracker_snapshot("peak").values()
+        return {"peak_bytes": peak["Total"], "by_kind": by_name(peak), "where": self.peak_where,
+                "collectives": [{"kind": k, "dim": d, "phase": p, "calls": c, "bytes": b}
+                                for (k, d, p), (c, b) in sorted(self.collectives.by_key.items())],
+                "at_optimizer": by_name(self.at_optimizer or {})}
+
     def phase(self) -> str:
         if self._in_opt:
             return "optimizer step"
@@ -78,7 +96,7 @@ class StepTracker(FSDPMemTracker):
             return "backward (recomputing activations)" if self._in_ac else "backward"
         if self._backward_seen == self.micro_batch and self.micro_batch:
             return "after backward (gradient norm, clipping)"
-        return "forward" if self._module() != "-" else "forward (the loss, outside the model's modules)"
+        return "forward"
 
     def _module(self) -> str:
         """The innermost module running, by its name in the model (without the root's class name and the
@@ -105,3 +123,8 @@ class StepTracker(FSDPMemTracker):
             self.collectives.add(collective_kind(func), dim, self.phase().split(" (")[0],
                                  CollectiveOp.get_comm_tensor_size(func, res, args, kwargs or {}))
         return res
+
+
+def by_name(snapshot: dict) -> dict[str, int]:
+    """A tracker snapshot by its kinds' names (without the total)."""
+    return {getattr(k, "value", str(k)): v for k, v in snapshot.items() if k != "Total"}

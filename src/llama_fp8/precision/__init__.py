@@ -55,7 +55,12 @@ class Fp8Backend(Protocol):
         """The installed library's version; ImportError (saying how to install it) when it is missing."""
 
     def check(self, cfg, recipe: Recipe, device: torch.device, world_size: int) -> bool:
-        """Raise ConfigError for what cannot run here; return True when FP8 is emulated."""
+        """Raise ConfigError for what cannot run here; return True when FP8 is emulated. Makes ``check_flags``'s
+        refusals too."""
+
+    def check_flags(self, cfg, recipe: Recipe) -> None:
+        """Raise ConfigError for what this backend refuses in the flags alone, whatever the library version and
+        the GPU (an estimate makes these on a machine without the library)."""
 
     def runtime(self, choice: PrecisionChoice, cfg, run_dir: Path | None = None) -> Fp8Runtime:
         """``run_dir``: where a backend may keep its own logs (TE's debug API, with --fp8_stats)."""
@@ -111,6 +116,16 @@ def resolve(cfg, impl, device: torch.device | None, world_size: int = 1, others:
     return PrecisionChoice(name=f"fp8-{backend.name}-{recipe.name}", backend=backend.name, recipe=recipe.name,
                            emulated=emulated, all_gather=cfg.fp8_all_gather, exclude=exclude.parse(cfg.fp8_exclude),
                            verify=cfg.fp8_verify, stats_every=cfg.fp8_stats)
+
+
+def check_flags(cfg, impl, others: tuple = ()) -> None:
+    """The precision refusals ``resolve`` makes that need neither the FP8 library nor the GPU: the backend and the
+    recipe for ``impl``, and what the backend refuses in the flags alone. For a decision made away from the
+    training node (``llama_fp8 estimate`` on a login node without Transformer Engine)."""
+    if not cfg.fp8:
+        return
+    backend = _backend(cfg, impl, others)
+    backend.check_flags(cfg, choose_recipe(backend.name, cfg.fp8_recipe, cfg.compile))
 
 
 def choose_recipe(backend: str, asked: str, compile: bool) -> Recipe:

@@ -52,6 +52,9 @@ class TorchaoBackend:
     def check(self, cfg, recipe: Recipe, device: torch.device, world_size: int) -> bool:
         return check(cfg, recipe, device, world_size)
 
+    def check_flags(self, cfg, recipe: Recipe) -> None:
+        check_flags(cfg, recipe)
+
     def runtime(self, choice, cfg, run_dir=None) -> TorchaoFp8:  # its statistics go through the writer
         return TorchaoFp8(choice.recipe, choice.emulated, choice.all_gather, choice.exclude, choice.verify,
                           choice.stats_every)
@@ -63,14 +66,7 @@ def check(cfg, recipe: Recipe, device: torch.device, world_size: int) -> bool:
         torchao_import()
     except ImportError as e:
         raise ConfigError(f"--fp8_backend {BACKEND}: {e}") from None
-    if cfg.fp8_all_gather and not recipe.fp8_all_gather_since:
-        able = ", ".join(r.name for r in RECIPES if r.fp8_all_gather_since)
-        raise ConfigError(f"--fp8_all_gather 1 works with the {able} recipe only (one scale per weight can be "
-                          f"computed before the all-gather); got --fp8_recipe {recipe.name}")
-    if cfg.tp_size > 1 and not recipe.tensor_parallel:
-        able = ", ".join(r.name for r in RECIPES if r.tensor_parallel)
-        raise ConfigError(f"--fp8_recipe {recipe.name} with --tp_size {cfg.tp_size}: torchao's FP8 tensor-parallel "
-                          f"layers scale whole tensors; use --fp8_recipe {able}")
+    check_flags(cfg, recipe)
     # On CPU, gloo has no float8 type, but FSDP2 packs a unit's mixed-dtype all-gather inputs (FP8 weights and
     # the block's norm weights) into one uint8 buffer, which gloo carries: emulated FP8 all-gather runs on 2+ ranks.
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -80,6 +76,18 @@ def check(cfg, recipe: Recipe, device: torch.device, world_size: int) -> bool:
         log.warning("FP8 is EMULATED on %s (no FP8 tensor cores): loss is representative, speed numbers are "
                     "meaningless", where)
     return emulated
+
+
+def check_flags(cfg, recipe: Recipe) -> None:
+    """What torchao's FP8 refuses in the flags alone (no library, no GPU needed)."""
+    if cfg.fp8_all_gather and not recipe.fp8_all_gather_since:
+        able = ", ".join(r.name for r in RECIPES if r.fp8_all_gather_since)
+        raise ConfigError(f"--fp8_all_gather 1 works with the {able} recipe only (one scale per weight can be "
+                          f"computed before the all-gather); got --fp8_recipe {recipe.name}")
+    if cfg.tp_size > 1 and not recipe.tensor_parallel:
+        able = ", ".join(r.name for r in RECIPES if r.tensor_parallel)
+        raise ConfigError(f"--fp8_recipe {recipe.name} with --tp_size {cfg.tp_size}: torchao's FP8 tensor-parallel "
+                          f"layers scale whole tensors; use --fp8_recipe {able}")
 
 
 def fp8_linear_filter(module: nn.Module, fqn: str) -> bool:

@@ -47,11 +47,21 @@ class TEBackend:
             te_recipes.check_combination(recipe.name, cfg.compile, cfg.fp8_all_gather, version)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        self.check_flags(cfg, recipe)
+        if cfg.fp8_stats:
+            check_stats_library()
+        return False
+
+    def check_flags(self, cfg, recipe: Recipe) -> None:
+        """TE's refusals of the flags alone: the recipe under --compile, FP8 primary weights, --fp8_stats."""
+        try:  # FP8 parameters' minimum TE version is the library's question (check): here without it
+            te_recipes.check_combination(recipe.name, cfg.compile, False, None)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if cfg.fp8_all_gather:
             check_fp8_parameters(cfg, recipe)
         if cfg.fp8_stats:
-            check_stats(cfg, recipe)
-        return False
+            check_stats_flags(cfg, recipe)
 
     def runtime(self, choice, cfg, run_dir: Path | None = None) -> TEFp8:
         recipe = te_recipes.make_recipe(choice.recipe, cfg.fp8_amax_history_len, cfg.fp8_amax_compute_algo)
@@ -71,6 +81,12 @@ def _both(first, second):
 
 def check_stats(cfg, recipe: Recipe) -> None:
     """What TE's debug API (nvdlfw-inspect) needs for --fp8_stats, refused before anything is built."""
+    check_stats_flags(cfg, recipe)
+    check_stats_library()
+
+
+def check_stats_flags(cfg, recipe: Recipe) -> None:
+    """--fp8_stats' refusals of the flags alone (the recipe, --compile)."""
     if recipe.name not in fp8_stats.HYBRID:
         raise ConfigError(f"--fp8_stats with --fp8_recipe {recipe.name}: Transformer Engine's debug API has FP8 "
                           f"statistics for --fp8_recipe {', '.join(fp8_stats.HYBRID)}; use one of them or --fp8_stats 0")
@@ -79,6 +95,10 @@ def check_stats(cfg, recipe: Recipe) -> None:
         # interacts with our compiled blocks is not verified, so it is not offered.
         raise ConfigError("--fp8_stats with --fp8_backend te and --compile 1: TE's per-layer statistics run its "
                           "layers eagerly on logged steps; use --compile 0 for a run with statistics")
+
+
+def check_stats_library() -> None:
+    """--fp8_stats' needs in the installed libraries: nvdlfw-inspect and the debug features of this TE."""
     try:
         import nvdlfw_inspect.api  # noqa: F401 - a dependency of transformer-engine[pytorch]
     except ImportError as e:
