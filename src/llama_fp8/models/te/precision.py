@@ -43,11 +43,11 @@ class TEBackend:
             te_recipes.check_recipe_supported(recipe.name, capability, torch.version.cuda, version)
         except ValueError as e:
             raise ConfigError(f"--fp8_recipe {recipe.name} on {torch.cuda.get_device_name(device)}: {e}") from None
+        self.check_flags(cfg, recipe)  # the flags' own refusals first: theirs say why (block's all-gather: TE's tests fail it)
         try:
             te_recipes.check_combination(recipe.name, cfg.compile, cfg.fp8_all_gather, version)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        self.check_flags(cfg, recipe)
         if cfg.fp8_stats:
             check_stats_library()
         return False
