@@ -31,7 +31,9 @@ def test_every_test_the_tier_names_exists():
 def test_the_tier_covers_fsdp_dcp_tensor_parallel_torchao_and_compile():
     tests = " ".join(tier_tests())
     for needed in ("fsdp", "test_resume_reshards_between_layouts", "tensor_parallel", "test_precision.py",
-                   "compile", "test_damaged_checkpoints.py", "test_hostile_files.py"):
+                   "compile", "test_damaged_checkpoints.py", "test_hostile_files.py",
+                   # the FP8 all-gather check wraps FSDP2's private foreach_all_gather: a torch upgrade may move it
+                   "test_fp8_check.py::test_a_silent_bf16_all_gather"):
         assert needed in tests, needed
 
 
