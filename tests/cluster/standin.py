@@ -26,6 +26,7 @@ from helpers import REPO, cli_env
 #   on_usr1   the exit code on SIGUSR1 (a worker that saves and exits)
 #   wait_for  a file name (in the test folder) to wait for before acting
 #   peer_gone a rank whose process must have died before acting (its pid from started.<attempt>.<rank>)
+#   mark      leave exited.<attempt>.<rank> just before exiting as told (a worker that got to its end)
 WORKER = textwrap.dedent("""
     import json, os, signal, sys, time
     from pathlib import Path
@@ -69,6 +70,8 @@ WORKER = textwrap.dedent("""
         deadline = time.time() + 120
         while time.time() < deadline:
             time.sleep(0.1)
+    if todo.get("mark"):
+        (here / f"exited.{attempt}.{rank}").touch()
     sys.exit(action)
 """)
 

@@ -268,6 +268,19 @@ def test_a_crash_before_the_first_checkpoint_starts_the_job_over(tmp_path):
     assert [r["step"] for r in train_records(tmp_path / "run")] == [1, 1, 2, 3]  # step 1 trained twice
 
 
+def test_a_peer_dying_after_training_finished_lets_the_others_write_their_last_records(tmp_path):
+    """Both ranks report `finished`; rank 1 is SIGKILLed at once while rank 0 still closes its records (2 s).
+    Before: the crash killed rank 0 too (a finished run's last goodput and metrics records lost, the job "done").
+    Now rank 0 gets to its end, and the job is done in one attempt."""
+    plan = {"0": {"0": {"phase": "finished", "exit": 0, "after": 2, "mark": True},
+                  "1": {"phase": "finished", "exit": "kill"}}}
+    rc, err = launch(tmp_path, plan)
+    assert rc == 0 and attempts(tmp_path) == 1, err[-2000:]
+    assert (tmp_path / "exited.0.0").exists(), err[-2000:]
+    assert "rank 1 (killed by SIGKILL) after training finished" in err, err[-2000:]
+    assert outcome(tmp_path)[:2] == (0, "done")
+
+
 def test_a_rank_killed_after_training_finished_is_not_restarted(tmp_path):
     """Real training under the launcher, rank 1 SIGKILLed once it reported `finished` (the final checkpoint
     complete, as in a crash in teardown): the job ends done, no second attempt, the checkpoint of the last step

@@ -66,6 +66,8 @@ another rank fails, is named as the one that stopped moving (a rank that is mere
 within a second on gloo; a hung one never moves again). In evaluation, a save or start-up, where no duration is
 known, only its process state (stopped, uninterruptible) names it."""
 KILL_WAIT_S = 5.0
+FINISH_WAIT_S = 60.0
+"""How long the other local ranks may take to close their records after a rank that had finished training died."""
 """How long a SIGKILLed worker is waited for (it exits in milliseconds unless stuck in uninterruptible sleep)."""
 STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "D": "in uninterruptible sleep"}
 PLACES = {"step": "in step {}", "eval": "evaluating step {}", "save": "saving step {}",
@@ -254,6 +256,20 @@ class JobAgent(LocalElasticAgent):
             self._kill_running()
         super()._shutdown(death_sig, timeout)
 
+    def _finished(self, local_ranks: list[int]) -> bool:
+        """Whether these local ranks had reported the `finished` phase (the run's last checkpoint complete)."""
+        progress = self._progress()
+        workers = self._worker_group.workers
+        return all(progress.get(workers[lr].global_rank, {}).get("phase") == "finished" for lr in local_ranks)
+
+    def _wait_running(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        for proc in self._procs().values():
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                pass
+
     def _kill_running(self) -> None:
         running = [p for p in self._procs().values() if p.poll() is None]
         for proc in running:
@@ -293,13 +309,18 @@ class JobAgent(LocalElasticAgent):
         for proc in self._procs().values():
             if proc.pid not in self.seen_exit and proc.poll() is not None:
                 self.seen_exit[proc.pid] = now
-        crashed = [p for p in self._procs().values() if p.poll() not in (None, 0, *NOT_RESTARTED)]
+        crashed = [lr for lr, p in self._procs().items() if p.poll() not in (None, 0, *NOT_RESTARTED)]
         stuck: list[str] = []
         if crashed and JobAgent.signalled is None:
-            # A crash: the others' work since the last checkpoint is lost either way; don't give them torch's
-            # SIGTERM (our workers would try to save) and 30 s, and see first which of them stopped moving.
-            stuck = self._describe_stuck()
-            self._kill_running()
+            if self._finished(crashed):
+                # Training is over (the final checkpoint is complete): the others are closing their metrics and
+                # goodput records, nothing is lost by letting them end by themselves (bounded).
+                self._wait_running(FINISH_WAIT_S)
+            else:
+                # A crash: the others' work since the last checkpoint is lost either way; don't give them torch's
+                # SIGTERM (our workers would try to save) and 30 s, and see first which of them stopped moving.
+                stuck = self._describe_stuck()
+                self._kill_running()
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             return self._decide(worker_group, result, stuck)
