@@ -116,7 +116,9 @@ srun() {{ printf '%s\\x1f' "$@" >>{tmp_path}/srun.calls; printf '\\x1e' >>{tmp_p
 
 
 def test_restart_and_requeue_knobs_must_be_counts(tmp_path):
-    for name, value in (("MAX_REQUEUES", "three"), ("MAX_RESTARTS", "-1"), ("MAX_REQUEUES", "")):
+    # "08" would read as a bad octal number in bash arithmetic: the requeue cap silently off
+    for name, value in (("MAX_REQUEUES", "three"), ("MAX_RESTARTS", "-1"), ("MAX_REQUEUES", ""),
+                        ("MAX_REQUEUES", "08"), ("MAX_RESTARTS", "010")):
         proc = run_lib("lf_check_knobs; echo checked", tmp_path, **{name: value})
         assert proc.returncode == 1 and "checked" not in proc.stdout, (name, value, proc.stdout)
         assert f"{name}={value}" in proc.stderr and "a whole number" in proc.stderr, proc.stderr

@@ -46,7 +46,7 @@ lf_setup_devices() {
         # communicators (ncclCommAbort can itself hang: ProcessGroupNCCL.hpp); the launcher then restarts every rank.
         export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}
         export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-        # NCCL's flight recorder: the last collectives of every rank, dumped on a timeout into the run folder's
+        # NCCL's flight recorder: the last collectives of the ranks that time out, dumped into the run folder's
         # comm_traces/ (training sets TORCH_FR_DUMP_TEMP_FILE there); `torch.distributed.flight_recorder` reads them.
         export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-20000}
         export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
@@ -241,7 +241,8 @@ lf_check_knobs() {  # MAX_RESTARTS and MAX_REQUEUES are counts: checked before a
     local name value
     for name in MAX_RESTARTS MAX_REQUEUES; do
         value=${!name-3}
-        [[ "$value" =~ ^[0-9]+$ ]] || lf_die "$name=$value: must be a whole number >= 0 (default 3; 0 turns it off)"
+        [[ "$value" =~ ^(0|[1-9][0-9]*)$ ]] ||
+            lf_die "$name=$value: must be a whole number >= 0 without leading zeros (default 3; 0 turns it off)"
     done
 }
 
@@ -339,7 +340,7 @@ lf_count_requeue() {  # lf_count_requeue SRUN_RC CHECKPOINT|- WHY -> return 85, 
     local rc=$1 latest=$2 line=$3 cap=${MAX_REQUEUES:-3} counter="$PWD/logs/llama-fp8-requeues_$SLURM_JOB_ID"
     local count=0 best=-1 c _ no=$(($1 == 0 || $1 == EXIT_REQUEUE ? 1 : $1))
     line=${line:-"the training step ended with code $rc, a launcher killed before it decided (the first node's launcher or a node lost)"}
-    [[ "$cap" =~ ^[0-9]+$ ]] || lf_die "MAX_REQUEUES=$cap: must be a whole number >= 0"
+    [[ "$cap" =~ ^(0|[1-9][0-9]*)$ ]] || lf_die "MAX_REQUEUES=$cap: must be a whole number >= 0 without leading zeros"
     if ((${SLURM_RESTART_COUNT:-0} == 0)); then rm -f "$counter" 2>/dev/null; fi
     if [[ -f "$counter" ]]; then
         while read -r c _; do
