@@ -13,6 +13,9 @@ Exit code: 0, the workers' code (2 bad config, 3 non-finite loss, 85 checkpoint 
 crash once restarts are used up or the same step failed twice), 128 + N for a signal N to the launcher
 (SIGINT, SIGHUP, SIGQUIT), 2 when this torch lacks what the launcher relies on, or ``EXIT_HOST_LOST`` when the
 rendezvous could not go on (its host gone or unreachable, a node missing, its port taken on the first node).
+Exit 1 is also what the requeued cases end with: a start-up that failed twice in a row (its crash's code), a
+worker stuck in uninterruptible sleep, another node's launcher having closed the rendezvous; the outcome file
+(``retry``/``closed``), not the code, tells the batch script to requeue.
 """
 
 from __future__ import annotations
