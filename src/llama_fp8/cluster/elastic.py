@@ -262,9 +262,10 @@ class JobAgent(LocalElasticAgent):
         workers = self._worker_group.workers
         return all(progress.get(workers[lr].global_rank, {}).get("phase") == "finished" for lr in local_ranks)
 
-    def _wait_running(self, seconds: float) -> None:
+    def _wait_running(self, seconds: float, procs: list | None = None) -> None:
+        """Reap the workers that end within ``seconds`` (all of them together)."""
         deadline = time.monotonic() + seconds
-        for proc in self._procs().values():
+        for proc in self._procs().values() if procs is None else procs:
             try:
                 proc.wait(max(deadline - time.monotonic(), 0.01))
             except subprocess.TimeoutExpired:
@@ -280,12 +281,7 @@ class JobAgent(LocalElasticAgent):
                 pass
         # Reap them (milliseconds) before torch looks: one it finds alive gets its SIGTERM and a wait. A process in
         # uninterruptible sleep does not die of SIGKILL: after KILL_WAIT_S it is left to torch's own close.
-        deadline = time.monotonic() + KILL_WAIT_S
-        for proc in running:
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:
-                pass
+        self._wait_running(KILL_WAIT_S, running)
 
     def forward(self, sig: signal.Signals) -> None:
         """Pass a stop signal on to the running workers, once each."""
