@@ -281,6 +281,26 @@ def node_in_service(env: dict[str, str], name: str, timeout: float = 120) -> Non
     pytest.fail(f"node {name} not back in service after {timeout:.0f} s: State={state}")
 
 
+def steps_gone(job_id: str, timeout: float = 90) -> None:
+    """Wait until no slurmstepd of job ``job_id`` is left on this host. A node set DOWN here is alive: its step of
+    the first run ends only when its paused rank is released, and a requeued run started before that gets the same
+    step id on that node, whose cleanup then kills the new run's task there ("n2: task 1: Killed", a second
+    requeue; seen in CI). On a node that really failed nothing is left; Slurm's own 120 s hold covers the rest."""
+    mark, deadline, left = f"slurmstepd: [{job_id}.".encode(), time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        left = []
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(mark):
+                    left.append(proc.name)
+            except OSError:
+                continue
+        if not left:
+            return
+        time.sleep(0.5)
+    pytest.fail(f"job {job_id}: slurmstepd processes {left} still running after {timeout:.0f} s")
+
+
 def test_node_marked_down_is_requeued_by_slurm_and_resumes(cluster, reference, tmp_path):
     """(e) the second node set DOWN in step 4 (as an admin or a health check does): Slurm kills the job and
     requeues it (NODE_FAIL, --requeue); once the node is back the job resumes from its latest checkpoint."""
@@ -294,6 +314,7 @@ def test_node_marked_down_is_requeued_by_slurm_and_resumes(cluster, reference, t
         subprocess.run([*scontrol, "State=RESUME"], env=job.env, check=False, capture_output=True)
     node_in_service(job.env, "n2")  # the requeued job must not start on it before it is (a second NODE_FAIL)
     (job.faults / "release").touch()
+    steps_gone(job.id)  # the first run's step on n2 (alive here, unlike a failed node) must end before the next
     release_requeued(job.id, job.env)
     info = job.wait()
     assert_completed(info, job.log)
