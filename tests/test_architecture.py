@@ -1,5 +1,6 @@
-"""The package's boundaries (docs/architecture.md), checked on its source: no import cycles of any kind, and
-nothing outside ``models/`` names a model implementation."""
+"""The package's boundaries (docs/architecture.md), checked on its source: no import cycles of any kind, every
+import between the package's folders runs down the layer order, and nothing outside ``models/`` names a model
+implementation."""
 
 from __future__ import annotations
 
@@ -74,6 +75,63 @@ def test_no_import_cycles():
     cycles = import_cycles(SRC)
     assert not cycles, "import cycles (module-level, function-level or TYPE_CHECKING):\n" + "\n".join(
         " -> ".join(c) for c in cycles)
+
+
+# The layer order of docs/architecture.md, lowest first. A top-level module or folder imports only from layers
+# strictly below its own; inside one folder its modules may import each other (the cycle check covers them).
+LAYERS = (
+    ("errors", "faults"),
+    ("data", "parallel", "precision"),
+    ("models", "checkpoint", "telemetry"),
+    ("config",),
+    ("plan",),
+    ("train",),
+    ("estimate", "convert", "fp8_bisect"),
+    ("report",),
+    ("cluster", "reference"),
+    ("__main__",),
+)
+
+
+def _room(module: str) -> str:
+    """``llama_fp8.cluster.launch.elastic`` -> ``cluster``: the top-level folder or module it belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def imports_up(src: Path, layers=LAYERS) -> list[str]:
+    """``a.py -> b`` for every import (module level, in a function or under TYPE_CHECKING) from a layer into its
+    own layer's other rooms or a higher one; a room that no layer names is reported too."""
+    rank = {room: i for i, layer in enumerate(layers) for room in layer}
+    files = list(src.rglob("*.py"))
+    known = {module_name(p, src) for p in files}
+    bad = []
+    for path in sorted(files):
+        here = _room(module_name(path, src))
+        if here == "__init__" or not here:
+            continue
+        if here not in rank:
+            bad.append(f"{path.relative_to(src.parent)}: {here!r} is in no layer of LAYERS")
+            continue
+        for mod in sorted(imports(path, known, src)):
+            there = _room(mod)
+            if there and there != here and rank.get(there, len(layers)) >= rank[here]:
+                bad.append(f"{path.relative_to(src.parent)} -> {mod}")
+    return bad
+
+
+def test_imports_run_down_the_layers():
+    bad = imports_up(SRC)
+    assert not bad, "imports that run up (or across) the layer order of docs/architecture.md:\n" + "\n".join(bad)
+
+
+def test_the_layer_check_finds_an_import_running_up(tmp_path):
+    """Inside a function too: a postponed import is still an arrow up."""
+    pkg = _package(tmp_path, {"low/__init__.py": "", "low/a.py": "def f():\n    from pkg.high import b\n",
+                              "high/__init__.py": "", "high/b.py": "from pkg.low import a\n"})
+    assert imports_up(pkg, layers=(("low",), ("high",))) == ["pkg/low/a.py -> pkg.high", "pkg/low/a.py -> pkg.high.b"]
+    assert imports_up(pkg, layers=(("low", "high"),)) != []  # one layer's rooms do not import each other
+    assert "pkg/low/a.py: 'low' is in no layer of LAYERS" in imports_up(pkg, layers=(("high",),))
 
 
 def _package(tmp_path: Path, files: dict[str, str]) -> Path:

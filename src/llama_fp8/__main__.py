@@ -17,7 +17,7 @@ COMMANDS = {
 }
 MODULES = {"train": "llama_fp8.train", "estimate": "llama_fp8.estimate.cli", "compare": "llama_fp8.report.compare",
            "launch": "llama_fp8.cluster.launch", "submit": "llama_fp8.cluster.submit", "convert": "llama_fp8.convert",
-           "preflight": "llama_fp8.cluster.preflight", "fp8-bisect": "llama_fp8.precision.bisect"}
+           "preflight": "llama_fp8.cluster.preflight", "fp8-bisect": "llama_fp8.fp8_bisect"}
 
 
 def _usage() -> str:

@@ -65,7 +65,7 @@ def gpu_run(args: list[str]) -> dict:
                          ids=["bf16", "fp8", "ac-full"])
 def test_estimate_against_max_memory_allocated_and_reserved(variant):
     from llama_fp8 import config
-    from llama_fp8.config.estimate_flags import EstimateOptions
+    from llama_fp8.estimate.flags import EstimateOptions
     from llama_fp8.estimate import assess, terms
 
     args = SHAPE + variant

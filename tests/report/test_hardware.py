@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_compare import make_run, run_compare
 
-from llama_fp8.cluster import environment
+from llama_fp8.telemetry import environment
 from llama_fp8.report import hardware
 
 H100 = {"nodes": "p5-[1-2]", "num_nodes": 2, "host": "p5-1", "cpu": "AMD EPYC 7R13", "gpu": "NVIDIA H100 80GB HBM3",
@@ -83,7 +83,7 @@ def test_runs_without_an_environment_say_not_recorded(tmp_path, capsys):
     assert "hardware: not recorded" in capsys.readouterr().out
 
 
-# ---- the description itself (cluster/environment.py) ---------------------------------------------------
+# ---- the description itself (telemetry/environment.py) ---------------------------------------------------
 
 def test_describe_on_this_host(tmp_path):
     import torch

@@ -4,7 +4,7 @@ The training program's own build path and step run in one process as rank 0 of t
 process group and fake CPU tensors, under PyTorch's FSDPMemTracker; what the tracker cannot see on a GPU is
 added as named terms with their sources; the verdict compares the sum with the GPU's memory.
 
-    config/estimate_flags.py  the train flags + nodes, GPUs per node, GPU, --json, --suggest
+    flags.py      the train flags + nodes, GPUs per node, GPU, --json, --suggest
     build.py      what is built (the plan's decisions; a stand-in where the implementation cannot run on CPU)
     fake.py       the fake process group and the fake tensor mode
     corrections.py  where fake tensors make a library take another path than real ones, the real path

@@ -59,7 +59,7 @@ def versions() -> str:
 def search(preset: str, progress: Callable[[str], None] = lambda _: None) -> dict:
     """The smallest layout of ``preset`` that fits, as a table row (every estimate it took is counted)."""
     from llama_fp8 import config
-    from llama_fp8.config.estimate_flags import EstimateOptions
+    from llama_fp8.estimate.flags import EstimateOptions
     from llama_fp8.estimate import assess
 
     runs = 0

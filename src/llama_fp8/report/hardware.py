@@ -1,7 +1,7 @@
 """The A/B report's hardware and software block: where each run ran and with what, side by side.
 
 A speed ratio only means "FP8 vs BF16" when everything else is equal. Each run's metrics.jsonl ``meta``
-record carries an ``environment`` (cluster/environment.py: node list, GPU model and driver, image, library
+record carries an ``environment`` (telemetry/environment.py: node list, GPU model and driver, image, library
 versions, the NCCL network preflight saw); this module compares the two and says "not the same hardware"
 when the nodes, GPUs or driver differ, and "not the same software" when the image or a version differs.
 A requeued run has one meta record per attempt: all of its attempts' node lists are shown.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llama_fp8.cluster.environment import HARDWARE_KEYS, SOFTWARE_KEYS, differences
+from llama_fp8.telemetry.environment import HARDWARE_KEYS, SOFTWARE_KEYS, differences
 
 NOT_RECORDED = "not recorded"
 

@@ -10,7 +10,7 @@ import torch
 
 from llama_fp8 import config as C
 from llama_fp8 import train as T
-from llama_fp8.precision import bisect as B
+from llama_fp8 import fp8_bisect
 from llama_fp8.precision import torchao as AO
 
 
@@ -22,7 +22,7 @@ def test_search_finds_exactly_the_faulty_layers(faults, layers):
         calls.append(excluded)
         return faults <= set(excluded)
 
-    assert sorted(B.smallest_exclusion(list(range(layers)), good)) == sorted(faults)
+    assert sorted(fp8_bisect.smallest_exclusion(list(range(layers)), good)) == sorted(faults)
     if len(faults) == 1:
         assert len(calls) <= 2 * math.ceil(math.log2(layers))
 
@@ -50,7 +50,7 @@ def test_planted_fault_is_found_in_log_runs(tmp_path, monkeypatch, capsys):
                     "max_context_width: 32\ntrain_batch_size: 2\n")
     plant_fault(monkeypatch, 5)
     out = tmp_path / "bisect"
-    assert B.main(["--config", str(base), "--steps", "3", "--tolerance_pct", "2", "--out", str(out)]) == 0
+    assert fp8_bisect.main(["--config", str(base), "--steps", "3", "--tolerance_pct", "2", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "--fp8_exclude model.layers.5.*" in printed
     result = json.loads((out / "bisect.json").read_text())
@@ -63,12 +63,12 @@ def test_planted_fault_is_found_in_log_runs(tmp_path, monkeypatch, capsys):
     cfg = C.parse_args(["--config", str(base), "--max_steps", "3", "--fp8", "1", "--fp8_exclude", result["fp8_exclude"],
                         "--run_dir", str(tmp_path / "check")])
     assert T.run(cfg) == 0
-    gap = abs(B.final_loss(tmp_path / "check") - result["bf16_loss"]) / result["bf16_loss"] * 100
+    gap = abs(fp8_bisect.final_loss(tmp_path / "check") - result["bf16_loss"]) / result["bf16_loss"] * 100
     assert gap <= 2.0
 
 
 def test_bad_config_is_a_one_line_error(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: tiny\nno_such_key: 1\n")
-    assert B.main(["--config", str(bad), "--steps", "1", "--out", str(tmp_path / "o")]) == 2
+    assert fp8_bisect.main(["--config", str(bad), "--steps", "1", "--out", str(tmp_path / "o")]) == 2
     assert "no_such_key" in capsys.readouterr().out

@@ -67,14 +67,13 @@ class Prober:
         self.bf16 = self.train("bf16", ["--fp8", "0"])
 
     def train(self, name: str, flags: list[str]) -> float:
-        from llama_fp8 import config as C
-        from llama_fp8 import train as T
+        from llama_fp8 import config, train
 
         run_dir = self.out / name
-        cfg = C.parse_args(["--config", self.config, *self.extra, "--max_steps", str(self.steps), "--run_dir",
+        cfg = config.parse_args(["--config", self.config, *self.extra, "--max_steps", str(self.steps), "--run_dir",
                             str(run_dir), "--resume_from_checkpoint", "none", "--checkpoint_freq", "0",
                             "--logging_freq", "1", *flags])
-        rc = T.run(cfg)
+        rc = train.run(cfg)
         if rc == EXIT_NONFINITE and name != "bf16":  # FP8 diverged (a non-finite loss): as far off as can be
             return math.inf
         if rc != 0:
@@ -102,9 +101,9 @@ class Prober:
 
 def bisect(config: str, steps: int, out: Path, tolerance_pct: float, extra: list[str] | None = None) -> dict:
     """The result: excluded layers, the --fp8_exclude value, every run made."""
-    from llama_fp8 import config as C
+    from llama_fp8 import config as train_config
 
-    num_layers = C.parse_args(["--config", config, *(extra or [])]).num_layers
+    num_layers = train_config.parse_args(["--config", config, *(extra or [])]).num_layers
     p = Prober(config, steps, out, tolerance_pct, list(extra or []))
     everything = list(range(num_layers))
     if p.good([]):
