@@ -99,7 +99,7 @@ def build_backends(args: argparse.Namespace) -> dict[str, Callable[[int, int], t
         )
     }
     try:
-        from llama_fp8.models.te import recipes as te_recipes
+        from llama_fp8.models.te.fp8 import recipes as te_recipes
 
         te = te_recipes.te_import()
         recipe = te_recipes.make_recipe(args.te_recipe)

@@ -44,7 +44,7 @@ fi
 # The run order (alternating per pair) and seeds come from the same schedule as the Slurm A/B job.
 # torch.distributed.run through this venv's python (what `torchrun` is), never a script whose #! may name
 # another interpreter (a copied venv keeps its old path there).
-schedule=$("$PY" -m llama_fp8.report.schedule --repeats "$REPEATS" -- "${common[@]}")
+schedule=$("$PY" -m llama_fp8.cluster.launch.schedule --repeats "$REPEATS" -- "${common[@]}")
 while read -r subdir fp8 seed <&3; do  # fd 3: the launcher cannot take the schedule from stdin
   echo "== training tiny on CPU with $NPROC ranks, --fp8=$fp8 --seed $seed -> $OUT/$subdir"
   mkdir -p "$OUT/$subdir"
@@ -59,6 +59,6 @@ while read -r subdir _ _; do
   echo "$subdir: $(grep -E '^Batch' "$OUT/$subdir.log" | tail -n 1)"
   echo "      metrics: $OUT/$subdir/metrics.jsonl  config: $OUT/$subdir/config.yaml"
 done <<<"$schedule"
-read -r -a runs <<<"$("$PY" -m llama_fp8.report.schedule --repeats "$REPEATS" --compare)"
+read -r -a runs <<<"$("$PY" -m llama_fp8.cluster.launch.schedule --repeats "$REPEATS" --compare)"
 echo
 "$PY" -m llama_fp8 compare ${runs[@]+"${runs[@]/#/$OUT/}"} --out "$OUT/report"

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from llama_fp8 import config as C
-from llama_fp8 import train as T
 from llama_fp8 import fp8_bisect
+from llama_fp8 import train as T
 from llama_fp8.precision import torchao as AO
 
 

@@ -1,1 +1,1 @@
-../../src/llama_fp8/cluster/job_lib.sh
+../../src/llama_fp8/cluster/launch/job_lib.sh

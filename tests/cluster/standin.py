@@ -1,4 +1,4 @@
-"""Stand-in workers for `llama-fp8 launch` (cluster/elastic.py): a few lines of Python that report a step in
+"""Stand-in workers for `llama-fp8 launch` (cluster/launch/elastic.py): a few lines of Python that report a step in
 their progress file and exit as told, so that each restart decision is tested in seconds with real torchrun
 agents, one launcher (``--standalone``) or two on localhost (``launch_nodes``: a c10d rendezvous hosted by the
 first, as on two Slurm nodes)."""

@@ -1,4 +1,4 @@
-"""`llama-fp8 launch`'s restart decisions (cluster/elastic.py), with a real torchrun agent and stand-in workers
+"""`llama-fp8 launch`'s restart decisions (cluster/launch/elastic.py), with a real torchrun agent and stand-in workers
 (standin.py: a few lines of Python that report a step and exit as told, so each case takes seconds). Two
 launchers on localhost: test_elastic_nodes.py; the batch script's reading of the decisions: test_job_outcome.py."""
 
@@ -195,7 +195,7 @@ def test_the_agent_checks_the_rendezvous_round_and_its_workers():
 
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
-    from llama_fp8.cluster import elastic
+    from llama_fp8.cluster.launch import elastic
 
     agent = object.__new__(elastic.JobAgent)
     agent._remaining_restarts = 2

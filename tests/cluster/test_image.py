@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from slurm_helpers import REPO
 
-from llama_fp8.cluster import nccl, ngc
+from llama_fp8.cluster import ngc
+from llama_fp8.cluster.nodes import nccl
 
 FINDER = REPO / "scripts" / "image" / "nccl_net_plugin.sh"
 SETUP = REPO / "scripts" / "image" / "setup_nccl_plugin.sh"

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from llama_fp8.cluster import launch, node_checks, preflight, submit
+from llama_fp8.cluster.launch import submit
+from llama_fp8.cluster.launch import torchrun as launch
+from llama_fp8.cluster.nodes import node_checks, preflight
 
 
 def run_preflight(args: list[str], capsys) -> tuple[int, str]:
@@ -274,7 +276,7 @@ def settings_for(*train_flags: str) -> preflight.Settings:
 
 def test_fp8_features_name_the_library_version_they_need(monkeypatch):
     """The recipe table's minimum versions, against the installed (here: pretended) library versions."""
-    from llama_fp8.models.te.precision import TE
+    from llama_fp8.models.te.fp8.precision import TE
     from llama_fp8.precision.torchao import TORCHAO
 
     assert preflight.check_fp8_features(settings_for()).status == "OK"  # no FP8 asked

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 from slurm_helpers import REPO
 
-from llama_fp8.cluster import mounts, preflight
-from llama_fp8.cluster.mounts import Mount, RunPath
+from llama_fp8.cluster.launch import mounts
+from llama_fp8.cluster.launch.mounts import Mount, RunPath
+from llama_fp8.cluster.nodes import preflight
 
-MOUNTS_PY = REPO / "src/llama_fp8/cluster/mounts.py"
+MOUNTS_PY = REPO / "src/llama_fp8/cluster/launch/mounts.py"
 
 
 def test_parse_pyxis_mount_syntax():
@@ -75,8 +76,8 @@ def test_auto_mounts(tmp_path):
 
 
 def cli(args: list[str], env: dict[str, str] | None = None, python: str = sys.executable):
-    """The module as 1.train_llama.sbatch runs it on the host: `python3 -m llama_fp8.cluster.mounts`."""
-    return subprocess.run([python, "-m", "llama_fp8.cluster.mounts", *args], capture_output=True, text=True,
+    """The module as 1.train_llama.sbatch runs it on the host: `python3 -m llama_fp8.cluster.launch.mounts`."""
+    return subprocess.run([python, "-m", "llama_fp8.cluster.launch.mounts", *args], capture_output=True, text=True,
                           check=False, env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin", **(env or {})})
 
 
@@ -138,7 +139,7 @@ def test_preflight_checks_the_resolved_config_inside_the_container(tmp_path, mon
 
 
 def test_image_path_is_absolute_for_submit(tmp_path, monkeypatch):
-    from llama_fp8.cluster import submit
+    from llama_fp8.cluster.launch import submit
 
     (tmp_path / "img.sqsh").write_text("")
     monkeypatch.chdir(tmp_path)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from llama_fp8.cluster import nccl, netcheck, preflight
+from llama_fp8.cluster.nodes import nccl, netcheck, preflight
 
 LOGS = Path(__file__).parent / "nccl_logs"
 

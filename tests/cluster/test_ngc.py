@@ -217,7 +217,7 @@ def test_every_fp8_all_gather_the_table_offers_is_one_training_accepts(tag):
     """The table's "TE FP8 all-gather" column is what `--fp8_all_gather 1` with the TE model accepts: it showed
     `block` while training refuses block + FP8 all-gather on every TE version."""
     from llama_fp8 import config
-    from llama_fp8.models.te.precision import check_fp8_parameters
+    from llama_fp8.models.te.fp8.precision import check_fp8_parameters
 
     row = ngc.release(tag)
     by_name = {r.name: r for r in te_rows()}

@@ -100,7 +100,7 @@ def test_sbatch_requeues_on_exit_85(job_env, tmp_path):
 
 def test_submitit_two_nodes(job_env, tmp_path, monkeypatch, capsys):
     """`python -m llama_fp8 submit --wait` through submitit's executor (sacct answered by the stand-in)."""
-    from llama_fp8.cluster import submit
+    from llama_fp8.cluster.launch import submit
 
     for key, value in job_env.items():
         monkeypatch.setenv(key, value)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from llama_fp8 import config
-from llama_fp8.estimate.flags import EstimateOptions, parse_estimate_args
 from llama_fp8.estimate import assess, cli, gpus, suggest
+from llama_fp8.estimate.flags import EstimateOptions, parse_estimate_args
 
 TINY = ["--model", "tiny", "--num_layers", "2", "--max_context_width", "128", "--train_batch_size", "2", "--model_impl",
         "hf"]

@@ -65,8 +65,8 @@ def gpu_run(args: list[str]) -> dict:
                          ids=["bf16", "fp8", "ac-full"])
 def test_estimate_against_max_memory_allocated_and_reserved(variant):
     from llama_fp8 import config
-    from llama_fp8.estimate.flags import EstimateOptions
     from llama_fp8.estimate import assess, terms
+    from llama_fp8.estimate.flags import EstimateOptions
 
     args = SHAPE + variant
     est = assess.estimate(config.parse_args(args), EstimateOptions(nodes=1, gpus_per_node=1))

@@ -1,4 +1,4 @@
-"""Before a job starts: the batch script's ``lf_estimate`` (cluster/job_lib.sh) and ``submit``'s estimate stop a run
+"""Before a job starts: the batch script's ``lf_estimate`` (cluster/launch/job_lib.sh) and ``submit``'s estimate stop a run
 that does not fit, let everything else go on, and can be switched off. Shell-level: job_lib.sh sourced under
 ``set -euo pipefail`` with srun and nvidia-smi replaced (recorders, or srun running its command here: the real
 estimate on this machine). The real-cluster run of 1.train_llama.sbatch is tests/cluster/test_real_cluster.py
@@ -14,7 +14,7 @@ import pytest
 
 from helpers import REPO, cli_env
 from llama_fp8 import errors
-from llama_fp8.cluster import submit
+from llama_fp8.cluster.launch import submit
 
 TINY = "--model tiny --num_layers 2 --max_context_width 128 --train_batch_size 2"
 
@@ -57,7 +57,7 @@ def test_without_nvidia_smis_memory_the_estimate_says_which_gpu_it_checks_agains
 
 
 def test_the_shell_and_python_agree_on_the_estimates_exit_codes():
-    lib = (REPO / "src/llama_fp8/cluster/job_lib.sh").read_text()
+    lib = (REPO / "src/llama_fp8/cluster/launch/job_lib.sh").read_text()
     assert re.search(r"local does_not_fit=(\d+) stand_in=(\d+)", lib).groups() == (
         str(errors.EXIT_DOES_NOT_FIT), str(errors.EXIT_STAND_IN_DOES_NOT_FIT))
 
@@ -98,7 +98,7 @@ def test_the_batch_script_estimates_after_preflight_and_before_training():
     order = [next(i for i, ln in enumerate(lines) if ln.startswith(step)) for step in
              ('lf_preflight "$@"', 'lf_estimate "$@"', 'lf_train "$@"')]
     assert order == sorted(order)
-    lib = (REPO / "src/llama_fp8/cluster/job_lib.sh").read_text()
+    lib = (REPO / "src/llama_fp8/cluster/launch/job_lib.sh").read_text()
     assert re.search(r"^lf_preflight\(\) \{.*?^\}\n\n# ---- estimate.*?^lf_estimate\(\) \{", lib, re.S | re.M)
 
 

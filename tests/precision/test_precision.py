@@ -92,7 +92,7 @@ def test_emulated_forward_backward_close_to_bf16():
 def test_te_backend_plumbs_recipe_flags_and_checks_before_building(monkeypatch):
     """On a (pretended) Hopper with TE, --fp8_recipe/--fp8_amax_* reach TE's recipe; the capability and
     combination checks run first. TE's own classes are replaced by a recorder: no CUDA here."""
-    from llama_fp8.models.te import recipes as te_recipes
+    from llama_fp8.models.te.fp8 import recipes as te_recipes
 
     calls = {}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -120,7 +120,7 @@ def test_te_backend_plumbs_recipe_flags_and_checks_before_building(monkeypatch):
 
 def test_te_fp8_parameters_refuse_what_te_cannot_do_before_building(monkeypatch):
     """--fp8_all_gather 1 with the TE model (FP8 primary weights), on a pretended Hopper with TE 2.20."""
-    from llama_fp8.models.te import recipes as te_recipes
+    from llama_fp8.models.te.fp8 import recipes as te_recipes
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.version, "cuda", "12.9")
@@ -150,7 +150,7 @@ def test_te_fp8_parameters_with_activation_checkpointing_are_refused_naming_both
     fsdp_pre_all_gather/fsdp_post_all_gather, update_usage on SM < 10); TE's checkpoint then recomputes the
     forward inside backward, which needs the row-wise data: "Cannot generate FP8 data, even from FP8 data
     transpose". Refused when the plan is made, before anything is built; either flag alone is fine."""
-    from llama_fp8.models.te import recipes as te_recipes
+    from llama_fp8.models.te.fp8 import recipes as te_recipes
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.version, "cuda", "12.9")
@@ -189,7 +189,7 @@ def test_the_recipe_table_is_static_data():
 def test_auto_recipe_is_decided_by_the_table_for_every_caller(monkeypatch):
     """`--fp8_recipe auto` means the table's default (recipes.default_for), and under --compile 1 a recipe
     that compiles; precision.resolve (the plan) and preflight's FP8 check report the same choice."""
-    from llama_fp8.cluster import preflight
+    from llama_fp8.cluster.nodes import preflight
     from llama_fp8.precision import recipes
 
     assert recipes.default_for("torchao").name == "tensorwise" and recipes.default_for("te").name == "current"
@@ -207,7 +207,7 @@ def test_auto_recipe_is_decided_by_the_table_for_every_caller(monkeypatch):
 
     own = argparse.Namespace(device="cpu", model_impl="te", fp8=None, fp8_backend=None, dataset=None,
                              tokenizer=None, checkpoint_dir=None)
-    from llama_fp8.models.te.precision import TE as TE_BACKEND
+    from llama_fp8.models.te.fp8.precision import TE as TE_BACKEND
 
     monkeypatch.setattr(TE_BACKEND, "library_version", lambda: "2.20.0")
     got = preflight.check_fp8_features(preflight.resolve(own, ["--model", "tiny", "--fp8", "1"]))

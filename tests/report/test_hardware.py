@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from test_compare import make_run, run_compare
 
-from llama_fp8.telemetry import environment
 from llama_fp8.report import hardware
+from llama_fp8.telemetry import environment
 
 H100 = {"nodes": "p5-[1-2]", "num_nodes": 2, "host": "p5-1", "cpu": "AMD EPYC 7R13", "gpu": "NVIDIA H100 80GB HBM3",
         "gpu_count": 8, "driver": "570.86.15", "torch": "2.10.0a0+b4e4ee81d3", "cuda": "13.1", "nccl": "2.28.9",

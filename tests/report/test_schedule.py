@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO
-from llama_fp8.report import schedule
+from llama_fp8.cluster.launch import schedule
 
 
 def test_pairs_interleave_alternate_and_share_a_seed():
@@ -72,7 +72,7 @@ def test_launchers_take_their_order_and_seeds_from_the_schedule():
     """The batch job and the demo run what the schedule prints (SUBDIR FP8 SEED) and compare its folders."""
     for path in (REPO / "scripts" / "slurm" / "ab_job.sbatch", REPO / "scripts" / "demo.sh"):
         text = path.read_text()
-        assert "-m llama_fp8.report.schedule --repeats" in text and "--compare" in text, path
+        assert "-m llama_fp8.cluster.launch.schedule --repeats" in text and "--compare" in text, path
         assert "read -r" in text and '--seed' in text and "$fp8" in text, path
 
 

@@ -1,2 +1,4 @@
-"""Running on a cluster: the torchrun wrapper that keeps exit codes (launch), submitit submission (submit),
-node checks (preflight) and what they need."""
+"""Running on a cluster, one folder per job: ``launch/`` starts and supervises jobs (the ``launch`` and
+``submit`` commands, the elastic agent, the batch scripts' shell library, the A/B run order, the container
+mounts), ``nodes/`` checks nodes (``preflight`` and its node, config and network checks), ``ngc.py`` pins the
+image's versions (the NGC/EFA table)."""

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from llama_fp8.estimate.flags import EstimateOptions
 from llama_fp8.estimate import build, corrections, fake, gpus, run, terms
+from llama_fp8.estimate.flags import EstimateOptions
 
 # bus-bandwidth factors (NVIDIA nccl-tests, doc/PERFORMANCE.md): the bytes each rank moves per byte of the
 # collective's whole buffer, on a ring of n ranks

@@ -16,8 +16,8 @@ import sys
 import time
 from collections.abc import Iterator
 
-from llama_fp8.estimate.flags import parse_estimate_args
 from llama_fp8.errors import EXIT_BAD_CONFIG, EXIT_DOES_NOT_FIT, EXIT_STAND_IN_DOES_NOT_FIT, ConfigError
+from llama_fp8.estimate.flags import parse_estimate_args
 
 __all__ = ["EXIT_DOES_NOT_FIT", "EXIT_STAND_IN_DOES_NOT_FIT", "main"]
 

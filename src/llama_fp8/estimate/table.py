@@ -59,8 +59,8 @@ def versions() -> str:
 def search(preset: str, progress: Callable[[str], None] = lambda _: None) -> dict:
     """The smallest layout of ``preset`` that fits, as a table row (every estimate it took is counted)."""
     from llama_fp8 import config
-    from llama_fp8.estimate.flags import EstimateOptions
     from llama_fp8.estimate import assess
+    from llama_fp8.estimate.flags import EstimateOptions
 
     runs = 0
 

@@ -7,7 +7,7 @@ torchao path: hooks read the tensors ``Float8Linear`` sees (the input of its for
 gradient of its output) and quantize a copy the way its cast config says (dtype, tensorwise or rowwise
 scale, power-of-2 rounding): Float8Linear's own math is not touched. One record per layer per logged step
 goes to ``{run_dir}/fp8_stats.jsonl`` (rank 0's view); a summary per step goes to metrics.jsonl (and so to
-TensorBoard / wandb when they are on). Transformer Engine path: ``models/te/fp8_stats.py`` makes the
+TensorBoard / wandb when they are on). Transformer Engine path: ``models/te/fp8/stats.py`` makes the
 same records from TE's debug API.
 """
 

@@ -5,7 +5,7 @@
 Every backend's rows are here as data (torchao's and Transformer Engine's, whose FP8 only exists with the
 TE model): what each recipe needs in hardware, CUDA, library version, ``--compile`` and FP8 all-gather.
 This module imports no FP8 library, no backend and no model, so that parsing flags needs none of them;
-the backends (``precision/torchao.py``, ``models/te/precision.py``) read their rows from here.
+the backends (``precision/torchao.py``, ``models/te/fp8/precision.py``) read their rows from here.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-rank progress files for the launcher (cluster/elastic.py): which step each rank is in.
+"""Per-rank progress files for the launcher (cluster/launch/elastic.py): which step each rank is in.
 
 ``llama-fp8 launch`` gives its workers a private folder (``LLAMA_FP8_PROGRESS_DIR``); each rank keeps one
 small file there, ``rank<R>.json``, rewritten as it moves through an attempt:

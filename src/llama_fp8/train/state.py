@@ -97,8 +97,10 @@ def plan_and_build_model(cfg: TrainConfig, env: parallel.DistEnv):
 
 
 def start_metrics(cfg: TrainConfig, plan: RunPlan, env: parallel.DistEnv, size: ModelSize, start_step: int):
-    from llama_fp8.telemetry import environment  # meta record: nodes, GPU/driver, versions, NCCL network
-    from llama_fp8.telemetry import repro
+    from llama_fp8.telemetry import (
+        environment,  # meta record: nodes, GPU/driver, versions, NCCL network
+        repro,
+    )
     device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     peak_bf16, peak_fp8, peak_source = peaks.resolve(device_name if env.device.type == "cuda" else None,
                                                      cfg.peak_tflops)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from llama_fp8.errors import ConfigError
-from llama_fp8.models.te import fp8_coverage as FC
+from llama_fp8.models.te.fp8 import coverage as FC
 from llama_fp8.precision import verify as V
 
 STATE = {"fp8": True}

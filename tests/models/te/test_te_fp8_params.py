@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from llama_fp8.models import common
-from llama_fp8.models.te import fp8_params
+from llama_fp8.models.te.fp8 import params as fp8_params
 
 
 class FakeFP8Linear(nn.Module):
@@ -124,7 +124,7 @@ def test_excluded_layers_keep_high_precision_weights_under_fp8_all_gather(one_ra
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from llama_fp8.models.te.precision import TEFp8
+    from llama_fp8.models.te.fp8.precision import TEFp8
 
     mesh = init_device_mesh("cpu", (1,))
     fp8, plain = te_like_model(fp8=True), te_like_model(fp8=False)

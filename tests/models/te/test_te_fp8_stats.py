@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from llama_fp8.errors import ConfigError
-from llama_fp8.models.te import fp8_stats as TS
+from llama_fp8.models.te.fp8 import stats as TS
 from llama_fp8.precision import fp8_stats as S
 
 
@@ -128,8 +128,8 @@ def test_each_step_pins_te_iteration_to_the_next_step_and_labels_records_by_ours
 def test_the_te_runtime_keeps_validation_out_of_the_statistics(monkeypatch):
     import contextlib
 
-    from llama_fp8.models.te import recipes as te_recipes
-    from llama_fp8.models.te.precision import TEFp8
+    from llama_fp8.models.te.fp8 import recipes as te_recipes
+    from llama_fp8.models.te.fp8.precision import TEFp8
 
     monkeypatch.setattr(te_recipes, "autocast", lambda *a, **kw: contextlib.nullcontext())
     stats = TS.TEStats(1, "current", False)
@@ -143,7 +143,7 @@ def test_the_te_runtime_keeps_validation_out_of_the_statistics(monkeypatch):
 
 
 def test_the_te_runtime_writes_records_and_a_summary_on_rank_0(tmp_path):
-    from llama_fp8.models.te.precision import TEFp8
+    from llama_fp8.models.te.fp8.precision import TEFp8
     from llama_fp8.telemetry.metrics import MetricsWriter
 
     stats = TS.TEStats(1, "current", False)
@@ -171,7 +171,7 @@ def test_what_te_statistics_cannot_do_is_refused(extra, recipe, message):
     import dataclasses
 
     from llama_fp8 import config as C
-    from llama_fp8.models.te.precision import check_stats
+    from llama_fp8.models.te.fp8.precision import check_stats
     from llama_fp8.precision import recipes
 
     cfg = C.parse_args(["--model", "tiny", "--model_impl", "te", "--fp8", "1", "--fp8_stats", "10", *extra])
@@ -206,7 +206,7 @@ def check_real_debug_api(stats, recipe):
 
     from llama_fp8 import config as C
     from llama_fp8 import models
-    from llama_fp8.models.te import fp8_coverage
+    from llama_fp8.models.te.fp8 import coverage as fp8_coverage
 
     te_recipe = {"delayed": "fp8_delayed_scaling", "current": "fp8_current_scaling"}[recipe]
     features = TS.debug_config(3, recipe, False)["llama_fp8_fp8_stats"]["transformer_engine"]
@@ -263,7 +263,7 @@ def test_this_te_has_the_features_and_a_te_without_them_is_refused(tmp_path, mon
     import transformer_engine.pytorch  # noqa: F401
 
     from llama_fp8 import config as C
-    from llama_fp8.models.te.precision import check_stats
+    from llama_fp8.models.te.fp8.precision import check_stats
     from llama_fp8.precision import recipes
 
     assert TS.missing_features() == []

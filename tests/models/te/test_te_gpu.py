@@ -38,7 +38,7 @@ LOSS_REL_TOL = 0.05
 
 @pytest.fixture(scope="module")
 def te():
-    from llama_fp8.models.te import recipes as te_recipes
+    from llama_fp8.models.te.fp8 import recipes as te_recipes
 
     try:
         return te_recipes.te_import()
@@ -121,7 +121,7 @@ def test_te_logits_match_hf(te, tmp_path, dtype, scaling, request):
 
 @pytest.mark.parametrize("recipe", ["delayed", "current", "mxfp8", "block"])
 def test_fp8_forward_backward_is_finite(te, tmp_path, recipe):
-    from llama_fp8.models.te import recipes as te_recipes
+    from llama_fp8.models.te.fp8 import recipes as te_recipes
 
     cap = torch.cuda.get_device_capability()
     try:
@@ -227,7 +227,7 @@ def test_te_fp8_resume_matches_the_uninterrupted_run(te, tmp_path, recipe):
     """10 steps, save, resume for 10 more under each TE recipe: the resumed losses match an uninterrupted
     20-step run within FP8's run-to-run noise, measured here by running the uninterrupted run twice (at
     least 1e-3 relative). For delayed scaling this needs the scales and amax histories restored."""
-    from llama_fp8.models.te import recipes as te_recipes
+    from llama_fp8.models.te.fp8 import recipes as te_recipes
 
     try:
         te_recipes.check_recipe_supported(recipe, torch.cuda.get_device_capability(), torch.version.cuda,
@@ -318,7 +318,7 @@ def test_te_fp8_weights_start_masters_from_the_bf16_init_and_keep_excluded_layer
 
     from llama_fp8 import config as C
     from llama_fp8 import parallel
-    from llama_fp8.models.te.master_weights import is_quantized, local
+    from llama_fp8.models.te.fp8.master_weights import is_quantized, local
     from llama_fp8.train import build, state
 
     base = ["--model", "tiny", "--model_impl", "te", "--device", "cuda", "--num_layers", "2", "--seed", "3"]

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from llama_fp8.models.te.master_weights import MasterAdamW, is_quantized
-from llama_fp8.models.te.precision import TEFp8
+from llama_fp8.models.te.fp8.master_weights import MasterAdamW, is_quantized
+from llama_fp8.models.te.fp8.precision import TEFp8
 from llama_fp8.precision import Plain
 from llama_fp8.train import build
 
@@ -175,7 +175,7 @@ def test_low_bit_optimizers_are_refused_with_fp8_weights(monkeypatch):
     from llama_fp8 import config as C
     from llama_fp8 import models
     from llama_fp8 import precision as P
-    from llama_fp8.models.te import recipes as te_recipes
+    from llama_fp8.models.te.fp8 import recipes as te_recipes
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.version, "cuda", "12.9")
@@ -251,7 +251,7 @@ def test_the_first_master_is_the_bf16_partners_initial_weight_not_its_fp8_quanti
     """FP8 primary weights start from the FP8-quantized init; their FP32 masters must start from the init the BF16
     partner gets (our sharding-independent init), else the FP8-weight run starts from other weights."""
     from llama_fp8.models import common
-    from llama_fp8.models.te import fp8_params
+    from llama_fp8.models.te.fp8 import params as fp8_params
 
     cfg = types.SimpleNamespace(**vars(CFG), initializer_range=0.02, seed=5)
     fp8 = nn.Module()

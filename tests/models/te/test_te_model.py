@@ -223,11 +223,11 @@ def test_rotary_angles_reach_te_layers_in_fp32_under_fsdp2_bf16(gloo_one_rank, m
 
 
 def test_te_checkpoint_hooks_save_scaling_state_as_tensors_and_never_a_pickle():
-    """The hooks of models/te/fp8_state.py on a stand-in TE module (``fp8_meta`` + a pickling
+    """The hooks of models/te/fp8/state.py on a stand-in TE module (``fp8_meta`` + a pickling
     ``get_extra_state``, as TE's base module): the state dict carries the scales and amax history as
     buffers aliasing fp8_meta's tensors and an empty extra state; loading restores them in place and never
     hands a checkpoint's extra state to the module. (The real TE modules: test_te_real_checkpoint.py.)"""
-    from llama_fp8.models.te import fp8_state
+    from llama_fp8.models.te.fp8 import state as fp8_state
 
     class FakeTEModule(nn.Module):
         def __init__(self, history: torch.Tensor, scale: torch.Tensor):
@@ -262,7 +262,7 @@ def test_fp8_weight_modules_never_see_a_checkpoints_extra_state():
     ``set_extra_state`` in its own ``_load_from_state_dict`` before the module's load pre-hooks run
     (transformer_engine/pytorch/module/base.py). The stand-in does the same; loaded through the model's root
     (as the checkpointer does), the module only ever receives None."""
-    from llama_fp8.models.te import fp8_state
+    from llama_fp8.models.te.fp8 import state as fp8_state
 
     class FakeFp8WeightModule(nn.Module):
         primary_weights_in_fp8 = True
@@ -351,8 +351,8 @@ def test_fp8_amax_reduction_group_is_every_data_parallel_rank(gloo_one_rank, mon
     need it (only their FP8 bytes are all-gathered, the scale travels as metadata)."""
     import torch.distributed as dist
 
-    from llama_fp8.models.te import precision as te_precision
-    from llama_fp8.models.te import recipes as te_recipes
+    from llama_fp8.models.te.fp8 import precision as te_precision
+    from llama_fp8.models.te.fp8 import recipes as te_recipes
 
     seen = []
     monkeypatch.setattr(te_recipes, "autocast", lambda enabled, recipe, group: seen.append((enabled, group)))

@@ -131,9 +131,9 @@ def test_excluded_layers_are_built_without_fp8_weights_under_quantized_init(one_
     modules unmarked (materialized and initialized as BF16 modules: plain weights, all-gathered in BF16) and block
     1's still marked; after sharding block 0's weights are allocated by to_empty as plain FP32 tensors. (TE's
     reset_parameters, which quantizes the other block, needs a GPU.)"""
-    from llama_fp8.models.te import fp8_params
-    from llama_fp8.models.te import recipes as te_recipes
-    from llama_fp8.models.te.precision import TEFp8
+    from llama_fp8.models.te.fp8 import params as fp8_params
+    from llama_fp8.models.te.fp8 import recipes as te_recipes
+    from llama_fp8.models.te.fp8.precision import TEFp8
 
     cfg = C.parse_args([*ARGS, "--fp8", "1", "--fp8_all_gather", "1", "--fp8_exclude", "model.layers.0.*"])
     runtime = TEFp8(te_recipes.make_recipe("current"), all_gather=True, stateful=False, exclude=("model.layers.0.*",))

@@ -24,7 +24,7 @@ from transformer_engine.pytorch.quantization import RecipeState
 from helpers import build_te_sharded
 from llama_fp8 import checkpoint, data
 from llama_fp8 import config as C
-from llama_fp8.models.te import fp8_state
+from llama_fp8.models.te.fp8 import state as fp8_state
 
 pytestmark = pytest.mark.te
 ARGS = ["--model", "tiny", "--num_layers", "2", "--device", "cpu", "--model_impl", "te"]

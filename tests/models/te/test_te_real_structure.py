@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from helpers import init_te_weights
 from helpers import tiny_llama_config as tiny_config
 from llama_fp8.models.te import model as te_llama
-from llama_fp8.models.te import recipes as te_recipes
+from llama_fp8.models.te.fp8 import recipes as te_recipes
 from llama_fp8.models.te.weights import expected_te_shapes, load_hf_checkpoint_into_te, te_state_to_hf
 
 pytestmark = pytest.mark.te

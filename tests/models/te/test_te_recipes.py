@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from llama_fp8.models.te import recipes as te_recipes
-from llama_fp8.models.te.recipes import (
+from llama_fp8.models.te.fp8 import recipes as te_recipes
+from llama_fp8.models.te.fp8.recipes import (
     MIN_TE_FP8_PARAMS_FSDP2,
     check_combination,
     check_recipe_supported,

@@ -1,6 +1,7 @@
 """The Transformer Engine implementation: a Llama of ``te.TransformerLayer`` blocks (``model.py``), its
-HF weight names (``weights.py``), TE's FP8 recipes and checks (``recipes.py``) and TE's FP8 as a
-precision backend (``precision.py``). Transformer Engine is imported only when a model is built."""
+HF weight names (``weights.py``), its context parallelism (``parallel.py``), and TE's FP8 machinery in
+``fp8/`` (recipes and checks, the precision backend, FP8 weights and state). Transformer Engine is imported
+only when a model is built."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class TEImpl(ModelImpl):
     cast_block_inputs = False
 
     def unavailable(self, device: torch.device) -> str | None:
-        from llama_fp8.models.te.recipes import te_import
+        from llama_fp8.models.te.fp8.recipes import te_import
 
         try:  # "TE imports": its metadata alone can exist without a working extension
             te_import()
@@ -41,7 +42,7 @@ class TEImpl(ModelImpl):
         return device.type == "cuda" and self.unavailable(device) is None
 
     def fp8_backends(self):
-        from llama_fp8.models.te.precision import TE
+        from llama_fp8.models.te.fp8.precision import TE
 
         return (TE,)
 
@@ -75,13 +76,13 @@ class TEImpl(ModelImpl):
 
     def materialize(self, model: nn.Module, device: torch.device, cfg) -> None:
         """FP8-weight modules (``--fp8_all_gather 1``) through TE's reset_parameters, the rest by to_empty."""
-        from llama_fp8.models.te import fp8_params
+        from llama_fp8.models.te.fp8 import params as fp8_params
 
         fp8_params.materialize(model, device, cfg, blocks_of=lambda name, rows: self.init_blocks(name, rows, cfg))
 
     def init_weights(self, model: nn.Module, cfg, device: torch.device) -> None:
         from llama_fp8.models import common
-        from llama_fp8.models.te import fp8_params
+        from llama_fp8.models.te.fp8 import params as fp8_params
 
         # FP8 weights are set by materialize; every other weight is drawn under its HF name(s), so the TE model
         # starts from exactly the HF model's values (the HF-BF16 vs TE-FP8 comparison starts from one init).
@@ -90,7 +91,7 @@ class TEImpl(ModelImpl):
 
     def check_weights(self, model: nn.Module, cfg) -> None:
         from llama_fp8.models import common
-        from llama_fp8.models.te import fp8_params
+        from llama_fp8.models.te.fp8 import params as fp8_params
 
         common.check_weights(model, cfg, skip=fp8_params.owned(model))  # quantized by TE from our values
 
@@ -135,7 +136,8 @@ class TEImpl(ModelImpl):
     def to_hf_state(self, state, cfg):
         """TE names -> HF (fused QKV and fc1 split); the FP8 scaling buffers have no HF counterpart."""
         from llama_fp8.models.common import hf_config
-        from llama_fp8.models.te import fp8_state, weights
+        from llama_fp8.models.te import weights
+        from llama_fp8.models.te.fp8 import state as fp8_state
 
         kept = {k: v for k, v in state.items() if k.rsplit(".", 1)[-1] not in fp8_state.BUFFERS}
         return weights.te_state_to_hf(kept, hf_config(cfg))

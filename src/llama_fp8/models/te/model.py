@@ -3,7 +3,7 @@
 ``model.model.embed_tokens`` / ``model.model.layers[i]`` (a :class:`TELlamaDecoderLayer` around one
 ``te.TransformerLayer``) / ``model.model.norm`` / ``model.lm_head``, like ``LlamaForCausalLM``.
 TE is imported lazily (``te_import``), so this module imports on a machine without TE. The FP8
-side (versions, capability checks, recipes, autocast) is :mod:`llama_fp8.models.te.recipes`, the
+side (versions, capability checks, recipes, autocast) is :mod:`llama_fp8.models.te.fp8.recipes`, the
 HF<->TE weight mapping is :mod:`llama_fp8.models.te.weights`.
 
 TE names below were checked in TE's sources (NVIDIA/TransformerEngine, v2.0 ... main):
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llama_fp8.models.te.recipes import te_import
+from llama_fp8.models.te.fp8.recipes import te_import
 
 # --------------------------------------------------------------------------- rotary embeddings
 

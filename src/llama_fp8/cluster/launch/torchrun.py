@@ -4,7 +4,7 @@ workers' own exit code.
 Plain torchrun turns every worker failure, including the requeue code 85, into exit code 1, so a Slurm script
 could not tell "checkpoint saved, requeue me" from a crash; and its restarts (``--max_restarts``) would restart
 a bad config or a NaN forever, count per node, and wait 30 s for a hung rank. This runs torchrun's own ``run`` in
-this process with the agent of cluster/elastic.py (``JobAgent``). 1.train_llama.sbatch runs it on each node:
+this process with the agent of cluster/launch/elastic.py (``JobAgent``). 1.train_llama.sbatch runs it on each node:
 
     python -m llama_fp8 launch --nnodes=2 --nproc_per_node=8 --max_restarts=3 --rdzv_backend=c10d ... \\
         -m llama_fp8 train ...
@@ -25,7 +25,7 @@ import os
 import shutil
 import signal
 
-from llama_fp8.cluster import elastic
+from llama_fp8.cluster.launch import elastic
 from llama_fp8.errors import EXIT_REQUEUE
 from llama_fp8.telemetry import heartbeat
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from llama_fp8.cluster.node_checks import FAIL, OK, Check, Settings
+from llama_fp8.cluster.nodes.node_checks import FAIL, OK, Check, Settings
 
 
 def torch_device(asked: str):

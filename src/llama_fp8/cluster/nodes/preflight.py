@@ -21,15 +21,16 @@ import json
 import sys
 from pathlib import Path
 
-from llama_fp8.cluster import mounts, netcheck
-from llama_fp8.cluster.config_checks import (  # noqa: F401 - the checks, importable from here
+from llama_fp8.cluster.launch import mounts
+from llama_fp8.cluster.nodes import netcheck
+from llama_fp8.cluster.nodes.config_checks import (  # noqa: F401 - the checks, importable from here
     check_fp8_features,
     check_layout,
     check_model_impl,
     task_position,
     torch_device,
 )
-from llama_fp8.cluster.node_checks import (  # noqa: F401 - the checks, importable from here
+from llama_fp8.cluster.nodes.node_checks import (  # noqa: F401 - the checks, importable from here
     FAIL,
     OK,
     WARN,

@@ -4,7 +4,7 @@ throw-away root file system (results lost when the job ends) or is simply not th
 Run on the login/head node by 1.train_llama.sbatch before its first ``srun`` (standard library only, Python
 3.7+, so the host's ``python3`` runs it without the training dependencies)::
 
-    python3 -m llama_fp8.cluster.mounts --repo /fsx/llama-fp8 --workdir /fsx/llama-fp8 \\
+    python3 -m llama_fp8.cluster.launch.mounts --repo /fsx/llama-fp8 --workdir /fsx/llama-fp8 \\
         [--mounts "$CONTAINER_MOUNTS"] [--path AB_DIR=/fsx/ab] -- TRAIN_FLAGS...
 
 prints the ``--container-mounts`` value to use and exits 0, or names each uncovered path and exits 1.
@@ -180,7 +180,7 @@ def auto_mounts(paths: list[RunPath], base: list[Mount]) -> list[Mount]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python3 -m llama_fp8.cluster.mounts", allow_abbrev=False,
+    p = argparse.ArgumentParser(prog="python3 -m llama_fp8.cluster.launch.mounts", allow_abbrev=False,
                                 usage="%(prog)s --repo DIR --workdir DIR [--mounts SPEC] [--path NAME=PATH]... "
                                       "-- TRAIN_FLAGS...",
                                 description="Pyxis mounts for a run: computed, or checked when given.")

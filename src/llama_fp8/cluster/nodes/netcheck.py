@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llama_fp8.cluster import nccl
+from llama_fp8.cluster.nodes import nccl
 
 
 @dataclass

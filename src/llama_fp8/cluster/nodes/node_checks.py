@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llama_fp8.cluster import mounts, nccl
+from llama_fp8.cluster.launch import mounts
+from llama_fp8.cluster.nodes import nccl
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 

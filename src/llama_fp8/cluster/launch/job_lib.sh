@@ -71,7 +71,7 @@ lf_setup_efa() {
     export FI_EFA_FORK_SAFE=${FI_EFA_FORK_SAFE:-1}  # dataloader workers fork; needed on older kernels
     export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-^docker,lo,veth}
     # Name the network so NCCL fails at init when the OFI plugin does not load, instead of silently using TCP
-    # sockets. "AWS Libfabric" is accepted by every aws-ofi-nccl version (llama_fp8/cluster/nccl.py).
+    # sockets. "AWS Libfabric" is accepted by every aws-ofi-nccl version (llama_fp8/cluster/nodes/nccl.py).
     export NCCL_NET=${NCCL_NET:-AWS Libfabric}
 }
 
@@ -108,7 +108,7 @@ lf_container_mounts() {  # lf_container_mounts TRAIN_ARGS... -> the --container-
         echo "${CONTAINER_MOUNTS:-$REPO_DIR:$REPO_DIR,$PWD:$PWD}"
         return 0
     fi
-    PYTHONPATH="$REPO_DIR/src" "$py" -m llama_fp8.cluster.mounts --repo "$REPO_DIR" --workdir "$PWD" \
+    PYTHONPATH="$REPO_DIR/src" "$py" -m llama_fp8.cluster.launch.mounts --repo "$REPO_DIR" --workdir "$PWD" \
         ${margs[@]+"${margs[@]}"} -- "$@"
 }
 
@@ -228,7 +228,7 @@ lf_estimate() {  # lf_estimate TRAIN_ARGS...
     return 0
 }
 
-# ---- training: one `llama_fp8 launch` per node: torchrun's elastic agent (llama_fp8/cluster/elastic.py). When a
+# ---- training: one `llama_fp8 launch` per node: torchrun's elastic agent (llama_fp8/cluster/launch/elastic.py). When a
 # worker dies or fails it restarts the workers of every node in this allocation, which resume from the latest
 # complete checkpoint, up to MAX_RESTARTS times for this training step (the srun below: a requeued job, and each
 # arm of the A/B job, start with the full count again); exit 2 (bad config or data), 3 (non-finite loss), the

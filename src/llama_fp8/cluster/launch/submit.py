@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llama_fp8.cluster import mounts
+from llama_fp8.cluster.launch import mounts
 from llama_fp8.config import EXIT_BAD_CONFIG, EXIT_REQUEUE, ConfigError, parse_args
 from llama_fp8.errors import EXIT_DOES_NOT_FIT, EXIT_STAND_IN_DOES_NOT_FIT
 
@@ -151,7 +151,7 @@ def host_setup(folder: Path) -> list[str]:
     copied in: the tasks may run in a container without them), and the requeue trap."""
     marker = f"{folder}/$SLURM_JOB_ID/{REQUEUE_MARKER}"
     return [
-        "# llama-fp8: node setup from cluster/job_lib.sh (the batch scripts' own functions)",
+        "# llama-fp8: node setup from cluster/launch/job_lib.sh (the batch scripts' own functions)",
         *shell_functions(JOB_LIB.read_text(), "lf_efa_devices", "lf_setup_efa", "lf_setup_rendezvous"),
         "lf_setup_efa",
         "lf_setup_rendezvous",

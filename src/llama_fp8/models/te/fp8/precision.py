@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 from llama_fp8.errors import ConfigError
-from llama_fp8.models.te import fp8_coverage, fp8_state, fp8_stats
-from llama_fp8.models.te import recipes as te_recipes
+from llama_fp8.models.te.fp8 import coverage as fp8_coverage
+from llama_fp8.models.te.fp8 import recipes as te_recipes
+from llama_fp8.models.te.fp8 import state as fp8_state
+from llama_fp8.models.te.fp8 import stats as fp8_stats
 from llama_fp8.precision import Plain
 from llama_fp8.precision import fp8_stats as shared_stats
 from llama_fp8.precision import recipes as recipe_table
@@ -158,7 +160,7 @@ class TEFp8(Plain):
     def convert(self, model: nn.Module) -> nn.Module:
         """--fp8_exclude: the matching modules run their forward under a nested autocast(enabled=False) and, with
         FP8 weights, keep high-precision weights (built under quantized init, unmarked before materialization)."""
-        from llama_fp8.models.te import fp8_params
+        from llama_fp8.models.te.fp8 import params as fp8_params
 
         excluded = fp8_coverage.apply_exclusions(model, self.exclude, lambda: te_recipes.autocast(False, self.recipe))
         if self.all_gather:
@@ -204,7 +206,7 @@ class TEFp8(Plain):
         every update smaller than half its quantization step); BF16/FP32 weights by the configured optimizer."""
         if not self.all_gather:
             return None
-        from llama_fp8.models.te.master_weights import MasterAdamW
+        from llama_fp8.models.te.fp8.master_weights import MasterAdamW
 
         return MasterAdamW(param_groups, **kwargs)
 

@@ -4,7 +4,7 @@ R pairs run interleaved in one allocation: pair i runs both arms with seed ``s_i
 the order alternates from pair to pair (bf16 fp8, fp8 bf16, bf16 fp8, ...), so slow drift of a shared
 node (thermals, a neighbour's job) lands on both arms instead of on whichever ran second.
 
-    python -m llama_fp8.report.schedule --repeats R [--order "bf16 fp8"] -- TRAIN_ARGS...
+    python -m llama_fp8.cluster.launch.schedule --repeats R [--order "bf16 fp8"] -- TRAIN_ARGS...
 prints one line per run, in run order: ``RUN_SUBDIR FP8 SEED`` (the shell loop reads it); with
 ``--compare`` instead the run folders for ``llama_fp8 compare``, baseline first in each pair.
 One pair keeps the folders ``bf16`` and ``fp8``; R > 1 uses ``pair<i>/bf16`` and ``pair<i>/fp8``.
@@ -71,7 +71,7 @@ def compare_dirs(runs: list[Arm]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m llama_fp8.report.schedule", allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="python -m llama_fp8.cluster.launch.schedule", allow_abbrev=False)
     p.add_argument("--repeats", type=int, default=1, help="pairs of runs (default 1)")
     p.add_argument("--order", default="bf16 fp8", help="the arms of pair 1, in run order")
     p.add_argument("--compare", action="store_true", help="print the run folders for compare instead")

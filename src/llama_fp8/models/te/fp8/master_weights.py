@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
-from llama_fp8.models.te import fp8_params
+from llama_fp8.models.te.fp8 import params as fp8_params
 
 FLOAT_STATES = ("exp_avg", "exp_avg_sq", "master")
 
