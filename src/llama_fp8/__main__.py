@@ -15,7 +15,7 @@ COMMANDS = {
     "preflight": "check a node: GPUs, FP8 support, TE, NCCL, EFA, file systems",
     "fp8-bisect": "find the decoder layers to keep in BF16 for FP8 to match BF16's loss",
 }
-MODULES = {"train": "llama_fp8.train", "estimate": "llama_fp8.estimate.cli", "compare": "llama_fp8.report.compare",
+MODULES = {"train": "llama_fp8.train.cli", "estimate": "llama_fp8.estimate.cli", "compare": "llama_fp8.report.compare",
            "launch": "llama_fp8.cluster.launch.torchrun", "submit": "llama_fp8.cluster.launch.submit", "convert": "llama_fp8.convert",
            "preflight": "llama_fp8.cluster.nodes.preflight", "fp8-bisect": "llama_fp8.fp8_bisect"}
 

@@ -239,18 +239,18 @@ def test_heartbeat_round_trip_and_foreign_files_are_skipped(tmp_path, monkeypatc
 
 
 def test_flight_recorder_dumps_into_the_run_folder_on_cuda_only(tmp_path, monkeypatch):
-    from llama_fp8 import config as C
-    from llama_fp8 import train as T
+    from llama_fp8 import config
+    from llama_fp8.train import flight_recorder
     monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE", raising=False)
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "20000")
-    cfg = C.parse_args(["--model", "tiny", "--device", "cuda", "--run_dir", str(tmp_path / "run")])
-    assert T.flight_recorder_path(cfg) == str(tmp_path / "run" / "comm_traces" / "rank_")
+    cfg = config.parse_args(["--model", "tiny", "--device", "cuda", "--run_dir", str(tmp_path / "run")])
+    assert flight_recorder.set_dump_path(cfg) == str(tmp_path / "run" / "comm_traces" / "rank_")
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "run" / "comm_traces" / "rank_")
     assert (tmp_path / "run" / "comm_traces").is_dir()
     monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE")
-    assert T.flight_recorder_path(C.parse_args(["--model", "tiny", "--device", "cpu"])) is None
+    assert flight_recorder.set_dump_path(config.parse_args(["--model", "tiny", "--device", "cpu"])) is None
     monkeypatch.delenv("TORCH_FR_BUFFER_SIZE")
-    assert T.flight_recorder_path(cfg) is None and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
+    assert flight_recorder.set_dump_path(cfg) is None and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
 
 
 def test_a_crash_before_the_first_checkpoint_starts_the_job_over(tmp_path):

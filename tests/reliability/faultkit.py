@@ -2,7 +2,7 @@
 
 Every matrix test runs the real CLI: 2 ranks under ``llama-fp8 launch`` (torchrun that keeps the workers'
 exit code, as the sbatch script runs it) or one rank in-process, on the smaller-than-tiny model. Faults
-are injected through ``LLAMA_FP8_FAULT`` (src/llama_fp8/faults.py) at exact points, or from outside
+are injected through ``LLAMA_FP8_FAULT`` (src/llama_fp8/faults/inject.py) at exact points, or from outside
 with signals and file damage.
 """
 
