@@ -87,7 +87,7 @@ def train(cfg: TrainConfig, env: parallel.DistEnv) -> dict:
     try:
         losses = loop.loop(s)
     except torch.cuda.OutOfMemoryError:
-        s.profiler.dump_snapshot("oom")  # with --memory_snapshot 1: what filled the memory
+        s.observer.out_of_memory()
         raise
     finally:
         s.close()

@@ -1,9 +1,8 @@
 """The training loop: step, log, validate, checkpoint, stop on a signal. Everything it touches is in
-the ``TrainState`` (``state.start`` builds it)."""
+the ``TrainState`` (``state.start`` builds it); its bookkeeping is the observer's (``observer.py``)."""
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 
@@ -12,11 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llama_fp8 import data, faults, parallel
-from llama_fp8.telemetry import metrics, stragglers
 from llama_fp8.telemetry.profiling import phase
 from llama_fp8.train.state import TrainState
-
-log = logging.getLogger("llama_fp8.train")
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -32,58 +28,36 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def loop(s: TrainState) -> list[float]:
     """Steps start+1 .. max_steps. Host syncs happen on logging, validation and checkpoint steps only."""
-    cfg, batches = s.cfg, data.Fingerprinted(s.train_loader)
-    losses, window_start, clock = [], s.start_step + 1, s.goodput
+    cfg, obs, batches = s.cfg, s.observer, data.Fingerprinted(s.train_loader)
+    losses = []
     s.model.train()
-    clock.begin()
+    obs.begin()
     for step in range(s.start_step + 1, cfg.max_steps + 1):
-        s.heartbeat.beat(step, "step")
-        log_now = step % cfg.logging_freq == 0 or step == cfg.max_steps
         lr = s.optimizer.param_groups[0]["lr"]
-        s.profiler.before_step(step)
-        t_step = time.perf_counter()
-        loss, grad_norm, data_wait = train_step(s, batches, step)
-        s.ranks.add_step(time.perf_counter() - t_step, data_wait)
+        obs.step_begins(step)
+        loss, grad_norm, data_wait = train_step(s, batches, step)  # forward, backward, optimizer step
         s.scheduler.step()
-        s.profiler.after_step(step)
-        s.meter.add_step(loss, data_wait)
-        s.precision.report(s.writer, step)  # FP8 check / statistics records, when the runtime has any
-        if log_now:
+        obs.step_ends(step, loss, data_wait)
+        if step % cfg.logging_freq == 0 or step == cfg.max_steps:
             s.guard.check()
-            rec = s.meter.window(step, lr, grad_norm)
-            # rank 0's tokens over steps window_start..step: equal in two runs iff they read the same data
-            rec.update(precision=s.plan.precision.name, world_size=s.env.world_size, data_crc32=batches.take(),
-                       data_from_step=window_start, goodput=clock.so_far(), **s.ranks.window())
-            window_start = step + 1
-            losses.append(rec["loss"])
-            s.writer.write(rec, metrics.format_line(rec))
-            note = stragglers.summary_line(rec["stragglers"])
-            if note and s.env.is_main:
-                log.warning("step %d: %s", step, note)
+            losses.append(obs.log(step, lr, grad_norm, batches.take()))
         if s.val_loader is not None and step % cfg.validation_freq == 0:
-            s.heartbeat.beat(step, "eval")
-            with clock.timed("evaluation"):
+            with obs.evaluating(step):
                 s.writer.write(*validate(s, step))
         stop = s.watch.requested()
-        periodic = cfg.checkpoint_freq and (step % cfg.checkpoint_freq == 0 or step == cfg.max_steps)
-        if periodic or stop:
+        if stop or (cfg.checkpoint_freq and (step % cfg.checkpoint_freq == 0 or step == cfg.max_steps)):
             s.guard.check()  # never write a non-finite model over the last good checkpoint
-            s.heartbeat.beat(step, "save")
-            with clock.timed(clock.checkpoint_part):
+            with obs.saving(step):
                 s.checkpointer.save(step, s.model, s.optimizer, s.scheduler, s.train_loader, s.cfg, s.plan)
-            clock.saves += 1
-        clock.end_step(step, data_wait)
+        obs.step_closed(step)
         if stop:
-            with clock.timed(clock.checkpoint_part):
+            with obs.waiting_for_save():
                 s.checkpointer.wait()
-            clock.ended = "signal"
+            obs.stopped_by_signal()
             raise faults.Preempted(step)
-    with clock.timed(clock.checkpoint_part):  # the final save complete (async: written) before "finished"
+    with obs.waiting_for_save():  # the final save complete (async: written) before "finished"
         s.checkpointer.wait()
-    clock.ended = "finished"
-    # From here a rank that dies (a segfault in teardown) loses nothing: the launcher does not restart the job.
-    s.heartbeat.beat(cfg.max_steps, "finished")
-    faults.at("finished", cfg.max_steps)
+    obs.finished(cfg.max_steps)
     return losses
 
 

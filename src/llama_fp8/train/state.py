@@ -15,6 +15,7 @@ from llama_fp8.models.common import ModelSize
 from llama_fp8.plan import RunPlan, make_plan
 from llama_fp8.telemetry import goodput, gpu_health, heartbeat, metrics, peaks, profiling, stragglers
 from llama_fp8.train import build
+from llama_fp8.train.observer import RunObserver
 
 
 @dataclass
@@ -31,26 +32,19 @@ class TrainState:
     train_loader: Any
     val_loader: Any
     checkpointer: checkpoint.Checkpointer
-    meter: metrics.StepMeter
     writer: metrics.MetricsWriter
     watch: faults.SignalWatch
     guard: faults.NanGuard
     start_step: int
     context: parallel.StepContext  # what each step runs inside (tensor/context parallelism)
-    profiler: profiling.Profiler
-    goodput: goodput.Goodput  # where the wall time went (telemetry/goodput.py); rank 0 writes it
-    ranks: stragglers.RankMonitor  # per-rank step time, data wait and GPU health of each logging window
-    heartbeat: heartbeat.Heartbeat  # the step in progress, for the launcher (telemetry/heartbeat.py)
+    observer: RunObserver  # heartbeat, goodput, per-rank timing, profiler, the logging window (observer.py)
 
     def close(self) -> None:
-        with self.goodput.timed(self.goodput.checkpoint_part):  # an async save still in flight
+        with self.observer.waiting_for_save():  # an async save still in flight
             self.checkpointer.wait()
-        if self.goodput.begun:
-            rec = self.goodput.record()
-            self.writer.write(rec, goodput.summary_line(rec))
+        self.observer.close()
         self.watch.close()
         self.writer.close()
-        self.profiler.close()
 
 
 def start(cfg: TrainConfig, env: parallel.DistEnv) -> TrainState:
@@ -77,12 +71,15 @@ def start(cfg: TrainConfig, env: parallel.DistEnv) -> TrainState:
     meter, writer = start_metrics(cfg, plan, env, size, start_step)
     beat = heartbeat.Heartbeat(env.rank, lambda: ckpt.last_complete)
     beat.beat(start_step, "startup")  # built and resumed: a failure from here on is not a start-up failure
+    observer = RunObserver(
+        heartbeat=beat, clock=clock, meter=meter, writer=writer, precision=prec,
+        ranks=stragglers.RankMonitor(env.device, env.local_rank, cfg.straggler_threshold_pct,
+                                     gpu_health.GpuHealth(env.device.type, env.device.index)),
+        profiler=profiling.Profiler(cfg, Path(plan.run_dir), env.rank, env.device),
+        precision_name=plan.precision.name, world_size=env.world_size, is_main=env.is_main, start_step=start_step)
     return TrainState(cfg, plan, env, impl, prec, model, size, optimizer, scheduler, train_loader, val_loader, ckpt,
-                      meter, writer, faults.SignalWatch(env.world_size),
-                      faults.NanGuard(env.device, cfg.nan_policy, cfg.max_nan_skips), start_step, context,
-                      profiling.Profiler(cfg, Path(plan.run_dir), env.rank, env.device), clock,
-                      stragglers.RankMonitor(env.device, env.local_rank, cfg.straggler_threshold_pct,
-                                             gpu_health.GpuHealth(env.device.type, env.device.index)), beat)
+                      writer, faults.SignalWatch(env.world_size),
+                      faults.NanGuard(env.device, cfg.nan_policy, cfg.max_nan_skips), start_step, context, observer)
 
 
 def plan_and_build_model(cfg: TrainConfig, env: parallel.DistEnv):

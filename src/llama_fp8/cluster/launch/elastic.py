@@ -25,7 +25,7 @@ decisions changed through the attributes and methods torch itself uses for them:
   workers get SIGKILL.
 
 Each decision is one line on stderr (``llama-fp8 launch: ...``) saying what happened and what comes next; with
-``LLAMA_FP8_OUTCOME_DIR`` set (the batch scripts) the final one is also written there for the batch script,
+``LLAMA_FP8_OUTCOME_DIR`` set (the batch scripts) the final one is also written there (``outcome.py``) for the batch script,
 which requeues or not (``job_lib.sh`` ``lf_train``). The torch internals used here are checked before any worker
 starts (``check_torch``, ``_round``, ``_check_workers``): without them the launcher stops with exit 2.
 """
@@ -37,45 +37,27 @@ import os
 import signal
 import socket
 import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
+from llama_fp8.cluster.launch import progress
+from llama_fp8.cluster.launch.outcome import say
 from llama_fp8.errors import EXIT_BAD_CONFIG, EXIT_NONFINITE, EXIT_REQUEUE
 from llama_fp8.telemetry import heartbeat
 
-OUTCOME_ENV = "LLAMA_FP8_OUTCOME_DIR"
-"""Folder where each node's launcher writes its final decision (``node<N>``: code, action, checkpoint, line).
-Actions: ``done``, ``fail`` (not requeued), ``requeue`` (a checkpoint was saved: always requeued), ``retry``
-(requeue without a new checkpoint: a signal during a restart, the rendezvous host lost, a machine that fails at
-start-up; requeued at most MAX_REQUEUES times), ``closed`` (another node ended the job: its own line says why)."""
 ATTEMPT_ENV = "LLAMA_FP8_ATTEMPT"
 """The workers' attempt in this launch: the rendezvous round (0 first; telemetry/goodput.py reads it)."""
 NOT_RESTARTED = {EXIT_BAD_CONFIG: "a bad flag, config or data file", EXIT_NONFINITE: "a non-finite loss",
                  EXIT_REQUEUE: "a checkpoint saved after SIGUSR1/SIGTERM"}
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
-STILL_S, STEP_FACTOR = 10.0, 3.0
-"""A live rank in a step, without progress for max(STILL_S, STEP_FACTOR x its previous step's duration) when
-another rank fails, is named as the one that stopped moving (a rank that is merely slower notices a crashed peer
-within a second on gloo; a hung one never moves again). In evaluation, a save or start-up, where no duration is
-known, only its process state (stopped, uninterruptible) names it."""
 KILL_WAIT_S = 5.0
+"""How long a SIGKILLed worker is waited for (it exits in milliseconds unless stuck in uninterruptible sleep)."""
 FINISH_WAIT_S = 60.0
 """How long the other local ranks may take to close their records after a rank that had finished training died."""
-"""How long a SIGKILLed worker is waited for (it exits in milliseconds unless stuck in uninterruptible sleep)."""
-STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "D": "in uninterruptible sleep"}
-PLACES = {"step": "in step {}", "eval": "evaluating step {}", "save": "saving step {}",
-          "startup": "before its first step", "finished": "after training finished"}
-
-
-def say(line: str) -> None:
-    print(f"llama-fp8 launch: {line}", file=sys.stderr, flush=True)
 
 
 class JobStop(Exception):
@@ -112,15 +94,6 @@ def rendezvous_round(handler) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def proc_state(pid: int) -> str:
-    """The kernel's one-letter state of ``pid`` (R running, S sleeping, T stopped, D uninterruptible, Z exited),
-    or "?" when it cannot be read."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
-
-
 def exit_text(code: int) -> str:
     if code < 0:
         try:
@@ -128,14 +101,6 @@ def exit_text(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit {code}" + (f" ({NOT_RESTARTED[code]})" if code in NOT_RESTARTED else "")
-
-
-def progress_folder() -> Path:
-    """A private folder for the workers' progress files: in memory (/dev/shm) where there is one, so that a
-    beat never waits on a busy root disk."""
-    shm = Path("/dev/shm")
-    return Path(tempfile.mkdtemp(prefix="llama-fp8-progress-",
-                                 dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
 
 
 class JobAgent(LocalElasticAgent):
@@ -148,7 +113,7 @@ class JobAgent(LocalElasticAgent):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         JobAgent.last = self
-        self.progress_dir = progress_folder()
+        self.progress_dir = progress.folder()
         self.failed_at: dict[int, tuple] = {}  # rendezvous round -> where that attempt failed on this node
         self.decision: JobStop | None = None  # why this agent stopped (None: success or torch's own stop)
         self.killed: set[int] = set()  # pids this agent killed (their -9 is not a failure of their own)
@@ -179,41 +144,17 @@ class JobAgent(LocalElasticAgent):
 
     def _progress(self) -> dict[int, dict]:
         """The local workers' progress records; keeps the latest complete checkpoint any of them reported."""
-        progress = heartbeat.read(self.progress_dir)
-        for rec in progress.values():
+        recs = heartbeat.read(self.progress_dir)
+        for rec in recs.values():
             ckpt = rec.get("ckpt")
             if isinstance(ckpt, int) and not isinstance(ckpt, bool) and ckpt > (self.checkpoint or -1):
                 self.checkpoint = ckpt
-        return progress
+        return recs
 
     def _describe_stuck(self) -> list[str]:
-        """Local workers alive while another worker failed, and stopped (SIGSTOP, a debugger, uninterruptible
-        sleep) or in a step without progress for far longer than their steps take (``STILL_S``): the ranks that
-        stopped moving, with where they were."""
-        progress, now, out = self._progress(), time.time(), []
-        for lr, proc in self._procs().items():
-            if proc.poll() is not None:
-                continue
-            worker = self._worker_group.workers[lr]
-            rec = progress.get(worker.global_rank, {})
-            beat, step_s = heartbeat.number(rec, "time"), heartbeat.number(rec, "step_s")
-            still = now - beat if beat is not None else None
-            state = proc_state(proc.pid)
-            how = STATES.get(state)
-            limit = max(STILL_S, STEP_FACTOR * step_s) if rec.get("phase") == "step" and step_s is not None else None
-            if how is None and (still is None or limit is None or still < limit):
-                continue
-            where = PLACES.get(rec.get("phase"), PLACES["startup"]).format(rec.get("step")) + (
-                f", no progress for {still:.0f} s" if still is not None else "")
-            out.append(f"rank {worker.global_rank} (pid {proc.pid}) stopped moving: {how or f'state {state}'} {where}")
-        return out
-
-    def _failure_point(self, ranks, progress: dict[int, dict]) -> tuple:
-        """Where this attempt failed on this node: the step the failed ranks (``ranks``: those that failed by
-        themselves, not those this agent killed) were in, or start-up, from their progress files."""
-        recs = [progress[r] for r in ranks if r in progress]
-        steps = [r["step"] for r in recs if r.get("phase") in ("step", "eval", "save")]
-        return ("step", max(steps)) if steps else ("startup", None)
+        """The local ranks that stopped moving while another worker failed (progress.stuck_ranks)."""
+        procs = {self._worker_group.workers[lr].global_rank: proc for lr, proc in self._procs().items()}
+        return progress.stuck_ranks(procs, self._progress(), time.time())
 
     def _first(self, failures: dict) -> tuple:
         """The failure that came first: the one this agent saw first (torch's timestamps are whole seconds), among
@@ -258,9 +199,9 @@ class JobAgent(LocalElasticAgent):
 
     def _finished(self, local_ranks: list[int]) -> bool:
         """Whether these local ranks had reported the `finished` phase (the run's last checkpoint complete)."""
-        progress = self._progress()
+        recs = self._progress()
         workers = self._worker_group.workers
-        return all(progress.get(workers[lr].global_rank, {}).get("phase") == "finished" for lr in local_ranks)
+        return all(recs.get(workers[lr].global_rank, {}).get("phase") == "finished" for lr in local_ranks)
 
     def _wait_running(self, seconds: float, procs: list | None = None) -> None:
         """Reap the workers that end within ``seconds`` (all of them together)."""
@@ -330,10 +271,10 @@ class JobAgent(LocalElasticAgent):
         what = (f"rank {first_rank} ({exit_text(first.exitcode)})" if first is not None
                 else f"the workers ({result.state.name.lower()})")
         node = f"node {worker_group.group_rank} ({socket.gethostname()})"
-        progress = self._progress()
+        progress_recs = self._progress()
         if stuck:
             say(f"{node}: {'; '.join(stuck)}; the other ranks failed waiting for it")
-        if own and all(progress.get(r, {}).get("phase") == "finished" for r in own):
+        if own and all(progress_recs.get(r, {}).get("phase") == "finished" for r in own):
             line = f"{node}: {what} after training finished (the final checkpoint is complete): nothing to redo"
             self.decision = JobStop(0, "done", f"training finished on every node; {line}")
             say(f"{line}; not restarting, this node is done")
@@ -346,7 +287,7 @@ class JobAgent(LocalElasticAgent):
                        "MAX_REQUEUES times)")
             return result
         codes = {f.exitcode for f in failures.values()}
-        point = self._failure_point(own or failures, progress)
+        point = progress.failure_point(own or failures, progress_recs)
         where = f"in step {point[1]}" if point[0] == "step" else "during start-up"
         deterministic = sorted(c for c in codes if c in NOT_RESTARTED and c != EXIT_REQUEUE)
         if deterministic:  # before the stop signal: a requeue would fail the same way
@@ -411,19 +352,3 @@ def on_signal(signum, frame) -> None:
     say(f"received {signal.Signals(signum).name}: the workers save a checkpoint and exit 85; no restart after this")
     if JobAgent.last is not None:
         JobAgent.last.forward(JobAgent.signalled)
-
-
-def write_outcome(code: int, action: str, checkpoint: int | None, line: str) -> None:
-    """This node's final decision for the batch script (``OUTCOME_ENV``): ``CODE ACTION CHECKPOINT LINE``, the
-    checkpoint being the step of the latest complete one a local worker reported (``-``: none known)."""
-    folder = os.environ.get(OUTCOME_ENV)
-    if not folder:
-        return
-    name = f"node{os.environ.get('SLURM_NODEID', socket.gethostname())}"
-    try:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        tmp = Path(folder) / f".{name}.tmp"
-        tmp.write_text(f"{code} {action} {'-' if checkpoint is None else checkpoint} {line}\n")
-        tmp.replace(Path(folder) / name)
-    except OSError as e:
-        say(f"warning: could not write the outcome to {folder} ({e.strerror or e})")

@@ -25,7 +25,7 @@ import os
 import shutil
 import signal
 
-from llama_fp8.cluster.launch import elastic
+from llama_fp8.cluster.launch import elastic, outcome
 from llama_fp8.errors import EXIT_REQUEUE
 from llama_fp8.telemetry import heartbeat
 
@@ -127,15 +127,15 @@ def run_torchrun(torchrun_args: list[str]) -> int:
             action, line = ("requeue" if code == EXIT_REQUEUE else "fail"), f"a worker failed: exit {code}"
     except elastic.JobStop as e:
         code, action, line = e.code, e.action, e.line
-        elastic.say(line)
+        outcome.say(line)
     except SignalException as e:  # SIGINT/SIGHUP/SIGQUIT to the agent: workers were stopped
         code, action, line = 128 + int(e.sigval), "fail", f"stopped by {e.sigval.name}"
     except RendezvousClosedError:
         code, action, line = 1, "closed", "another node ended the job (its line says why)"
-        elastic.say(line)
+        outcome.say(line)
     except (RendezvousConnectionError, RendezvousTimeoutError, dist.DistNetworkError, dist.DistStoreError) as e:
         code, action, line = _rendezvous_lost(e, args, started=elastic.JobAgent.last is not None)
-        elastic.say(line)
+        outcome.say(line)
     finally:
         for key, value in saved_env.items():  # this process may launch again (tests): no stale folder, attempt
             if value is None:
@@ -146,7 +146,7 @@ def run_torchrun(torchrun_args: list[str]) -> int:
         if agent is not None:
             checkpoint = agent.latest_checkpoint()
             shutil.rmtree(agent.progress_dir, ignore_errors=True)
-    elastic.write_outcome(code, action, checkpoint, line)
+    outcome.write_outcome(code, action, checkpoint, line)
     return code
 
 

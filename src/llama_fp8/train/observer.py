@@ -1,0 +1,104 @@
+"""The loop's bookkeeping, called at named moments so that the loop reads as the step: the launcher's heartbeat
+(telemetry/heartbeat.py), goodput's clock (telemetry/goodput.py), per-rank step timing for the straggler report
+(telemetry/stragglers.py), the profiler's schedule, the precision runtime's records (the FP8 check, per-layer
+statistics), the logging window's record and the fault point at the end of a run.
+
+Host-side only: nothing here reads the device except ``log`` (a logging step's one sync)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+
+from llama_fp8 import faults
+from llama_fp8.telemetry import goodput, heartbeat, metrics, profiling, stragglers
+
+log = logging.getLogger("llama_fp8.train")
+
+
+class RunObserver:
+    def __init__(self, *, heartbeat: heartbeat.Heartbeat, clock: goodput.Goodput, ranks: stragglers.RankMonitor,
+                 profiler: profiling.Profiler, meter: metrics.StepMeter, writer: metrics.MetricsWriter,
+                 precision, precision_name: str, world_size: int, is_main: bool, start_step: int):
+        self.heartbeat, self.clock, self.ranks, self.profiler = heartbeat, clock, ranks, profiler
+        self.meter, self.writer, self.precision = meter, writer, precision
+        self.precision_name, self.world_size, self.is_main = precision_name, world_size, is_main
+        self._window_start = start_step + 1  # the first step of the logging window in progress
+        self._t_step = 0.0
+        self._data_wait = 0.0
+
+    def begin(self) -> None:
+        """The loop starts: start-up ends here."""
+        self.clock.begin()
+
+    def step_begins(self, step: int) -> None:
+        self.heartbeat.beat(step, "step")
+        self.profiler.before_step(step)
+        self._t_step = time.perf_counter()
+
+    def step_ends(self, step: int, loss: torch.Tensor, data_wait: float) -> None:
+        """The optimizer step and the LR schedule's step are done (``loss`` stays on the device)."""
+        self.ranks.add_step(time.perf_counter() - self._t_step, data_wait)
+        self._data_wait = data_wait
+        self.profiler.after_step(step)
+        self.meter.add_step(loss, data_wait)
+        self.precision.report(self.writer, step)  # FP8 check / statistics records, when the runtime has any
+
+    def log(self, step: int, lr: float, grad_norm: torch.Tensor | None, data_crc32: int) -> float:
+        """A logging step: the window's record (metrics.jsonl, the log line, the optional sinks) and a warning that
+        names stragglers. Returns the window's loss."""
+        rec = self.meter.window(step, lr, grad_norm)
+        # rank 0's tokens over the window's steps: equal in two runs iff they read the same data
+        rec.update(precision=self.precision_name, world_size=self.world_size, data_crc32=data_crc32,
+                   data_from_step=self._window_start, goodput=self.clock.so_far(), **self.ranks.window())
+        self._window_start = step + 1
+        self.writer.write(rec, metrics.format_line(rec))
+        note = stragglers.summary_line(rec["stragglers"])
+        if note and self.is_main:
+            log.warning("step %d: %s", step, note)
+        return rec["loss"]
+
+    @contextlib.contextmanager
+    def evaluating(self, step: int):
+        self.heartbeat.beat(step, "eval")
+        with self.clock.timed("evaluation"):
+            yield
+
+    @contextlib.contextmanager
+    def saving(self, step: int):
+        """A checkpoint save; counted when it returns."""
+        self.heartbeat.beat(step, "save")
+        with self.clock.timed(self.clock.checkpoint_part):
+            yield
+        self.clock.saves += 1
+
+    def waiting_for_save(self):
+        """Waiting for an async save to be written (charged to checkpointing, not to a step)."""
+        return self.clock.timed(self.clock.checkpoint_part)
+
+    def step_closed(self, step: int) -> None:
+        """The step with its logging, evaluation and save is over: goodput's clock closes it."""
+        self.clock.end_step(step, self._data_wait)
+
+    def stopped_by_signal(self) -> None:
+        self.clock.ended = "signal"
+
+    def finished(self, step: int) -> None:
+        """The last step is done and its checkpoint complete. From here a rank that dies (a segfault in teardown)
+        loses nothing: the launcher does not restart the job."""
+        self.clock.ended = "finished"
+        self.heartbeat.beat(step, "finished")
+        faults.at("finished", step)
+
+    def out_of_memory(self) -> None:
+        self.profiler.dump_snapshot("oom")  # with --memory_snapshot 1: what filled the memory
+
+    def close(self) -> None:
+        """The attempt's goodput record (when the loop began), then the profiler's last trace."""
+        if self.clock.begun:
+            rec = self.clock.record()
+            self.writer.write(rec, goodput.summary_line(rec))
+        self.profiler.close()
