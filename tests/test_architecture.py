@@ -166,6 +166,16 @@ def test_the_cycle_check_passes_a_package_that_imports_its_own_modules(tmp_path)
     assert import_cycles(pkg) == []
 
 
+MAX_LINES = 400
+
+
+def test_no_module_over_400_lines():
+    """One job per room: a module that grows past MAX_LINES is split by responsibility (docs/architecture.md)."""
+    long = {str(p.relative_to(REPO)): n for p in [*SRC.rglob("*.py"), *SRC.rglob("*.sh")]
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
 def test_implementation_names_only_inside_models():
     """The acceptance check of the architecture issue: `grep -rn '"te"\\|== "hf"' src/llama_fp8` finds the
     implementation names only inside models/ (the CLI's choices and help come from the registry)."""
