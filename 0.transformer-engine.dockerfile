@@ -3,7 +3,7 @@
 # Build and import for Enroot/Pyxis with scripts/build_image.sh: it sends docker exactly the files listed by
 # `scripts/build_image.sh --print-context` (no symlinks, no .venv, no old .sqsh).
 #
-# Choosing versions (README: Image versions; the table lives in src/llama_fp8/cluster/ngc.py):
+# Choosing versions (docs/cluster.md: Image versions; the table lives in src/llama_fp8/cluster/ngc.py):
 #   NGC_TAG  an nvcr.io/nvidia/pytorch tag (YY.MM-py3); its release notes list PyTorch, Transformer Engine,
 #            NCCL, CUDA and the host driver it needs. The build prints the real versions and fails when the
 #            image cannot run our defaults (llama_fp8.cluster.ngc check-image).

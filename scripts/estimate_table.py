@@ -1,4 +1,4 @@
-"""Rewrite README.md's "what fits" table from the estimator (llama_fp8/estimate/table.py): for every preset, the
+"""Rewrite docs/estimate.md's "what fits" table from the estimator (llama_fp8/estimate/table.py): for every preset, the
 smallest number of 8-GPU H100 nodes and the activation checkpointing that fit. Each row takes several estimates
 (26 estimates, 14 minutes for all presets on 2 shared cores; run it with `nice`). Progress on stderr, one JSON line per row on
 stdout; tests/estimate/test_table.py says when the table is stale.
@@ -30,17 +30,17 @@ def say(msg: str) -> None:
     print(f"[{time.perf_counter() - start:7.0f} s] {msg}", file=sys.stderr, flush=True)
 
 
-readme = repo / "README.md"
+page = repo / "docs" / "estimate.md"
 rows = []
 for preset in args.presets.split(","):
     rows.append(table.search(preset, say))
     print(json.dumps(rows[-1]), flush=True)
 if set(args.presets.split(",")) != set(config.available_presets()):
-    say("not every preset: README.md left as it is")
+    say("not every preset: docs/estimate.md left as it is")
     sys.exit(0)
 order = {name: i for i, name in enumerate(config.available_presets())}
 rows.sort(key=lambda r: (r["params_b"] if r.get("nodes") else 1e9, order[r["preset"]]))
-old = readme.read_text()  # read now: the search takes minutes
+old = page.read_text()  # read now: the search takes minutes
 new = table.replace_block(old, table.render(rows, table.fingerprint()))
-readme.write_text(new)
-say("README.md " + ("updated" if new != old else "already current"))
+page.write_text(new)
+say("docs/estimate.md " + ("updated" if new != old else "already current"))

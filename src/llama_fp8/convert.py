@@ -63,7 +63,8 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype) -> Path:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="llama-fp8 convert", allow_abbrev=False,
                                      description="Export a DCP checkpoint (step_N folder, or a checkpoint dir: its "
-                                                 "latest complete one) to a Hugging Face folder.")
+                                                 "latest complete one) to a Hugging Face folder.",
+                                     epilog="docs: docs/checkpoints.md")
     parser.add_argument("checkpoint", help="step_N folder or --checkpoint_dir")
     parser.add_argument("out_dir", help="new folder for config.json + model.safetensors (must not exist or be empty)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights dtype (default bf16)")

@@ -136,7 +136,8 @@ def report_md(r: dict) -> str:
 def main(argv: list[str]) -> int:
     from llama_fp8.errors import EXIT_BAD_CONFIG, ConfigError
 
-    p = argparse.ArgumentParser(prog="llama-fp8 fp8-bisect", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="llama-fp8 fp8-bisect", description=__doc__.split("\n")[0],
+                                epilog="docs: docs/fp8.md (Seeing FP8)")
     p.add_argument("--config", required=True, help="the run's config (a run dir's config.yaml or a YAML file)")
     p.add_argument("--steps", type=int, default=50, help="steps of each probe run (default 50)")
     p.add_argument("--tolerance_pct", type=float, default=1.0, help="loss gap to BF16 counted as good (default 1 %%)")

@@ -1,6 +1,7 @@
 """The tables the docs show that the code already holds (flags, FP8 recipes, GPU peaks, the estimate's terms),
-generated so that the docs cannot drift: each sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` markers and
-``scripts/update_docs.py`` rewrites them; tests/test_docs.py fails when one is stale."""
+generated so that the docs cannot drift: each sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` markers in
+its page (``PAGES``) and ``scripts/update_docs.py`` rewrites them; tests/test_docs.py fails when one is stale or a
+page lost its markers."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ def tables() -> dict[str, Callable[[], str]]:
             "gpu-peaks": metrics.peak_table_markdown, "estimate-terms": terms.terms_table_markdown}
 
 
-FILES = ("README.md", "docs/fp8.md")
+PAGES = {"docs/flags.md": ("flags",), "docs/fp8.md": ("recipes",), "docs/report.md": ("gpu-peaks",),
+         "docs/estimate.md": ("estimate-terms",)}
+"""Each page and the tables it must hold (a page may hold others too: they are kept current as well)."""
+FILES = tuple(PAGES)
 
 
 def render(text: str) -> str:
@@ -32,12 +36,15 @@ def render(text: str) -> str:
 
 
 def stale(repo: Path) -> list[str]:
-    """``file: table`` for every marked table that differs from what the code generates."""
+    """``file: table`` for every marked table that differs from what the code generates, and
+    ``file: table (no markers)`` for a table missing from the page that must hold it."""
     out = []
     for rel in FILES:
         text = (repo / rel).read_text()
         for name, make in tables().items():
             m = re.search(rf"<!-- {name}:start -->\n(?:(.*?)\n)?<!-- {name}:end -->", text, re.S)
-            if m and (m.group(1) or "") != make():
+            if m is None and name in PAGES[rel]:
+                out.append(f"{rel}: {name} (no markers)")
+            elif m and (m.group(1) or "") != make():
                 out.append(f"{rel}: {name}")
     return out

@@ -1,4 +1,4 @@
-"""The NGC/EFA version table (cluster/ngc.py): the README shows exactly it, its FP8 columns come from the FP8
+"""The NGC/EFA version table (cluster/ngc.py): docs/cluster.md shows exactly it, its FP8 columns come from the FP8
 recipe table, every value names a source or says "not confirmed", and the image build's check enforces what
 our defaults need."""
 
@@ -13,11 +13,11 @@ from llama_fp8.cluster import ngc
 from llama_fp8.precision import recipes
 
 
-def test_readme_ngc_table_is_current():
-    text = (REPO / "README.md").read_text()
+def test_the_cluster_page_ngc_table_is_current():
+    text = (REPO / "docs" / "cluster.md").read_text()
     block = re.search(r"<!-- ngc:start -->\n(.*?)\n<!-- ngc:end -->", text, re.S)
-    assert block, "README.md lost its <!-- ngc:start --> ... <!-- ngc:end --> markers"
-    assert block.group(1) == ngc.table_markdown(), "run: python -m llama_fp8.cluster.ngc update-readme README.md"
+    assert block, "docs/cluster.md lost its <!-- ngc:start --> ... <!-- ngc:end --> markers"
+    assert block.group(1) == ngc.table_markdown(), "run: python scripts/update_docs.py"
 
 
 def test_update_readme_rewrites_only_the_block(tmp_path):
@@ -50,7 +50,7 @@ def test_features_follow_the_recipe_tables_minimum_versions():
 
 
 def test_features_follow_a_changed_recipe_table(monkeypatch):
-    """If the recipe table changes, the README table changes with it (it is computed, not written)."""
+    """If the recipe table changes, the page's table changes with it (it is computed, not written)."""
     from dataclasses import replace
 
     rows = te_rows()

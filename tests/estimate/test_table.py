@@ -1,4 +1,4 @@
-"""README.md's "what fits" table (estimate/table.py) is current: its fingerprint is that of today's presets, search
+"""docs/estimate.md's "what fits" table (estimate/table.py) is current: its fingerprint is that of today's presets, search
 settings, GPU and terms (no estimate runs here), and a change to any of them makes it stale."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from llama_fp8 import config
 from llama_fp8.estimate import gpus, table, terms
 
 
-def test_the_readme_table_is_current_and_lists_every_preset():
-    text = (REPO / "README.md").read_text()
+def test_the_estimate_pages_table_is_current_and_lists_every_preset():
+    text = (REPO / "docs" / "estimate.md").read_text()
     assert table.stale(text) is None, "run: nice python scripts/estimate_table.py (about 15 minutes)"
     block = text.split(table.MARKERS[0])[1].split(table.MARKERS[1])[0]
     rows = [ln for ln in block.splitlines() if ln.startswith("| ") and not ln.startswith("| preset")]
@@ -58,7 +58,7 @@ def test_a_changed_default_of_the_training_flags_makes_the_table_stale(monkeypat
     assert "other inputs" in (table.stale(text) or "")
 
 
-def test_rows_render_as_the_readme_shows_them():
+def test_rows_render_as_the_page_shows_them():
     row = {"preset": "p", "params_b": 8.03, "seq": 8192, "batch": 2, "nodes": 2, "ac": "selective",
            "tracked_gib": 60.0, "needed_gib": 61.2, "margin_gib": 3.0, "peak_at": "backward, in the loss"}
     out = table.render([row, {"preset": "q", "nodes": None}], "abc", "torch 9.9")

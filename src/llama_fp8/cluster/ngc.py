@@ -1,16 +1,16 @@
 """The one table of image versions: NGC PyTorch tag -> PyTorch, CUDA, cuDNN, NCCL, Transformer Engine, Python,
-minimum driver, and the AWS EFA installer that goes with it. The README's table is generated from it (between the
+minimum driver, and the AWS EFA installer that goes with it. docs/cluster.md's table is generated from it (between the
 ``<!-- ngc:start -->`` markers; tests/cluster/test_ngc.py checks it is current) and its FP8 columns are computed
 from the FP8 recipe table (precision/recipes.py), never written by hand.
 
 Every value names its source (a ``Source``: the page, and whether it is NVIDIA's/AWS's own or a third party's
-public file that records what it found in the image); the README numbers them. ``None`` as source means *not
+public file that records what it found in the image); the page numbers them. ``None`` as source means *not
 confirmed*: the value is what we expect but no page we could read states it; ``None`` as value means we found
 none. The image build checks the real versions against this table (``check-image`` below) and prints them, so
 a confirmed row is one build away: copy the printed versions here with the image build as the source.
 
-    python -m llama_fp8.cluster.ngc table                 # the README table
-    python -m llama_fp8.cluster.ngc update-readme README.md
+    python -m llama_fp8.cluster.ngc table                 # the table of docs/cluster.md
+    python -m llama_fp8.cluster.ngc update-readme docs/cluster.md   # (scripts/update_docs.py does this too)
     python -m llama_fp8.cluster.ngc check-image --tag 26.09-py3 --efa 1.50.0 --out /opt/llama-fp8/image.json
 """
 
@@ -206,7 +206,7 @@ def _numbered(sources: list[Source]) -> dict[Source, int]:
 
 
 def table_markdown() -> str:
-    """The README's NGC/EFA table, its notes, the installer table under it and the numbered sources."""
+    """docs/cluster.md's NGC/EFA table, its notes, the installer table under it and the numbered sources."""
     cells = [c for r in NGC_RELEASES for c in r.cells().values()] + [e.ofi_nccl for e in EFA_INSTALLERS]
     numbers = _numbered([c.source for c in cells if c.source])
 
@@ -331,7 +331,7 @@ def check_image(tag: str, efa: str, plugin_env: Path | None, out: Path | None) -
                 print(f"note: ngc.py lists {key} {cell.value} for {tag}, the image has {found[key]}: update the row")
     problem = efa_problem(found["nccl"], efa)
     if problem:
-        print(f"note: {problem} (README: Image versions)")
+        print(f"note: {problem} (docs/cluster.md: Image versions)")
     if found["nccl"] and older(found["nccl"], NCCL_PATH_PLUGIN):
         print(f"warning: NCCL {found['nccl']} < {NCCL_PATH_PLUGIN} ignores a path in NCCL_NET_PLUGIN; run with "
               "NCCL_NET_PLUGIN=ofi (the plugin folder is on LD_LIBRARY_PATH)")
@@ -341,15 +341,15 @@ def check_image(tag: str, efa: str, plugin_env: Path | None, out: Path | None) -
         out.write_text(json.dumps({"ngc_tag": tag, "efa_installer": efa, **found, **plugin}, indent=1) + "\n")
     bad = requirement_problems(found)
     for message in bad:
-        print(f"error: {message}; choose another NGC_TAG (README: Image versions)", file=sys.stderr)
+        print(f"error: {message}; choose another NGC_TAG (docs/cluster.md: Image versions)", file=sys.stderr)
     return 1 if bad else 0
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m llama_fp8.cluster.ngc", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("table", help="print the README table")
-    upd = sub.add_parser("update-readme", help="rewrite the table in README.md between its markers")
+    sub.add_parser("table", help="print the table of docs/cluster.md")
+    upd = sub.add_parser("update-readme", help="rewrite the table in a page (docs/cluster.md) between its markers")
     upd.add_argument("readme", type=Path)
     chk = sub.add_parser("check-image", help="(image build) versions vs the table; fail if a default cannot run")
     chk.add_argument("--tag", required=True, help="the NGC_TAG the image was built from")

@@ -4,7 +4,7 @@ Precedence, stated once: **defaults < --model preset < --config FILE.yaml < comm
 A preset (``configs/<name>.yaml``) and a config file may set any field; a flag always wins.
 
 One job per module: ``fields`` (the TrainConfig field list: add a setting there), ``values`` (coercion,
-YAML and presets), ``flags`` (the parser and the README flag table), ``rules`` (cross-field resolution,
+YAML and presets), ``flags`` (the parser and docs/flags.md's flag table), ``rules`` (cross-field resolution,
 default run dir). This package re-exports their public names, so ``llama_fp8.config.X`` keeps working.
 """
 

@@ -1,7 +1,7 @@
 """The fields of a run's configuration: ``TrainConfig``, one typed frozen dataclass whose field metadata
 carries each flag's help, valid choices or range, and group. Every field is a flag ``--<field>``
 (booleans take 0/1) and a key of a preset or ``--config`` YAML; add a setting here and the parser, the YAML
-loader and the README's flag table pick it up.
+loader and docs/flags.md's flag table pick it up.
 
 Flag names follow the AWS FSDP sample (``--train_batch_size``, ``--max_context_width``, ...) so that
 existing sbatch argument lines keep working.

@@ -33,7 +33,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(prog: str = "llama-fp8 train") -> argparse.ArgumentParser:
     parser = _Parser(prog=prog, allow_abbrev=False, argument_default=argparse.SUPPRESS,
                      description="Train a Llama with FSDP2 in BF16 or FP8. Precedence: defaults < --model preset "
-                                 "< --config FILE.yaml < flags.")
+                                 "< --config FILE.yaml < flags.",
+                     epilog="docs: docs/flags.md")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in fields(TrainConfig):
         g = f.metadata["group"]

@@ -15,7 +15,7 @@ added as named terms with their sources; the verdict compares the sum with the G
     report.py     the estimate as text and JSON
     suggest.py    what would make it fit, each estimated
     cli.py        the command
-    table.py      the README's table: the smallest layout that fits, per preset
+    table.py      docs/estimate.md's table: the smallest layout that fits, per preset
 
 This package's ``__init__`` imports nothing, so that the flags can read the GPU table without an import cycle.
 """

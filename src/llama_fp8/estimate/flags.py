@@ -56,6 +56,7 @@ def build_estimate_parser() -> argparse.ArgumentParser:
     parser = build_parser(prog="llama-fp8 estimate")
     parser.description = ("Estimate the per-GPU memory and per-step communication of a training run without a "
                           "GPU: the train flags, plus the cluster and the GPU.")
+    parser.epilog = "docs: docs/estimate.md"
     g = parser.add_argument_group("estimate (not training settings)")
     g.add_argument("--nodes", type=str, metavar="N", help=_doc("nodes"))
     g.add_argument("--gpus_per_node", type=str, metavar="N", help=_doc("gpus_per_node"))

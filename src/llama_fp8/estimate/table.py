@@ -1,4 +1,4 @@
-"""The README's "what fits" table: for every preset at its own sequence length and batch, the Hugging Face model
+"""docs/estimate.md's "what fits" table: for every preset at its own sequence length and batch, the Hugging Face model
 (``--model_impl hf``: the model the estimate runs; ``auto``'s TE model is estimated through it), the smallest
 number of 8-GPU H100 nodes, and at that size the activation checkpointing with the least recomputation, whose
 estimate fits (with the allocator margin). ``scripts/estimate_table.py`` runs the search (26 estimates: 14 minutes

@@ -119,7 +119,7 @@ def floor(at_optimizer: dict[str, int], terms: list[Term]) -> int:
 
 
 def terms_table_markdown() -> str:
-    """The README's table of the terms (generated: reference.py), from the same sizes and sources."""
+    """docs/estimate.md's table of the terms (generated: reference.py), from the same sizes and sources."""
     rows = [("CUDA context and driver reserve", f"{CONTEXT_BYTES / GIB:g} GiB", "context"),
             ("NCCL buffers", f"{NCCL_PER_COMMUNICATOR / MIB:g} MiB per communicator: each mesh dimension with "
                              "collectives, and the world's", "nccl"),

@@ -1,5 +1,5 @@
 """The FP8 recipes: one static table, read by the parser (choices and help), the resolver
-(``precision.resolve``), preflight, the image's version pins and the README's recipe table
+(``precision.resolve``), preflight, the image's version pins and docs/fp8.md's recipe table
 (``recipe_table_markdown``), so that none of them lists recipes by hand.
 
 Every backend's rows are here as data (torchao's and Transformer Engine's, whose FP8 only exists with the
@@ -167,7 +167,7 @@ def library_of(backend: str) -> str:
 
 
 def recipe_table_markdown() -> str:
-    """The README's FP8 recipe table."""
+    """docs/fp8.md's FP8 recipe table."""
     rows = ["| `--fp8_recipe` | backend | GPU (compute capability) | minimum library | FP8 all-gather | "
             "`--compile 1` | what it scales |", "|---|---|---|---|---|---|---|"]
     for r in all_recipes():

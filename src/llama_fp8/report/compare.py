@@ -161,7 +161,8 @@ def _nonneg_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llama_fp8 compare", allow_abbrev=False,
-                                description="A/B report (markdown + PNG plots) of R pairs of training runs.")
+                                description="A/B report (markdown + PNG plots) of R pairs of training runs.",
+                                epilog="docs: docs/report.md")
     p.add_argument("runs", metavar="RUN", nargs="+",
                    help="RUN_A RUN_B [RUN_A2 RUN_B2 ...]: pairs of baseline (e.g. BF16) and candidate (e.g. "
                         "FP8) runs, each a run dir, metrics.jsonl or Slurm log; pair i shares its seed")

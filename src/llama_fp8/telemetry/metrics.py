@@ -27,7 +27,7 @@ FLOPS_CONVENTION = peaks.FLOPS_CONVENTION
 
 
 def peak_table_markdown() -> str:
-    """The README's table of the peaks MFU is measured against."""
+    """docs/report.md's table of the peaks MFU is measured against."""
     return peaks.table_markdown()
 
 

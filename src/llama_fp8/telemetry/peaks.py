@@ -90,7 +90,7 @@ def resolve(device_name: str | None, override: float | None) -> tuple[float | No
 
 
 def table_markdown() -> str:
-    """The README's table of the peaks MFU is measured against."""
+    """docs/report.md's table of the peaks MFU is measured against."""
     rows = ["| GPU SKU | dense BF16 TFLOPS | dense FP8 TFLOPS | source |", "|---|---|---|---|"]
     for p in PEAKS:
         rows.append(f"| {p.sku} | {p.bf16:g} | {'-' if p.fp8 is None else f'{p.fp8:g}'} | {p.source} |")

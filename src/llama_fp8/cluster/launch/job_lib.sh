@@ -3,7 +3,7 @@
 # the job, on its first node. Safe on bash 4.2 (Amazon Linux 2) under `set -u`: an array that can be empty
 # is expanded as ${a[@]+"${a[@]}"} (bash < 4.4 calls "${a[@]}" of an empty array an unbound variable).
 #
-# Reads (all optional; README: Environment variables): IMAGE, CONTAINER_MOUNTS, LLAMA_FP8_CONTAINER, KEEP_CONTAINER,
+# Reads (all optional; docs/cluster.md: Environment variables): IMAGE, CONTAINER_MOUNTS, LLAMA_FP8_CONTAINER, KEEP_CONTAINER,
 # HOST_PYTHON, VENV, REPO_DIR, DEVICE, NPROC_PER_NODE, RDZV_PORT, SKIP_PREFLIGHT, PREFLIGHT_REPORT, NCCL_NET,
 # MAX_RESTARTS, MAX_REQUEUES.
 # Sets: DEVICE DEVICE_ARGS NPROC_PER_NODE CPUS PY WHERE CONTAINER_ARGS RDZV_ADDR RDZV_PORT LF_NODE_ADDRS LF_OUTCOME_DIR.
@@ -123,7 +123,7 @@ lf_setup_runtime() {  # lf_setup_runtime TRAIN_ARGS...
         fi
         lf_resolve_image
         local mounts
-        mounts=$(lf_container_mounts "$@") || lf_die "the run would lose or miss the paths above (see README: Troubleshooting)"
+        mounts=$(lf_container_mounts "$@") || lf_die "the run would lose or miss the paths above (see docs/cluster.md: Troubleshooting)"
         export LLAMA_FP8_CONTAINER_MOUNTS="$mounts"  # preflight re-checks the resolved config against it
         # Named: the preflight step unpacks the image once per node and every later step reuses it. (Not taken
         # from $CONTAINER_NAME: container tools set that variable in many environments.)

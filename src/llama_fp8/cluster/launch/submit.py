@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m llama_fp8 submit",
         description="Submit `python -m llama_fp8 train TRAIN_FLAGS` to Slurm with submitit.",
         usage="%(prog)s [own flags] -- TRAIN_FLAGS...",
+        epilog="docs: docs/cluster.md",
         allow_abbrev=False,
     )
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")

@@ -100,7 +100,9 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     # Without it, every rendezvous round hands the workers the first round's store and peer addresses: a restart
     # then fails (gloo "connectFullMesh ... Connection refused") or hangs (pytorch/pytorch#135712, #167288).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    args = torchrun.parse_args(torchrun_args)
+    parser = torchrun.get_args_parser()  # torchrun.parse_args, with the page that explains this launcher
+    parser.epilog = "docs: docs/reliability.md (crashes, hangs and lost nodes inside the allocation)"
+    args = parser.parse_args(torchrun_args)
     if hasattr(args, "signals_to_handle"):
         args.signals_to_handle = TORCH_HANDLED
     for sig in elastic.STOP_SIGNALS:  # Python handlers: the workers (exec'd) get the default disposition back

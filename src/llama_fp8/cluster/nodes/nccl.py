@@ -165,7 +165,7 @@ def decide(net: NcclNet, efa_devices: int, nodes: int, nccl_net_env: str | None 
                 f"NCCL chose {net.network!r} instead of the aws-ofi-nccl plugin")
         plugin = os.environ.get("NCCL_NET_PLUGIN", "unset")
         return Decision("FAIL", f"{efa_devices} EFA device(s) but NCCL uses {net.describe()}: {hint} "
-                        f"(NCCL_NET_PLUGIN={plugin}){why}. Check the image's plugin (README: Troubleshooting) "
+                        f"(NCCL_NET_PLUGIN={plugin}){why}. Check the image's plugin (docs/cluster.md: Troubleshooting) "
                         f"and export NCCL_NET='{OFI_NET_NAME}' so NCCL fails instead of falling back")
     if net.kind == "socket" and nodes > 1:
         return Decision("WARN", f"NCCL uses {net.describe()} across {nodes} nodes: TCP, no RDMA network found")

@@ -118,7 +118,7 @@ def check_efa(_: Settings) -> Check:
                      "TCP sockets; rebuild the image (scripts/build_image.sh) or set NCCL_NET_PLUGIN to the plugin")
     try:
         ctypes.CDLL(plugin)
-    except OSError as e:  # e.g. a libibverbs that does not match libefa (README: Troubleshooting)
+    except OSError as e:  # e.g. a libibverbs that does not match libefa (docs/cluster.md: Troubleshooting)
         return Check("efa", FAIL, f"{len(devices)} EFA device(s) but the OFI plugin {plugin} does not load: {e}")
     net = os.environ.get("NCCL_NET")
     if not net or net.lower() not in nccl.OFI_NETWORKS:

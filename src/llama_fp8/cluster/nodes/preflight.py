@@ -51,7 +51,8 @@ from llama_fp8.cluster.nodes.node_checks import (  # noqa: F401 - the checks, im
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m llama_fp8 preflight", allow_abbrev=False,
                                 usage="%(prog)s [own flags] [-- TRAIN_FLAGS...]",
-                                description="Check GPUs/FP8, TE, torchao, NCCL, EFA, checkpoint dir, data paths.")
+                                description="Check GPUs/FP8, TE, torchao, NCCL, EFA, checkpoint dir, data paths.",
+                                epilog="docs: docs/cluster.md")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="as train --device (default auto)")
     p.add_argument("--fp8", choices=["0", "1"], help="FP8 wanted: a GPU without FP8 fails (default 0)")
     from llama_fp8.precision import recipes
