@@ -1,10 +1,10 @@
-"""Peak host memory of training steps with --activation_checkpointing 0 / selective / 1 (CPU).
+"""Peak host memory of training steps with --activation_checkpointing none / selective / full (CPU).
 
 Each variant runs in a fresh process (one rank, gloo): the real build (FSDP2, BF16 mixed precision) and
 a few real training steps; the process reports the growth of its peak RSS over the steps, i.e. what the
 activations, gradients and optimizer states added. Activations dominate that growth at long context,
 which is what checkpointing trades for recompute. Prints a table and one JSON line; ratios are relative
-to --activation_checkpointing 0 in the same run.
+to --activation_checkpointing none in the same run.
 
     .venv/bin/python benchmarks/bench_activation_memory.py            # tiny shape, T=1024, B=4
     .venv/bin/python benchmarks/bench_activation_memory.py --seq_len 256 --steps 2   # quick
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("0", "selective", "1")
+MODES = ("none", "selective", "full")
 
 
 def _rss_mib() -> float:
@@ -73,27 +73,27 @@ def main() -> None:
     p.add_argument("--seq_len", type=int, default=1024)
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--mode", choices=MODES, default="0")
+    p.add_argument("--mode", choices=MODES, default="none")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
     results = {mode: run_variant(args, mode) for mode in MODES}  # one after the other, fresh processes
-    base = results["0"]["rss_peak_mib"] - results["0"]["rss_before_mib"]
+    base = results["none"]["rss_peak_mib"] - results["none"]["rss_before_mib"]
     print(f"activation memory: --model {args.model}, {args.num_layers} layers, T={args.seq_len}, "
           f"B={args.batch_size}, 1 rank (CPU), {args.steps} steps")
-    print(f"{'activation_checkpointing':>24s} {'peak RSS MiB':>12s} {'growth MiB':>10s} {'vs 0':>6s} "
+    print(f"{'activation_checkpointing':>24s} {'peak RSS MiB':>12s} {'growth MiB':>10s} {'vs none':>8s} "
           f"{'s/step':>7s} {'loss':>8s}")
     for mode, r in results.items():
         growth = r["rss_peak_mib"] - r["rss_before_mib"]
-        print(f"{mode:>24s} {r['rss_peak_mib']:12.0f} {growth:10.0f} {growth / base:6.2f} {r['step_s']:7.2f} "
+        print(f"{mode:>24s} {r['rss_peak_mib']:12.0f} {growth:10.0f} {growth / base:8.2f} {r['step_s']:7.2f} "
               f"{r['loss']:8.4f}")
     print(json.dumps({"bench": "activation_memory", "model": args.model, "num_layers": args.num_layers,
                       "seq_len": args.seq_len, "batch_size": args.batch_size, "steps": args.steps,
                       "results": results,
-                      "ratio": (results["1"]["rss_peak_mib"] - results["1"]["rss_before_mib"]) / base,
-                      "ratio_full": (results["1"]["rss_peak_mib"] - results["1"]["rss_before_mib"]) / base,
+                      "ratio": (results["full"]["rss_peak_mib"] - results["full"]["rss_before_mib"]) / base,
+                      "ratio_full": (results["full"]["rss_peak_mib"] - results["full"]["rss_before_mib"]) / base,
                       "ratio_selective": (results["selective"]["rss_peak_mib"]
                                           - results["selective"]["rss_before_mib"]) / base}))
 

@@ -1,6 +1,7 @@
 """Shared test helpers: run the real CLI (one process or torchrun) and read a run's metrics.
 
-(A module of its own: `from conftest import` is ambiguous with tests/slurm/conftest.py.)"""
+(A module of its own: `from conftest import` is ambiguous with the conftest.py of a test folder, such as
+tests/cluster/conftest.py.)"""
 
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
 """The package's boundaries (docs/architecture.md), checked on its source: no import cycles of any kind, every
 import between the package's folders runs down the layer order, and nothing outside ``models/`` names a model
-implementation."""
+implementation; and what a reader meets: no one-letter module aliases, no path in a comment that does not exist."""
 
 from __future__ import annotations
 
 import ast
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -199,3 +200,66 @@ def test_every_source_folder_is_a_package_that_installs():
     found = set(find_packages(str(SRC.parent)))
     folders = {module_name(p.parent / "__init__.py") for p in SRC.rglob("*.py") if "__pycache__" not in p.parts}
     assert folders <= found, folders - found
+
+
+def one_letter_aliases(src: Path) -> list[str]:
+    """``file:line: module as X`` for every import that names a module by one letter (``F`` is torch's functional
+    in one file and a checkpoint module in another: a reader must look each one up)."""
+    out = []
+    for path in sorted(src.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                out += [f"{path.relative_to(src.parent)}:{node.lineno}: {a.name} as {a.asname}" for a in node.names
+                        if a.asname and len(a.asname) == 1]
+    return out
+
+
+def test_no_one_letter_module_aliases():
+    found = one_letter_aliases(SRC)
+    assert not found, "one-letter module aliases (name the module):\n" + "\n".join(found)
+
+
+def test_the_alias_check_finds_one(tmp_path):
+    pkg = _package(tmp_path, {"a.py": "import os.path as P\nfrom pkg import b as bee\n",
+                              "b.py": "def f():\n    from pkg import a as A\n"})
+    assert one_letter_aliases(pkg) == ["pkg/a.py:1: os.path as P", "pkg/b.py:2: a as A"]
+
+
+# Paths of other projects that comments cite (their sources, their tests): not ours to find.
+EXTERNAL_ROOTS = ("transformer_engine/", "TransformerEngine/", "torchao/", "torch/", "transformers/")
+PY_PATH = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)+[\w.-]+\.py)\b")
+BRACES = re.compile(r"([\w./-]*)\{([^{}\s]*,[^{}\s]*)\}")  # a/{b.py,c/d.py}: a/b.py and a/c/d.py
+
+
+def _texts(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every comment and string (docstrings, messages) in a Python file."""
+    kinds = {tokenize.COMMENT, tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}
+    with path.open() as f:
+        return [(t.start[0], t.string) for t in tokenize.generate_tokens(f.readline) if t.type in kinds]
+
+
+def missing_paths(src: Path, repo: Path) -> list[str]:
+    """``file:line: path`` for every ``folder/file.py`` a comment or string in ``src`` names that exists neither
+    under ``src`` (the package: ``cluster/ngc.py``) nor under ``repo`` (``tests/...``, ``src/llama_fp8/...``)."""
+    out = []
+    for path in sorted(src.rglob("*.py")):
+        for line, text in _texts(path):
+            text = BRACES.sub(lambda m: " ".join(m.group(1) + part for part in m.group(2).split(",")), text)
+            for name in PY_PATH.findall(text):
+                if not name.startswith(EXTERNAL_ROOTS) and not (src / name).exists() and not (repo / name).exists():
+                    out.append(f"{path.relative_to(src.parent)}:{line}: {name}")
+    return out
+
+
+def test_paths_named_in_comments_and_docstrings_exist():
+    missing = missing_paths(SRC, REPO)
+    assert not missing, "paths that do not exist (moved? name where it is now):\n" + "\n".join(missing)
+
+
+def test_the_path_check_finds_a_stale_path(tmp_path):
+    pkg = _package(tmp_path, {"report/__init__.py": "", "report/hardware.py": "",
+                              "a.py": '"""Compared in report/environment.py and report/hardware.py."""\n'
+                                      "# TE's transformer_engine/pytorch/module/base.py; pkg/{a.py,gone/b.py}\n"
+                                      "x = f\"see {1} cluster/launch.py\"\n"})
+    assert missing_paths(pkg, tmp_path) == ["pkg/a.py:1: report/environment.py", "pkg/a.py:2: pkg/gone/b.py",
+                                            "pkg/a.py:3: cluster/launch.py"]

@@ -8,15 +8,15 @@ import pytest
 import yaml
 
 from helpers import run_cli
-from llama_fp8 import config as C
+from llama_fp8 import config
 
 
-def parse(*args: str) -> C.TrainConfig:
-    return C.parse_args(list(args))
+def parse(*args: str) -> config.TrainConfig:
+    return config.parse_args(list(args))
 
 
 def test_precedence_defaults_preset_file_flags(tmp_path):
-    assert C.TrainConfig.lr == 1e-4 and C.TrainConfig.weight_decay == 0.1   # defaults
+    assert config.TrainConfig.lr == 1e-4 and config.TrainConfig.weight_decay == 0.1   # defaults
     assert parse("--model", "tiny").lr == 3e-3                              # preset beats default
     f = tmp_path / "c.yaml"
     f.write_text("lr: 5.0e-4\nweight_decay: 0.2\nmax_steps: 7\n")
@@ -52,9 +52,11 @@ def test_both_flag_forms_and_bools():
     (["--min_lr", "1"], "--min_lr 1.0 is larger than --lr"),
     (["--fp8", "1", "--fp8_backend", "torchao", "--fp8_recipe", "delayed"], "--fp8_recipe delayed is a recipe of --fp8_backend te; with --fp8_backend torchao use one of tensorwise, rowwise"),
     (["--fp8", "1", "--fp8_backend", "te", "--fp8_recipe", "rowwise"], "is a recipe of --fp8_backend torchao; with --fp8_backend te use one of delayed"),
+    (["--activation_checkpointing", "2"], "activation_checkpointing='2' is not valid; valid: none, full, selective "
+                                          "(or 0 = none, 1 = full)"),
 ])
 def test_bad_values_name_flag_value_and_valid_range(args, needle):
-    with pytest.raises(C.ConfigError) as e:
+    with pytest.raises(config.ConfigError) as e:
         parse("--model", "tiny", *args)
     assert needle in str(e.value)
 
@@ -62,16 +64,16 @@ def test_bad_values_name_flag_value_and_valid_range(args, needle):
 def test_yaml_unknown_key_wrong_type_and_not_a_mapping(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("train_batch_sizee: 2\n")
-    with pytest.raises(C.ConfigError, match=r"unknown key 'train_batch_sizee' \(did you mean train_batch_size\?\)"):
+    with pytest.raises(config.ConfigError, match=r"unknown key 'train_batch_sizee' \(did you mean train_batch_size\?\)"):
         parse("--config", str(f))
     f.write_text("max_steps: many\n")
-    with pytest.raises(C.ConfigError, match=r"c.yaml: max_steps='many' is not valid"):
+    with pytest.raises(config.ConfigError, match=r"c.yaml: max_steps='many' is not valid"):
         parse("--config", str(f))
     f.write_text("- 1\n- 2\n")
-    with pytest.raises(C.ConfigError, match="expected a mapping"):
+    with pytest.raises(config.ConfigError, match="expected a mapping"):
         parse("--config", str(f))
     f.write_text("lr: [1\n")
-    with pytest.raises(C.ConfigError, match="not valid YAML"):
+    with pytest.raises(config.ConfigError, match="not valid YAML"):
         parse("--config", str(f))
 
 
@@ -102,10 +104,10 @@ def test_cli_bad_value_exit_code_2():
 
 
 def test_help_lists_every_flag_with_description():
-    text = C.build_parser().format_help()
-    for f in dataclasses.fields(C.TrainConfig):
+    text = config.build_parser().format_help()
+    for f in dataclasses.fields(config.TrainConfig):
         assert f"--{f.name}" in text, f.name
-        first_words = " ".join(C.help_of(f).split()[:3])
+        first_words = " ".join(config.help_of(f).split()[:3])
         assert first_words in " ".join(text.split()), f.name
 
 
@@ -117,7 +119,7 @@ def test_cli_help_exit_0():
 def test_asked_roundtrip_through_a_run_config_yaml(tmp_path):
     """A run's config.yaml (asked + resolved, written by plan.write_config) loads back as what was asked."""
     cfg = parse("--model", "llama3.1-8b", "--lr", "2e-4", "--fp8", "1")
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"asked": C.asked(cfg), "resolved": {"model_impl": "hf"}}))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"asked": config.asked(cfg), "resolved": {"model_impl": "hf"}}))
     data = yaml.safe_load((tmp_path / "config.yaml").read_text())["asked"]
     assert data["rope_scaling"]["rope_type"] == "llama3" and data["fp8"] is True
     again = parse("--config", str(tmp_path / "config.yaml"))
@@ -142,8 +144,26 @@ def test_lr_decay_iters_defaults_to_max_steps():
 
 
 def test_every_preset_loads():
-    for name in C.available_presets():
+    for name in config.available_presets():
         cfg = parse("--model", name)
-        assert all(getattr(cfg, n) is not None for n in C.MODEL_FIELDS if n != "rope_scaling"), name
+        assert all(getattr(cfg, n) is not None for n in config.MODEL_FIELDS if n != "rope_scaling"), name
     assert {"tiny", "llama2-7b", "llama2-13b", "llama2-70b", "llama3.1-8b", "llama3.1-70b", "llama3.2-1b",
-            "llama3.2-3b"} <= set(C.available_presets())
+            "llama3.2-3b"} <= set(config.available_presets())
+
+
+@pytest.mark.parametrize(("asked", "name"), [("none", "none"), ("full", "full"), ("selective", "selective"),
+                                             ("0", "none"), ("1", "full")])
+def test_activation_checkpointing_takes_names_and_reads_0_and_1_as_them(asked, name):
+    """none | full | selective (torchtitan's names); the older 0 and 1 still work and are recorded by name."""
+    cfg = parse("--model", "tiny", "--activation_checkpointing", asked)
+    assert cfg.activation_checkpointing == name and config.asked(cfg)["activation_checkpointing"] == name
+    assert "--activation_checkpointing {none,full,selective}" in config.build_parser().format_help()
+
+
+@pytest.mark.parametrize(("recorded", "name"), [(0, "none"), (1, "full"), ("0", "none"), ("1", "full")])
+def test_a_config_yaml_written_with_0_or_1_still_replays(tmp_path, recorded, name):
+    """A run folder's config.yaml from before the names (the value as a YAML string or number) runs again."""
+    f = tmp_path / "config.yaml"
+    f.write_text(yaml.safe_dump({"asked": {"model": "tiny", "activation_checkpointing": recorded},
+                                 "resolved": {"model_impl": "hf"}}))
+    assert parse("--config", str(f)).activation_checkpointing == name

@@ -26,7 +26,7 @@ TOKENS = 8192  # bench_linear rows: the training batch below (2 sequences of 409
 # ~51 GB of the 80), and the AWS sample's Llama 2 7B shape cut to 8 layers.
 MODELS: dict[str, tuple[tuple[str, ...], int]] = {
     "llama3.2-1b": (("--model", "llama3.2-1b", "--max_context_width", "4096"), 75),
-    "llama3.2-3b": (("--model", "llama3.2-3b", "--max_context_width", "4096", "--activation_checkpointing", "1"),
+    "llama3.2-3b": (("--model", "llama3.2-3b", "--max_context_width", "4096", "--activation_checkpointing", "full"),
                     150),
     "llama2-7b-8l": (("--model", "llama2-7b", "--num_layers", "8"), 150),
 }

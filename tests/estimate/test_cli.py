@@ -14,7 +14,7 @@ import pytest
 
 from llama_fp8 import config
 from llama_fp8.estimate import assess, cli, gpus, suggest
-from llama_fp8.estimate.flags import EstimateOptions, parse_estimate_args
+from llama_fp8.estimate.flags import EstimateOptions, build_estimate_parser, parse_estimate_args
 
 TINY = ["--model", "tiny", "--num_layers", "2", "--max_context_width", "128", "--train_batch_size", "2", "--model_impl",
         "hf"]
@@ -56,6 +56,16 @@ def test_every_estimate_flag_has_a_test_of_its_effect():
     names = {n.name for n in ast.parse(Path(__file__).read_text()).body if isinstance(n, ast.FunctionDef)}
     assert set(ESTIMATE_FLAG_TESTS) == {f.name for f in dataclasses.fields(EstimateOptions)}
     assert not [t for tests in ESTIMATE_FLAG_TESTS.values() for t in tests if t not in names]
+
+
+def test_each_estimate_flag_has_one_help_text_with_its_default():
+    """The field's help is the flag's help (the only text: the two used to disagree), with the field's default."""
+    shown = {a.dest: " ".join(a.help.split()) for a in build_estimate_parser()._actions if a.help}
+    for f in dataclasses.fields(EstimateOptions):
+        assert shown[f.name].startswith(f.metadata["help"]), f.name
+    assert shown["nodes"].endswith("(default: 1)") and shown["gpus_per_node"].endswith("(default: 8)")
+    assert shown["gpu"].endswith("(default: H100)") and shown["suggest"].endswith("(default: 1)")
+    assert "default" not in shown["gpu_memory_gib"] + shown["json"]
 
 
 @pytest.mark.parametrize("train_line", [
@@ -171,11 +181,11 @@ def te_cannot_run_here():
 
 def test_an_implementation_that_cannot_run_here_is_estimated_through_a_stated_stand_in(capsys):
     te = te_cannot_run_here()
-    code, out, _ = run_main(capsys, *TINY, "--model_impl", "te", "--activation_checkpointing", "1", "--json")
+    code, out, _ = run_main(capsys, *TINY, "--model_impl", "te", "--activation_checkpointing", "full", "--json")
     d = json.loads(out)
     assert code == 0 and d["model_impl"] == "hf" and "--model_impl te" in d["stand_in"]
     assert "stand-in" not in json.dumps(d["notes"]) and "approximation" in d["stand_in"]
-    _, text, _ = run_main(capsys, *TINY, "--model_impl", "te", "--activation_checkpointing", "1")
+    _, text, _ = run_main(capsys, *TINY, "--model_impl", "te", "--activation_checkpointing", "full")
     assert "STAND-IN: --model_impl te" in text
     # what the TE model itself refuses is refused here too, Transformer Engine installed or not
     code, out, err = run_main(capsys, *TINY, "--model_impl", "te", "--activation_checkpointing", "selective")
@@ -184,7 +194,7 @@ def test_an_implementation_that_cannot_run_here_is_estimated_through_a_stated_st
     assert "unavailable" not in vars(te)  # the availability override is gone again
     # through a stand-in, "does not fit" is its own exit code: a warning, never a stopped job (test_prejob.py),
     # unless what any implementation holds does not fit either (the floor, below)
-    te_args = [*TINY, "--model_impl", "te", "--activation_checkpointing", "1"]
+    te_args = [*TINY, "--model_impl", "te", "--activation_checkpointing", "full"]
     code, out, _ = run_main(capsys, *te_args, "--gpu_memory_gib", between_floor_and_needed(capsys, te_args),
                             "--suggest", "0", "--json")
     assert code == cli.EXIT_STAND_IN_DOES_NOT_FIT == 5 and json.loads(out)["verdict"]["status"] == "does not fit"
@@ -221,19 +231,20 @@ def test_auto_is_estimated_as_the_te_model_a_gpu_node_with_transformer_engine_ru
 
 
 def test_a_stand_ins_suggestions_are_those_the_jobs_implementation_takes():
-    """The TE model checkpoints whole blocks only (--activation_checkpointing 1) and has no tensor parallelism:
+    """The TE model checkpoints whole blocks only (--activation_checkpointing full) and has no tensor parallelism:
     the suggestions for a TE job are its changes, not the stand-in's (whose next level would be selective)."""
     te_cannot_run_here()
     e = assess.estimate(config.parse_args(TINY_AUTO + ["--model_impl", "te"]), EstimateOptions(suggest=False))
     assert e.measurement.decision.stand_in and e.measurement.decision.impl.name == "hf"
     found = {change.split(" (")[0]: cfg for change, cfg, _ in suggest.candidates(e)}
-    assert found["--activation_checkpointing 1"].activation_checkpointing == "1"
-    assert found["--activation_checkpointing 1"].model_impl == "te"  # estimated as the job's, i.e. its stand-in
+    assert found["--activation_checkpointing full"].activation_checkpointing == "full"
+    assert found["--activation_checkpointing full"].model_impl == "te"  # estimated as the job's, i.e. its stand-in
     assert not [c for c in found if "selective" in c or c.startswith("--tp_size")], list(found)
 
 
 @pytest.mark.parametrize(("argv", "words"), [
-    (["--fp8_all_gather", "1", "--activation_checkpointing", "1"], "--fp8_all_gather 1 with --activation_checkpointing 1"),
+    (["--fp8_all_gather", "1", "--activation_checkpointing", "full"],
+     "--fp8_all_gather 1 with --activation_checkpointing full"),
     (["--fp8_recipe", "block", "--fp8_all_gather", "1"], "--fp8_all_gather 1 with --fp8_recipe block"),
     (["--fp8_all_gather", "1", "--sharding_strategy", "hybrid", "--nodes", "2"], "works with plain FSDP only"),
     (["--fp8_recipe", "delayed", "--compile", "1"], "--fp8_recipe delayed cannot be combined with --compile 1"),
@@ -270,7 +281,7 @@ def test_through_a_stand_in_what_any_implementation_holds_still_decides():
     states as the optimizer step starts (the same for any implementation of these shapes) and the GPU terms that
     do not depend on the implementation are not: when they alone exceed the memory, the job cannot fit (exit 4,
     a verdict the batch script stops on); above them, the stand-in's "does not fit" stays a warning (exit 5)."""
-    args = [*TINY, "--model_impl", "te", "--activation_checkpointing", "1"]
+    args = [*TINY, "--model_impl", "te", "--activation_checkpointing", "full"]
     e = assess.estimate(config.parse_args(args), EstimateOptions(suggest=False))
     held = e.measurement.at_optimizer
     independent = [t for t in e.terms if t.added and t.any_implementation]

@@ -36,7 +36,7 @@ CASES = {
     "bf16": [],
     "fp8": ["--fp8", "1"],
     "fp8-all-gather": ["--fp8", "1", "--fp8_all_gather", "1"],
-    "ac-full": ["--activation_checkpointing", "1"],
+    "ac-full": ["--activation_checkpointing", "full"],
     "ac-selective": ["--activation_checkpointing", "selective"],
     "tp2": ["--tp_size", "2"],
     "fp8-tp2": ["--fp8", "1", "--tp_size", "2"],

@@ -61,7 +61,7 @@ def gpu_run(args: list[str]) -> dict:
     return {"tracked": m.peak_bytes, **seen}
 
 
-@pytest.mark.parametrize("variant", [[], ["--fp8", "1"], ["--activation_checkpointing", "1"]],
+@pytest.mark.parametrize("variant", [[], ["--fp8", "1"], ["--activation_checkpointing", "full"]],
                          ids=["bf16", "fp8", "ac-full"])
 def test_estimate_against_max_memory_allocated_and_reserved(variant):
     from llama_fp8 import config

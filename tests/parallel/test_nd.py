@@ -11,9 +11,7 @@ import pytest
 import torch
 
 from helpers import build_meta, run_cli, train_records
-from llama_fp8 import config as C
-from llama_fp8 import models, parallel
-from llama_fp8 import precision as P
+from llama_fp8 import config, models, parallel, precision
 from llama_fp8.errors import ConfigError
 from llama_fp8.parallel import ParallelDims
 from llama_fp8.parallel.context import StepContext, head_tail_index
@@ -46,14 +44,14 @@ def test_mesh_dims_fill_rank_coordinates_and_groups():
 
 
 def test_hybrid_shards_what_tp_and_cp_leave_of_a_node(caplog):
-    cfg = C.parse_args(["--model", "tiny", "--sharding_strategy", "hybrid", "--tp_size", "2"])
+    cfg = config.parse_args(["--model", "tiny", "--sharding_strategy", "hybrid", "--tp_size", "2"])
     d = ParallelDims.from_config(cfg, env(16, 8))
     assert (d.dp_replicate, d.dp_shard, d.tp) == (2, 4, 2)
     with pytest.raises(ConfigError, match="--tp_size 3 does not divide the 8 ranks of a node"):
-        ParallelDims.from_config(C.parse_args(["--model", "tiny", "--sharding_strategy", "hybrid", "--tp_size", "3",
+        ParallelDims.from_config(config.parse_args(["--model", "tiny", "--sharding_strategy", "hybrid", "--tp_size", "3",
                                                "--tie_word_embeddings", "0"]), env(24, 8))
     caplog.set_level("WARNING")
-    ParallelDims.from_config(C.parse_args(["--model", "tiny", "--tp_size", "3"]), env(6, 2))
+    ParallelDims.from_config(config.parse_args(["--model", "tiny", "--tp_size", "3"]), env(6, 2))
     assert "--tp_size 3 does not divide the 2 ranks of a node" in caplog.text
 
 
@@ -63,7 +61,7 @@ def test_hybrid_shards_what_tp_and_cp_leave_of_a_node(caplog):
     (["--cp_size", "2", "--max_context_width", "34"], r"not divisible by 2 x --cp_size 2 = 4"),
 ])
 def test_shapes_the_mesh_must_divide(flags, message):
-    cfg = C.parse_args(["--model", "tiny", "--tie_word_embeddings", "0", *flags])
+    cfg = config.parse_args(["--model", "tiny", "--tie_word_embeddings", "0", *flags])
     dims = ParallelDims.from_config(cfg, env(4, 4))
     with pytest.raises(ConfigError, match=message):
         parallel.check_shapes(cfg, dims)
@@ -73,18 +71,18 @@ def test_shapes_the_mesh_must_divide(flags, message):
 def test_what_tensor_and_context_parallelism_refuse():
     hf, te = models.get("hf"), models.get("te")
     with pytest.raises(ConfigError, match="--tp_size 2 with tied embeddings"):
-        hf.check(C.parse_args(["--model", "llama3.2-1b", "--tp_size", "2"]), CPU)
+        hf.check(config.parse_args(["--model", "llama3.2-1b", "--tp_size", "2"]), CPU)
     with pytest.raises(ConfigError, match="--cp_size 2 with the Hugging Face model needs CUDA"):
-        hf.check(C.parse_args(["--model", "tiny", "--cp_size", "2"]), CPU)
+        hf.check(config.parse_args(["--model", "tiny", "--cp_size", "2"]), CPU)
     with pytest.raises(ConfigError, match="--cp_comm_type a2a is for the TE model"):
-        hf.check(C.parse_args(["--model", "tiny", "--cp_size", "2", "--cp_comm_type", "a2a"]), torch.device("cuda", 0))
-    with pytest.raises(ConfigError, match=r"--tp_size 2 with --model_impl te: .*use --model_impl hf with "
-                                          r"--fp8_backend torchao"):
-        te.check(C.parse_args(["--model", "tiny", "--tp_size", "2"]), torch.device("cuda", 0))
+        hf.check(config.parse_args(["--model", "tiny", "--cp_size", "2", "--cp_comm_type", "a2a"]), torch.device("cuda", 0))
+    with pytest.raises(ConfigError, match=r"--tp_size 2: --model_impl te has no tensor-parallel plan: Transformer "
+                                          r"Engine's .*use --model_impl hf with --fp8_backend torchao"):
+        te.check(config.parse_args(["--model", "tiny", "--tp_size", "2"]), torch.device("cuda", 0))
     with pytest.raises(ConfigError, match="--cp_comm_type a2a spreads attention heads over the --cp_size 8"):
-        te.check(C.parse_args(["--model", "tiny", "--cp_size", "8", "--cp_comm_type", "a2a"]), torch.device("cuda", 0))
+        te.check(config.parse_args(["--model", "tiny", "--cp_size", "8", "--cp_comm_type", "a2a"]), torch.device("cuda", 0))
     with pytest.raises(ConfigError, match="--fp8_recipe rowwise with --tp_size 2: .*use --fp8_recipe tensorwise"):
-        P.resolve(C.parse_args(["--model", "tiny", "--fp8", "1", "--fp8_recipe", "rowwise", "--tp_size", "2"]), hf, CPU)
+        precision.resolve(config.parse_args(["--model", "tiny", "--fp8", "1", "--fp8_recipe", "rowwise", "--tp_size", "2"]), hf, CPU)
 
 
 def test_a_refused_layout_exits_2_naming_the_flag(tmp_path):
@@ -125,7 +123,7 @@ def test_causal_sdpa_for_context_parallelism_gives_hfs_logits():
     HF's own SDPA path computes."""
     from llama_fp8.models.hf.parallel import use_causal_sdpa
 
-    cfg = C.parse_args(["--model", "tiny", "--num_layers", "2", "--num_key_value_heads", "2"])
+    cfg = config.parse_args(["--model", "tiny", "--num_layers", "2", "--num_key_value_heads", "2"])
     torch.manual_seed(0)
     from transformers import LlamaForCausalLM
 
@@ -202,7 +200,7 @@ def test_resume_reshards_between_layouts(tmp_path):
 def test_tp_plan_covers_every_linear_and_norm_of_the_hf_model():
     from llama_fp8.models.hf.parallel import tensor_parallel_plan
 
-    model = build_meta(C.parse_args(["--model", "tiny", "--num_layers", "2", "--tie_word_embeddings", "0"]))
+    model = build_meta(config.parse_args(["--model", "tiny", "--num_layers", "2", "--tie_word_embeddings", "0"]))
     plan = tensor_parallel_plan(model, fp8_collectives=False)
     names = {n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
     names |= {n for n, m in model.named_modules() if "RMSNorm" in type(m).__name__}

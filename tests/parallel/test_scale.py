@@ -7,14 +7,10 @@ import pytest
 import torch
 
 from helpers import build_meta, read_metrics, train_records
-from llama_fp8 import checkpoint as K
-from llama_fp8 import config as C
-from llama_fp8 import models
-from llama_fp8 import precision as P
-from llama_fp8 import train as T
+from llama_fp8 import checkpoint, config, models, precision, train
 from llama_fp8.config import ConfigError
 from llama_fp8.parallel import DistEnv, ParallelDims
-from llama_fp8.train import build as B
+from llama_fp8.train import build
 
 BASE = ["--model", "tiny", "--device", "cpu", "--num_layers", "2", "--max_context_width", "32",
         "--train_batch_size", "2", "--logging_freq", "1", "--seed", "9", "--warmup", "0"]
@@ -22,7 +18,7 @@ BASE = ["--model", "tiny", "--device", "cpu", "--num_layers", "2", "--max_contex
 
 def losses(tmp_path, name: str, *args: str) -> list[float]:
     d = tmp_path / name
-    assert T.run(C.parse_args([*BASE, "--run_dir", str(d), *args])) == 0
+    assert train.run(config.parse_args([*BASE, "--run_dir", str(d), *args])) == 0
     return [r["loss"] for r in train_records(d)]
 
 
@@ -46,28 +42,28 @@ def test_parallel_dims_fill_and_validate():
 
 
 def test_hybrid_is_replicate_across_nodes_shard_within():
-    cfg = C.parse_args(["--model", "tiny", "--sharding_strategy", "hybrid"])
+    cfg = config.parse_args(["--model", "tiny", "--sharding_strategy", "hybrid"])
     d = ParallelDims.from_config(cfg, env(16, 8))
     assert (d.dp_replicate, d.dp_shard) == (2, 8)
-    full = ParallelDims.from_config(C.parse_args(["--model", "tiny"]), env(16, 8))
+    full = ParallelDims.from_config(config.parse_args(["--model", "tiny"]), env(16, 8))
     assert (full.dp_replicate, full.dp_shard) == (1, 16)
     with pytest.raises(ConfigError, match="hybrid sets the mesh itself"):
-        ParallelDims.from_config(C.parse_args(["--model", "tiny", "--sharding_strategy", "hybrid",
+        ParallelDims.from_config(config.parse_args(["--model", "tiny", "--sharding_strategy", "hybrid",
                                                "--dp_shard_size", "4"]), env(16, 8))
 
 
 # --- activation checkpointing, compile ------------------------------------------------------------------
 def test_activation_checkpointing_keeps_losses_and_checkpoint_names(tmp_path):
     plain = losses(tmp_path, "plain", "--max_steps", "4")
-    full = losses(tmp_path, "full", "--max_steps", "4", "--activation_checkpointing", "1")
+    full = losses(tmp_path, "full", "--max_steps", "4", "--activation_checkpointing", "full")
     sel = losses(tmp_path, "sel", "--max_steps", "4", "--activation_checkpointing", "selective")
     # Recomputation replays the same CPU kernels: identical up to BF16 rounding order.
     assert full == pytest.approx(plain, rel=1e-4) and sel == pytest.approx(plain, rel=1e-4)
     # A checkpoint written with AC loads without it: parameter names do not carry the wrapper.
     ac = tmp_path / "ac"
-    assert T.run(C.parse_args([*BASE, "--run_dir", str(ac), "--max_steps", "2", "--checkpoint_freq", "2",
-                               "--lr_decay_iters", "4", "--activation_checkpointing", "1"])) == 0
-    assert T.run(C.parse_args([*BASE, "--run_dir", str(ac), "--max_steps", "4"])) == 0
+    assert train.run(config.parse_args([*BASE, "--run_dir", str(ac), "--max_steps", "2", "--checkpoint_freq", "2",
+                               "--lr_decay_iters", "4", "--activation_checkpointing", "full"])) == 0
+    assert train.run(config.parse_args([*BASE, "--run_dir", str(ac), "--max_steps", "4"])) == 0
     assert [r["loss"] for r in train_records(ac)][2:] == pytest.approx(plain[2:], rel=1e-4)
 
 
@@ -75,15 +71,15 @@ def test_activation_checkpointing_wraps_every_block(tmp_path, monkeypatch):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     seen = {}
-    real = B.build_model
+    real = build.build_model
 
     def spy(*args):
         built = real(*args)
         seen["types"] = [type(layer) for layer in built[0].model.layers]
         return built
 
-    monkeypatch.setattr(B, "build_model", spy)
-    losses(tmp_path, "w", "--max_steps", "1", "--activation_checkpointing", "1")
+    monkeypatch.setattr(build, "build_model", spy)
+    losses(tmp_path, "w", "--max_steps", "1", "--activation_checkpointing", "full")
     assert seen["types"] and all(issubclass(t, CheckpointWrapper) for t in seen["types"])
 
 
@@ -105,26 +101,26 @@ def test_fp8_all_gather_tracks_plain_fp8(tmp_path):
 
 
 def test_fp8_all_gather_sets_torchao_and_refuses_what_cannot_work():
-    cfg = C.parse_args([*BASE, "--fp8", "1", "--fp8_all_gather", "1"])
+    cfg = config.parse_args([*BASE, "--fp8", "1", "--fp8_all_gather", "1"])
     hf = models.get("hf")
-    choice = P.resolve(cfg, hf, torch.device("cpu"), world_size=1)
-    model = P.build(choice, hf, cfg).convert(build_meta(cfg))
+    choice = precision.resolve(cfg, hf, torch.device("cpu"), world_size=1)
+    model = precision.build(choice, hf, cfg).convert(build_meta(cfg))
     assert model.model.layers[0].mlp.up_proj.config.enable_fsdp_float8_all_gather is True
     with pytest.raises(ConfigError, match="tensorwise recipe only"):
-        P.resolve(C.parse_args([*BASE, "--fp8", "1", "--fp8_all_gather", "1", "--fp8_recipe", "rowwise"]), hf,
+        precision.resolve(config.parse_args([*BASE, "--fp8", "1", "--fp8_all_gather", "1", "--fp8_recipe", "rowwise"]), hf,
                   torch.device("cpu"))
     # gloo carries FSDP2's uint8-packed mixed-dtype all-gather: 2 CPU ranks run it (precision/test_fp8_check.py)
-    assert P.resolve(cfg, hf, torch.device("cpu"), world_size=2).all_gather is True
+    assert precision.resolve(cfg, hf, torch.device("cpu"), world_size=2).all_gather is True
     with pytest.raises(ConfigError, match="needs --fp8 1"):
-        C.parse_args([*BASE, "--fp8_all_gather", "1"])
+        config.parse_args([*BASE, "--fp8_all_gather", "1"])
 
 
 def test_cpu_offload_and_fp8_optimizer_say_they_need_cuda(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("CUDA present: these run for real (tests/gpu)")
-    assert T.run(C.parse_args([*BASE, "--run_dir", str(tmp_path / "a"), "--cpu_offload", "1"])) == 2
+    assert train.run(config.parse_args([*BASE, "--run_dir", str(tmp_path / "a"), "--cpu_offload", "1"])) == 2
     assert "--cpu_offload 1 moves parameters between GPU and host memory" in capsys.readouterr().err
-    assert T.run(C.parse_args([*BASE, "--run_dir", str(tmp_path / "b"), "--optimizer", "adamw_fp8"])) == 2
+    assert train.run(config.parse_args([*BASE, "--run_dir", str(tmp_path / "b"), "--optimizer", "adamw_fp8"])) == 2
     assert "--optimizer adamw_fp8 needs CUDA" in capsys.readouterr().err
 
 
@@ -149,9 +145,9 @@ def test_adamw8bit_trains_checkpoints_and_resumes_exactly(tmp_path):
     full = losses(tmp_path, "full", "--max_steps", "4", "--optimizer", "adamw8bit", "--lr_decay_iters", "4")
     d = tmp_path / "r"
     args = [*BASE, "--run_dir", str(d), "--optimizer", "adamw8bit", "--lr_decay_iters", "4", "--checkpoint_freq", "2"]
-    assert T.run(C.parse_args([*args, "--max_steps", "2"])) == 0
-    assert [s for s, _ in K.complete_checkpoints(d / "checkpoints")] == [2]
-    assert T.run(C.parse_args([*args, "--max_steps", "4"])) == 0
+    assert train.run(config.parse_args([*args, "--max_steps", "2"])) == 0
+    assert [s for s, _ in checkpoint.complete_checkpoints(d / "checkpoints")] == [2]
+    assert train.run(config.parse_args([*args, "--max_steps", "4"])) == 0
     assert [r["loss"] for r in train_records(d)][2:] == full[2:]
     plain = losses(tmp_path, "plain", "--max_steps", "4", "--lr_decay_iters", "4")
     assert full[0] == plain[0] and full[1:] != plain[1:]   # same init and data; different optimizer state

@@ -9,27 +9,25 @@ import torch
 from torch import nn
 
 from helpers import build_meta
-from llama_fp8 import config as C
-from llama_fp8 import models
-from llama_fp8 import precision as P
+from llama_fp8 import config, models, precision
 from llama_fp8.precision import torchao as AO
 
 CPU = torch.device("cpu")
 HF, TE = models.get("hf"), models.get("te")
 
 
-def cfg_for(*args: str) -> C.TrainConfig:
-    return C.parse_args(["--model", "tiny", *args])
+def cfg_for(*args: str) -> config.TrainConfig:
+    return config.parse_args(["--model", "tiny", *args])
 
 
-def converted(cfg: C.TrainConfig) -> tuple[nn.Module, P.PrecisionChoice]:
-    choice = P.resolve(cfg, HF, CPU)
-    return P.build(choice, HF, cfg).convert(build_meta(cfg)), choice
+def converted(cfg: config.TrainConfig) -> tuple[nn.Module, precision.PrecisionChoice]:
+    choice = precision.resolve(cfg, HF, CPU)
+    return precision.build(choice, HF, cfg).convert(build_meta(cfg)), choice
 
 
 def test_fp8_off_is_plain_bf16_or_fp32():
-    assert P.resolve(cfg_for(), HF, CPU).name == "bf16"
-    assert P.resolve(cfg_for("--bf16", "0"), HF, CPU).name == "fp32"
+    assert precision.resolve(cfg_for(), HF, CPU).name == "bf16"
+    assert precision.resolve(cfg_for("--bf16", "0"), HF, CPU).name == "fp32"
     model, prec = converted(cfg_for())
     assert prec.backend == "none" and not any(type(m).__name__ == "Float8Linear" for m in model.modules())
 
@@ -62,17 +60,17 @@ def test_fp8_recipe_reaches_torchao(recipe, granularity):
 
 
 def test_backend_auto_picks_torchao_for_hf_and_te_for_te():
-    assert P.resolve(cfg_for("--fp8", "1"), HF, CPU).backend == "torchao"
-    with pytest.raises(C.ConfigError, match="needs a CUDA GPU|--fp8_backend te"):
-        P.resolve(cfg_for("--fp8", "1"), TE, CPU)
+    assert precision.resolve(cfg_for("--fp8", "1"), HF, CPU).backend == "torchao"
+    with pytest.raises(config.ConfigError, match="needs a CUDA GPU|--fp8_backend te"):
+        precision.resolve(cfg_for("--fp8", "1"), TE, CPU)
 
 
 def test_backend_and_model_impl_mismatch_errors():
-    with pytest.raises(C.ConfigError, match="--fp8_backend te does not work with --model_impl hf.*needs --model_impl te"):
-        P.resolve(cfg_for("--fp8", "1", "--fp8_backend", "te"), HF, CPU, others=models.implementations())
-    with pytest.raises(C.ConfigError, match="--fp8_backend torchao does not work with --model_impl te.*needs "
+    with pytest.raises(config.ConfigError, match="--fp8_backend te does not work with --model_impl hf.*needs --model_impl te"):
+        precision.resolve(cfg_for("--fp8", "1", "--fp8_backend", "te"), HF, CPU, others=models.implementations())
+    with pytest.raises(config.ConfigError, match="--fp8_backend torchao does not work with --model_impl te.*needs "
                                             "--model_impl hf"):
-        P.resolve(cfg_for("--fp8", "1", "--fp8_backend", "torchao"), TE, CPU, others=models.implementations())
+        precision.resolve(cfg_for("--fp8", "1", "--fp8_backend", "torchao"), TE, CPU, others=models.implementations())
 
 
 def test_emulated_forward_backward_close_to_bf16():
@@ -103,19 +101,19 @@ def test_te_backend_plumbs_recipe_flags_and_checks_before_building(monkeypatch):
     cuda = torch.device("cuda", 0)
     cfg = cfg_for("--fp8", "1", "--fp8_backend", "te", "--fp8_recipe", "delayed", "--fp8_amax_history_len", "16",
                   "--fp8_amax_compute_algo", "most_recent")
-    choice = P.resolve(cfg, TE, cuda)
+    choice = precision.resolve(cfg, TE, cuda)
     assert choice.name == "fp8-te-delayed" and choice.emulated is False
-    P.build(choice, TE, cfg)
+    precision.build(choice, TE, cfg)
     assert calls["recipe"] == ("delayed", 16, "most_recent")
     assert te_recipes.recipe_spec("delayed", 16, "most_recent") == (
         "DelayedScaling", {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "most_recent"})
-    with pytest.raises(C.ConfigError, match="delayed cannot be combined with --compile 1"):
-        P.resolve(cfg_for("--fp8", "1", "--fp8_backend", "te", "--fp8_recipe", "delayed", "--compile", "1"), TE, cuda)
+    with pytest.raises(config.ConfigError, match="delayed cannot be combined with --compile 1"):
+        precision.resolve(cfg_for("--fp8", "1", "--fp8_backend", "te", "--fp8_recipe", "delayed", "--compile", "1"), TE, cuda)
     # auto picks current scaling (stateless, compile-compatible), with or without torch.compile
-    assert P.resolve(cfg_for("--fp8", "1", "--compile", "1"), TE, cuda).recipe == "current"
-    assert P.resolve(cfg_for("--fp8", "1"), TE, cuda).name == "fp8-te-current"
-    with pytest.raises(C.ConfigError, match="mxfp8 on NVIDIA H100"):
-        P.resolve(cfg_for("--fp8", "1", "--fp8_backend", "te", "--fp8_recipe", "mxfp8"), TE, cuda)
+    assert precision.resolve(cfg_for("--fp8", "1", "--compile", "1"), TE, cuda).recipe == "current"
+    assert precision.resolve(cfg_for("--fp8", "1"), TE, cuda).name == "fp8-te-current"
+    with pytest.raises(config.ConfigError, match="mxfp8 on NVIDIA H100"):
+        precision.resolve(cfg_for("--fp8", "1", "--fp8_backend", "te", "--fp8_recipe", "mxfp8"), TE, cuda)
 
 
 def test_te_fp8_parameters_refuse_what_te_cannot_do_before_building(monkeypatch):
@@ -128,20 +126,20 @@ def test_te_fp8_parameters_refuse_what_te_cannot_do_before_building(monkeypatch)
     monkeypatch.setattr(te_recipes, "te_version", lambda: "2.20.2")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     cuda, ag = torch.device("cuda", 0), ["--fp8", "1", "--fp8_all_gather", "1"]
-    assert P.resolve(cfg_for(*ag), TE, cuda).all_gather is True  # current scaling: fine
-    assert P.resolve(cfg_for(*ag, "--fp8_recipe", "delayed"), TE, cuda).all_gather is True
-    with pytest.raises(C.ConfigError, match="--fp8_recipe block: .*TE's own tests mark it failing.*use "
+    assert precision.resolve(cfg_for(*ag), TE, cuda).all_gather is True  # current scaling: fine
+    assert precision.resolve(cfg_for(*ag, "--fp8_recipe", "delayed"), TE, cuda).all_gather is True
+    with pytest.raises(config.ConfigError, match="--fp8_recipe block: .*TE's own tests mark it failing.*use "
                                             "--fp8_recipe delayed or current"):
-        P.resolve(cfg_for(*ag, "--fp8_recipe", "block"), TE, cuda)
-    with pytest.raises(C.ConfigError, match="works with plain FSDP only"):
-        P.resolve(cfg_for(*ag, "--sharding_strategy", "hybrid"), TE, cuda)
-    with pytest.raises(C.ConfigError, match="works with plain FSDP only"):
-        P.resolve(cfg_for(*ag, "--dp_replicate_size", "2"), TE, cuda)
-    with pytest.raises(C.ConfigError, match="--init_from_hf with --fp8_all_gather 1"):
-        P.resolve(cfg_for(*ag, "--init_from_hf", "/some/dir"), TE, cuda)
+        precision.resolve(cfg_for(*ag, "--fp8_recipe", "block"), TE, cuda)
+    with pytest.raises(config.ConfigError, match="works with plain FSDP only"):
+        precision.resolve(cfg_for(*ag, "--sharding_strategy", "hybrid"), TE, cuda)
+    with pytest.raises(config.ConfigError, match="works with plain FSDP only"):
+        precision.resolve(cfg_for(*ag, "--dp_replicate_size", "2"), TE, cuda)
+    with pytest.raises(config.ConfigError, match="--init_from_hf with --fp8_all_gather 1"):
+        precision.resolve(cfg_for(*ag, "--init_from_hf", "/some/dir"), TE, cuda)
     monkeypatch.setattr(te_recipes, "te_version", lambda: "2.9.0")
-    with pytest.raises(C.ConfigError, match=r"need Transformer Engine >= 2\.10 .*found 2\.9\.0"):
-        P.resolve(cfg_for(*ag), TE, cuda)
+    with pytest.raises(config.ConfigError, match=r"need Transformer Engine >= 2\.10 .*found 2\.9\.0"):
+        precision.resolve(cfg_for(*ag), TE, cuda)
 
 
 @pytest.mark.parametrize("recipe", ["current", "delayed"])
@@ -158,13 +156,13 @@ def test_te_fp8_parameters_with_activation_checkpointing_are_refused_naming_both
     monkeypatch.setattr(te_recipes, "te_version", lambda: "2.20.2")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     cuda, base = torch.device("cuda", 0), ["--fp8", "1", "--fp8_recipe", recipe]
-    with pytest.raises(C.ConfigError) as e:
-        P.resolve(cfg_for(*base, "--fp8_all_gather", "1", "--activation_checkpointing", "1"), TE, cuda)
+    with pytest.raises(config.ConfigError) as e:
+        precision.resolve(cfg_for(*base, "--fp8_all_gather", "1", "--activation_checkpointing", "full"), TE, cuda)
     msg = str(e.value)
-    assert "--fp8_all_gather 1" in msg and "--activation_checkpointing 1" in msg
-    assert "--activation_checkpointing 0" in msg and "--fp8_all_gather 0" in msg  # the two ways out
-    assert P.resolve(cfg_for(*base, "--fp8_all_gather", "1"), TE, cuda).all_gather is True
-    assert P.resolve(cfg_for(*base, "--activation_checkpointing", "1"), TE, cuda).all_gather is False
+    assert "--fp8_all_gather 1" in msg and "--activation_checkpointing full" in msg
+    assert "--activation_checkpointing none" in msg and "--fp8_all_gather 0" in msg  # the two ways out
+    assert precision.resolve(cfg_for(*base, "--fp8_all_gather", "1"), TE, cuda).all_gather is True
+    assert precision.resolve(cfg_for(*base, "--activation_checkpointing", "full"), TE, cuda).all_gather is False
 
 
 def test_the_recipe_table_is_static_data():
@@ -182,7 +180,7 @@ def test_the_recipe_table_is_static_data():
     assert {(r.backend, r.name) for r in recipes.RECIPES} == {
         ("torchao", "tensorwise"), ("torchao", "rowwise"), ("te", "delayed"), ("te", "current"), ("te", "mxfp8"),
         ("te", "block")}
-    assert C.build_parser()._option_string_actions["--fp8_recipe"].metavar == \
+    assert config.build_parser()._option_string_actions["--fp8_recipe"].metavar == \
         "{auto,tensorwise,rowwise,delayed,current,mxfp8,block}"
 
 
@@ -202,7 +200,7 @@ def test_auto_recipe_is_decided_by_the_table_for_every_caller(monkeypatch):
     monkeypatch.setattr(recipes, "RECIPES", recipes.RECIPES[:2] + tuple(
         dataclasses.replace(r, default=r.name == "mxfp8") for r in rows[2:]))
     monkeypatch.setattr(AO.TORCHAO, "library_version", lambda: "0.15.0")
-    assert P.resolve(cfg_for("--fp8", "1"), HF, CPU).recipe == "tensorwise"
+    assert precision.resolve(cfg_for("--fp8", "1"), HF, CPU).recipe == "tensorwise"
     import argparse
 
     own = argparse.Namespace(device="cpu", model_impl="te", fp8=None, fp8_backend=None, dataset=None,
@@ -212,3 +210,58 @@ def test_auto_recipe_is_decided_by_the_table_for_every_caller(monkeypatch):
     monkeypatch.setattr(TE_BACKEND, "library_version", lambda: "2.20.0")
     got = preflight.check_fp8_features(preflight.resolve(own, ["--model", "tiny", "--fp8", "1"]))
     assert (got.status, got.message) == ("OK", "te mxfp8 with transformer_engine 2.20.0")
+
+
+def test_the_recipe_is_decided_in_one_function_that_config_validation_and_the_resolver_ask(monkeypatch):
+    """The recipe decision is precision's (``_choose_recipe``, behind ``resolve``); config validation asks it for
+    what the flags settle instead of deciding again, so the two cannot disagree."""
+    asked, decide = [], precision._choose_recipe
+
+    def spy(backend, recipe, compile):
+        asked.append((backend, recipe, compile))
+        return decide(backend, recipe, compile)
+
+    monkeypatch.setattr(precision, "_choose_recipe", spy)
+    cfg = cfg_for("--fp8", "1", "--fp8_backend", "torchao", "--compile", "1")
+    assert asked == [("torchao", "auto", True)]  # config validation asked
+    assert precision.resolve(cfg, HF, CPU).recipe == "tensorwise" and asked[1:] == [("torchao", "auto", True)]
+    monkeypatch.setattr(precision, "_choose_recipe", lambda *_: (_ for _ in ()).throw(config.ConfigError("no")))
+    with pytest.raises(config.ConfigError, match="^no$"):  # so a rule changed there is changed for the parser too
+        cfg_for("--fp8", "1", "--fp8_backend", "torchao")
+
+
+def _runtime_calls(folder) -> set[str]:
+    """Methods ``folder``'s code calls on a precision runtime (``prec.x(...)``, ``state.precision.x(...)``; not
+    the plan's choice, ``plan.precision``)."""
+    import ast
+
+    out = set()
+    for path in folder.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            owner = node.func.value
+            if isinstance(owner, ast.Name) and owner.id == "prec" or (
+                    isinstance(owner, ast.Attribute) and owner.attr == "precision"
+                    and not (isinstance(owner.value, ast.Attribute) and owner.value.attr == "plan")
+                    and not (isinstance(owner.value, ast.Name) and owner.value.id == "plan")):
+                out.add(node.func.attr)
+    return out
+
+
+def test_the_runtime_protocol_is_what_training_calls_and_every_runtime_has_it():
+    import typing
+
+    from helpers import REPO
+    from llama_fp8.models.te.fp8.precision import TEFp8
+    from llama_fp8.train.state import TrainState
+
+    declared = {name for name, value in vars(precision.Runtime).items() if callable(value) and name[0] != "_"}
+    called = _runtime_calls(REPO / "src" / "llama_fp8" / "train") | _runtime_calls(REPO / "src" / "llama_fp8" /
+                                                                                  "estimate")
+    assert {"autocast", "post_step", "report", "convert"} <= called, called  # the scan sees the loop's calls
+    assert called <= declared, f"called but not in precision.Runtime: {called - declared}"
+    for runtime in (precision.Plain, AO.TorchaoFp8, TEFp8):
+        assert all(callable(getattr(runtime, name, None)) for name in declared), runtime
+    assert typing.get_type_hints(TrainState)["precision"] is precision.Runtime
+    assert typing.get_type_hints(precision.build)["return"] is precision.Runtime

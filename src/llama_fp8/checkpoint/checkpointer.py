@@ -19,11 +19,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from llama_fp8 import faults
-from llama_fp8.checkpoint import dcp_read as D
-from llama_fp8.checkpoint import files as F
-from llama_fp8.checkpoint import layout as L
-from llama_fp8.checkpoint import manifest as M
-from llama_fp8.checkpoint import writer as W
+from llama_fp8.checkpoint import dcp_read, layout, manifest
+from llama_fp8.checkpoint import files as rank_files
 from llama_fp8.checkpoint.restore import (
     _entry,
     _jsonable,
@@ -34,6 +31,7 @@ from llama_fp8.checkpoint.restore import (
     check_fits,
     read_rank_file,
 )
+from llama_fp8.checkpoint.writer import HashingFileSystemWriter
 from llama_fp8.errors import AgreedError, ConfigError
 
 log = logging.getLogger("llama_fp8.checkpoint")
@@ -71,7 +69,7 @@ class Checkpointer:
     def save(self, step: int, model, optimizer, scheduler, loader, cfg, plan=None) -> None:
         """Write checkpoint ``step``; with async_save, returns once the state is staged in host memory."""
         self.wait()  # at most one save in flight: the previous one is finalized first
-        final, tmp = self.dir / f"step_{step}", self.dir / f"step_{step}{L.TMP}"
+        final, tmp = self.dir / f"step_{step}", self.dir / f"step_{step}{layout.TMP}"
         t0 = time.perf_counter()
         self._agree(step, lambda: self._prepare(tmp) if self.rank == 0 else None)
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -80,7 +78,7 @@ class Checkpointer:
         state = {"model": model_sd, "optim": optim_sd}
         if not self.async_save:
             try:
-                writer = W.HashingFileSystemWriter(str(tmp), M.HASHERS[M.ALGORITHM])
+                writer = HashingFileSystemWriter(str(tmp), manifest.HASHERS[manifest.ALGORITHM])
                 written = dcp.save(state, storage_writer=writer, process_group=self._pg)
                 sums, error = self._my_sums(tmp, written, writer.digests), None
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported on every rank below
@@ -89,7 +87,7 @@ class Checkpointer:
             log.info("checkpoint saved: %s (%.2f s)", final, time.perf_counter() - t0)
             return
         try:
-            writer = W.HashingFileSystemWriter(str(tmp), M.HASHERS[M.ALGORITHM])
+            writer = HashingFileSystemWriter(str(tmp), manifest.HASHERS[manifest.ALGORITHM])
             fut = dcp.async_save(state, storage_writer=writer, process_group=self._pg, async_stager=self._stager)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - a staging error: agreed on in wait()
             fut = Future()
@@ -114,26 +112,26 @@ class Checkpointer:
     def _prepare(self, tmp: Path) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         if not self._swept:  # interrupted saves and deletions of an earlier attempt, once per run: a later
-            L.remove_leftovers(self.dir)  # step_N.old is this run's, being deleted by the background deleter,
+            layout.remove_leftovers(self.dir)  # step_N.old is this run's, being deleted by the background deleter,
             self._swept = True  # and removing it here would hold up training for the whole deletion
         tmp.mkdir()
 
     def _write_own(self, tmp: Path, step: int, scheduler, loader, cfg, plan) -> None:
         """This rank's data position and RNG states; on rank 0 also train_state.json."""
         self._own_digests = {}
-        blob = F.write_rank_state(tmp / F.RANK_FILE.format(self.rank), {"loader": loader.state_dict(),
-                                                                         "rng": _rng_state()})
-        self._own_digests[F.RANK_FILE.format(self.rank)] = M.digest_bytes(blob)
+        own_file = rank_files.RANK_FILE.format(self.rank)
+        blob = rank_files.write_rank_state(tmp / own_file, {"loader": loader.state_dict(), "rng": _rng_state()})
+        self._own_digests[own_file] = manifest.digest_bytes(blob)
         if self.rank == 0:
             body = json.dumps({
                 "step": step, "world_size": self.world, "scheduler": _jsonable(scheduler.state_dict()),
                 "config": {k: v for k, v in asdict(cfg).items() if k != "config"},
                 "plan": None if plan is None else plan.to_dict()}, default=str, indent=1)
-            with open(tmp / M.TRAIN_STATE, "wb") as f:
+            with open(tmp / manifest.TRAIN_STATE, "wb") as f:
                 f.write(body.encode())
                 f.flush()
                 os.fsync(f.fileno())
-            self._own_digests[M.TRAIN_STATE] = M.digest_bytes(body.encode())
+            self._own_digests[manifest.TRAIN_STATE] = manifest.digest_bytes(body.encode())
 
     def _sums_after(self, fut, tmp: Path, digests: dict) -> dict:
         """Background thread of an async save: wait for DCP's write, then checksum this rank's files."""
@@ -149,13 +147,14 @@ class Checkpointer:
         from torch.distributed.checkpoint.metadata import Metadata
 
         if not isinstance(written, Metadata):  # another torch's return value: DCP's own record of the save
-            written = D.read_dcp_metadata(tmp)
-        names = sorted(M.owned_files(written, self.rank, self.world)) + [F.RANK_FILE.format(self.rank)]
+            written = dcp_read.read_dcp_metadata(tmp)
+        names = sorted(manifest.owned_files(written, self.rank, self.world))
+        names.append(rank_files.RANK_FILE.format(self.rank))
         if self.rank == 0:
-            names += [".metadata", M.TRAIN_STATE]
+            names += [".metadata", manifest.TRAIN_STATE]
         known = {**digests, **self._own_digests}  # hashed while written: no second pass over the bytes
-        out = {n: M.entry(*known[n]) for n in names if n in known}
-        return {**out, **M.sums(tmp, [n for n in names if n not in known])}
+        out = {n: manifest.entry(*known[n]) for n in names if n in known}
+        return {**out, **manifest.sums(tmp, [n for n in names if n not in known])}
 
     def _finalize(self, tmp: Path, final: Path, step: int, sums: dict | None, error: str | None) -> None:
         """Every rank: agree that all wrote their files. Rank 0: manifest, rename, retention."""
@@ -169,21 +168,22 @@ class Checkpointer:
                 faults.at("save.marker_written", step)
                 return
             files = {k: v for s, _ in gathered for k, v in s.items()}
-            M.check_against_metadata(tmp, files)  # nothing DCP wrote is missing from the manifest
-            M.write_manifest(tmp, step, self.world, files)
+            manifest.check_against_metadata(tmp, files)  # nothing DCP wrote is missing from the manifest
+            manifest.write_manifest(tmp, step, self.world, files)
             faults.at("save.marker_written", step)
             old = None
-            if final.exists() and not (final / M.MARKER).is_file():  # not ours: kept, named
+            if final.exists() and not (final / manifest.MARKER).is_file():  # not ours: kept, named
+                aside = layout.set_aside(final, layout.INCOMPLETE).name
                 log.warning("%s has no COMPLETE marker (not a checkpoint of this run); renamed to %s before "
-                            "saving step %d there, not deleted", final, L.set_aside(final, L.INCOMPLETE).name, step)
+                            "saving step %d there, not deleted", final, aside, step)
             elif final.exists():
-                old = L.retire(final)  # the same step from an earlier attempt
+                old = layout.retire(final)  # the same step from an earlier attempt
             tmp.rename(final)
-            L.fsync_dir(self.dir)
+            layout.fsync_dir(self.dir)
             faults.at("save.renamed", step)
             doomed = [old] if old is not None else []
-            for _, done in L.complete_checkpoints(self.dir)[:-self.keep] if self.keep > 0 else []:
-                doomed.append(L.retire(done))
+            for _, done in layout.complete_checkpoints(self.dir)[:-self.keep] if self.keep > 0 else []:
+                doomed.append(layout.retire(done))
                 faults.at("save.pruning", step)
             for folder in doomed:  # no longer candidates: deleting their files need not hold up training
                 self._deleter.submit(shutil.rmtree, folder, ignore_errors=True)
@@ -208,14 +208,14 @@ class Checkpointer:
             error = _describe(e)
         errors = self._gather(error)
         if any(errors):
-            self._fail(step, tmp or self.dir / f"step_{step}{L.TMP}", _merge(errors))
+            self._fail(step, tmp or self.dir / f"step_{step}{layout.TMP}", _merge(errors))
 
     def _fail(self, step: int, tmp: Path, why: str) -> None:
         space = _space(self.dir)  # before the partial files are removed
         self._gather(None)  # every rank has looked before rank 0 frees the space
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # never left to look like a save in progress
-        done = L.complete_checkpoints(self.dir)
+        done = layout.complete_checkpoints(self.dir)
         intact = f"the latest complete checkpoint ({done[-1][1].name}) is intact" if done else \
             "there is no earlier complete checkpoint"
         raise CheckpointWriteError(f"checkpoint step_{step} was not saved to {self.dir}: {why}; {space}; nothing of "
@@ -236,14 +236,14 @@ class Checkpointer:
 
         def first() -> None:
             got["files"] = _manifest_files(path)
-            got["meta"] = M.read_train_state(path, _entry(got["files"], M.TRAIN_STATE))
+            got["meta"] = manifest.read_train_state(path, _entry(got["files"], manifest.TRAIN_STATE))
             got["dcp"] = check_fits(path, state, _entry(got["files"], ".metadata"))
 
         self._agreed_load(path, first)
         files, meta = got["files"], got["meta"]
         try:  # reshards to this world size; DCP raises on every rank if a read failed on any
-            dcp.load(state, storage_reader=D.SafeFileSystemReader(str(path), files, got["dcp"]),
-                     planner=D.SafeLoadPlanner(), process_group=self._pg)
+            dcp.load(state, storage_reader=dcp_read.SafeFileSystemReader(str(path), files, got["dcp"]),
+                     planner=dcp_read.SafeLoadPlanner(), process_group=self._pg)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line naming the checkpoint
             raise AgreedError(f"cannot load {path}: {_describe(e)}") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -254,7 +254,7 @@ class Checkpointer:
             try:
                 _load_scheduler(scheduler, optimizer, meta["scheduler"])
             except (TypeError, ValueError, KeyError, AttributeError) as e:
-                raise ConfigError(f"{path / M.TRAIN_STATE}: field 'scheduler' cannot be loaded "
+                raise ConfigError(f"{path / manifest.TRAIN_STATE}: field 'scheduler' cannot be loaded "
                                   f"({type(e).__name__}: {e})") from None
             if same:
                 loader.load_state_dict(extra["loader"])

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 
-from llama_fp8.checkpoint import safe_io as S
+from llama_fp8.checkpoint import safe_io
 from llama_fp8.checkpoint.safe_io import UnsafeCheckpointFile
 
 # --- DCP metadata and non-tensor entries -------------------------------------------------------------
@@ -103,7 +103,7 @@ def read_dcp_metadata(path: Path, want: dict | None = None) -> Metadata:
     are unpickled); UnsafeCheckpointFile if it is unreadable, unsafe, or names files outside ``path``."""
     file = Path(path) / ".metadata"
     try:
-        blob = S.read_checked(file, want, S.MAX_METADATA, S.HASHERS)
+        blob = safe_io.read_checked(file, want, safe_io.MAX_METADATA, safe_io.HASHERS)
         meta = _MetadataUnpickler(io.BytesIO(blob)).load()
     except OSError as e:
         raise UnsafeCheckpointFile(file, f"cannot be read: {e}") from None
@@ -130,7 +130,7 @@ def _check_storage(file: Path, meta: Metadata) -> None:
                 and info.offset >= 0 and info.length >= 0):
             raise UnsafeCheckpointFile(file, f"holds a malformed storage entry {info!r}")
         try:
-            S.confined(file.parent, info.relative_path)
+            safe_io.confined(file.parent, info.relative_path)
         except UnsafeCheckpointFile as e:
             raise UnsafeCheckpointFile(file, f"points outside the checkpoint folder: {e.reason}") from None
 
@@ -150,26 +150,26 @@ class _CheckedFileSystem(FileSystem):
         if mode != "rb":
             raise UnsafeCheckpointFile(Path(path), "a checkpoint being loaded is never written")
         name = Path(path).name
-        file = S.confined(self.folder, name)
+        file = safe_io.confined(self.folder, name)
         if Path(path) != file:
             raise UnsafeCheckpointFile(Path(path), "is not a file of the checkpoint folder")
         if self.files is None:  # no checksums (version 1): nothing to verify, DCP streams the regular file
-            with S.open_regular(file) as raw:
+            with safe_io.open_regular(file) as raw:
                 yield io.BufferedReader(raw)
             return
         want = self.files.get(name)
         if want is None:
             raise UnsafeCheckpointFile(file, "is not in the checkpoint's manifest; refused")
-        yield MemoryFile(S.read_checked(file, want, 1 << 62, S.HASHERS))
+        yield MemoryFile(safe_io.read_checked(file, want, 1 << 62, safe_io.HASHERS))
 
     def read_verified(self, name: str) -> torch.Tensor:
         """The whole of file ``name`` of the folder as a uint8 tensor, verified against its manifest entry on
         exactly these bytes (read into uninitialized memory: its pages are touched once)."""
-        file = S.confined(self.folder, name)
+        file = safe_io.confined(self.folder, name)
         want = (self.files or {}).get(name)
         if want is None:
             raise UnsafeCheckpointFile(file, "is not in the checkpoint's manifest; refused")
-        return torch.from_numpy(S.read_checked(file, want, 1 << 62, S.HASHERS, _uninitialized))
+        return torch.from_numpy(safe_io.read_checked(file, want, 1 << 62, safe_io.HASHERS, _uninitialized))
 
 
 def _uninitialized(n: int) -> np.ndarray:
@@ -248,12 +248,12 @@ class SafeFileSystemReader(FileSystemReader):
             by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for name, items in by_file.items():
             items.sort(key=lambda it: self.storage_data[it.storage_index].offset)  # one forward pass per file
-            file, want = S.confined(self.fs.folder, name), self.files.get(name)
+            file, want = safe_io.confined(self.fs.folder, name), self.files.get(name)
             if want is None:
                 raise UnsafeCheckpointFile(file, "is not in the checkpoint's manifest; refused")
             if "blocks" in want:
                 largest = max(self.storage_data[it.storage_index].length for it in items)
-                reader = S.VerifiedBlocks(file, want, S.HASHERS, largest)
+                reader = safe_io.VerifiedBlocks(file, want, safe_io.HASHERS, largest)
                 try:
                     for item in items:
                         info = self.storage_data[item.storage_index]

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llama_fp8.checkpoint import safe_io as S
+from llama_fp8.checkpoint import safe_io
 from llama_fp8.checkpoint.safe_io import UnsafeCheckpointFile
 
 RANK_FILE = "rank{}.safetensors"
@@ -93,7 +93,7 @@ def read_rank_state(path: Path, want: dict | None = None) -> dict:
     from safetensors.torch import load as st_load
 
     try:
-        blob = S.read_checked(Path(path), want, S.MAX_RANK_FILE, S.HASHERS)
+        blob = safe_io.read_checked(Path(path), want, safe_io.MAX_RANK_FILE, safe_io.HASHERS)
         tensors = st_load(bytes(blob))  # safetensors takes bytes only
         n = int.from_bytes(blob[:8], "little")  # safetensors: 8-byte header length, then the JSON header
         meta = json.loads(blob[8:8 + n]).get("__metadata__") or {}
@@ -119,8 +119,8 @@ def read_legacy_rank_state(path: Path) -> dict:
     """A ``rank{r}.pt`` of an earlier version, without executing anything it may hold."""
     try:
         with torch.serialization.safe_globals(_numpy_globals()):
-            state = torch.load(io.BytesIO(S.read_capped(Path(path), S.MAX_RANK_FILE)), weights_only=True,
-                               map_location="cpu")
+            blob = safe_io.read_capped(Path(path), safe_io.MAX_RANK_FILE)
+            state = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
     except UnsafeCheckpointFile:
         raise
     except pickle.UnpicklingError as e:

@@ -16,7 +16,7 @@ import re
 import shutil
 from pathlib import Path
 
-from llama_fp8.checkpoint import safe_io as S
+from llama_fp8.checkpoint import safe_io
 from llama_fp8.checkpoint.manifest import MARKER
 from llama_fp8.errors import ConfigError
 
@@ -28,7 +28,7 @@ def step_folders(ckpt_dir: Path) -> list[tuple[int, Path, bool]]:
     """(step, path, complete) of every ``step_N`` folder, oldest first; ConfigError if ``ckpt_dir`` exists
     but cannot be listed (after retrying a transient error)."""
     try:
-        entries = S.retry(lambda: list(Path(ckpt_dir).iterdir()), Path(ckpt_dir))
+        entries = safe_io.retry(lambda: list(Path(ckpt_dir).iterdir()), Path(ckpt_dir))
     except (FileNotFoundError, NotADirectoryError):
         return []
     except OSError as e:

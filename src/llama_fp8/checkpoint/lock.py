@@ -28,7 +28,7 @@ import os
 import socket
 from pathlib import Path
 
-from llama_fp8.checkpoint import safe_io as S
+from llama_fp8.checkpoint import safe_io
 from llama_fp8.errors import ConfigError
 
 log = logging.getLogger("llama_fp8.checkpoint")
@@ -84,7 +84,7 @@ def release_all() -> None:
 
 def _holder(path: Path) -> dict | None:
     try:
-        data = json.loads(S.read_capped(path, 64 << 10))
+        data = json.loads(safe_io.read_capped(path, 64 << 10))
         return data if isinstance(data, dict) else None
     except (OSError, ValueError):
         return None

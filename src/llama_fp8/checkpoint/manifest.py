@@ -34,9 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from llama_fp8.checkpoint import dcp_read as D
-from llama_fp8.checkpoint import files as F
-from llama_fp8.checkpoint import safe_io as S
+from llama_fp8.checkpoint import dcp_read, safe_io
+from llama_fp8.checkpoint import files as rank_files
 
 log = logging.getLogger("llama_fp8.checkpoint")
 
@@ -48,15 +47,15 @@ _CHUNK = 16 << 20
 
 
 # The checksums live beside the safe reads that check them (safe_io), below files and manifest.
-HASHERS = S.HASHERS
-ALGORITHM = S.ALGORITHM
+HASHERS = safe_io.HASHERS
+ALGORITHM = safe_io.ALGORITHM
 
 
 def digest_file(path: Path, algorithm: str = ALGORITHM, limit: int | None = None) -> tuple[int, str]:
     """(bytes, hex digest) of a regular file (never a link, a device or a FIFO), read in 16 MiB chunks (both
     hashes release the GIL on large chunks); reads at most ``limit`` + 1 bytes when given."""
     h, n = HASHERS[algorithm](), 0
-    with S.open_regular(path) as f:
+    with safe_io.open_regular(path) as f:
         while chunk := f.read(_CHUNK if limit is None else max(1, min(_CHUNK, limit + 1 - n))):
             h.update(chunk)
             n += len(chunk)
@@ -76,8 +75,8 @@ def entry(nbytes: int, digest: str, blocks: list[str] | None = None) -> dict[str
     """A file's manifest entry: its size and checksum, and, for a file hashed block by block as it was
     written, the digest of every ``safe_io.BLOCK`` bytes (what the loader checks as it reads)."""
     out: dict[str, Any] = {"bytes": nbytes, ALGORITHM: digest}
-    if blocks is not None and nbytes > S.BLOCK:
-        out["blocks"] = {"size": S.BLOCK, ALGORITHM: blocks}
+    if blocks is not None and nbytes > safe_io.BLOCK:
+        out["blocks"] = {"size": safe_io.BLOCK, ALGORITHM: blocks}
     return out
 
 
@@ -101,7 +100,7 @@ def owned_files(meta, rank: int, world: int) -> set[str]:
 def check_against_metadata(folder: Path, files: dict[str, dict]) -> None:
     """Before COMPLETE is written: every byte range of DCP's metadata lies in a file of the manifest;
     ValueError naming what is missing otherwise (the save then fails on every rank)."""
-    meta = D.read_dcp_metadata(folder, files.get(".metadata"))
+    meta = dcp_read.read_dcp_metadata(folder, files.get(".metadata"))
     short = sorted({f"{info.relative_path} (needs {info.offset + info.length} bytes, "
                     f"{'not in the manifest' if info.relative_path not in files else files[info.relative_path]['bytes']})"
                     for info in meta.storage_data.values()
@@ -123,7 +122,7 @@ def write_manifest(folder: Path, step: int, world_size: int, files: dict[str, di
 
 def read_manifest(folder: Path) -> dict | None:
     """The manifest; None for a version-1 marker (no file list). ValueError if it is neither."""
-    text = S.read_capped(folder / MARKER, S.MAX_JSON).decode(errors="replace")
+    text = safe_io.read_capped(folder / MARKER, safe_io.MAX_JSON).decode(errors="replace")
     if text.strip() == "ok":
         return None
     try:
@@ -134,7 +133,7 @@ def read_manifest(folder: Path) -> dict | None:
     except (ValueError, KeyError, AssertionError, TypeError):
         raise ValueError(f"{folder / MARKER}: not a checkpoint manifest (truncated or overwritten)") from None
     for name in man["files"]:
-        S.confined(folder, name)  # UnsafeCheckpointFile (a ValueError) naming the entry
+        safe_io.confined(folder, name)  # UnsafeCheckpointFile (a ValueError) naming the entry
     return man
 
 
@@ -165,10 +164,10 @@ def check_files(folder: Path, files: dict[str, dict], names: list[str]) -> list[
 
     def one(name: str) -> str | None:
         try:
-            path = S.confined(folder, name)
-            return S.retry(lambda: _check_one(folder, path, files[name]), path, log.warning) or \
+            path = safe_io.confined(folder, name)
+            return safe_io.retry(lambda: _check_one(folder, path, files[name]), path, log.warning) or \
                 _check_structure(folder, name, files)
-        except S.UnsafeCheckpointFile as e:
+        except safe_io.UnsafeCheckpointFile as e:
             return str(e)
         except OSError as e:
             return f"{folder / name}: missing or unreadable ({e.strerror or e})"
@@ -194,17 +193,17 @@ def _check_structure(folder: Path, name: str, files: dict[str, dict]) -> str | N
         if name == TRAIN_STATE:
             read_train_state(folder)
         elif name == ".metadata":
-            meta = D.read_dcp_metadata(folder)
+            meta = dcp_read.read_dcp_metadata(folder)
             for info in meta.storage_data.values():
                 have = int(files.get(info.relative_path, {}).get("bytes", -1))
                 if info.offset + info.length > have:
                     return (f"{folder / info.relative_path}: DCP metadata needs bytes up to {info.offset + info.length}, "
                             f"the file has {max(have, 0)} (truncated or missing)")
         elif name.startswith("rank") and name.endswith(".safetensors"):
-            F.read_rank_state(path)
+            rank_files.read_rank_state(path)
         elif name.startswith("rank") and name.endswith(".pt"):
-            F.read_legacy_rank_state(path)
-    except F.UnsafeCheckpointFile as e:
+            rank_files.read_legacy_rank_state(path)
+    except rank_files.UnsafeCheckpointFile as e:
         return str(e)
     except (OSError, ValueError) as e:
         return f"{path}: {e}"
@@ -220,30 +219,30 @@ def read_train_state(folder: Path, want: dict | None = None) -> dict:
     UnsafeCheckpointFile naming the file and the field that is missing or of the wrong type."""
     path = folder / TRAIN_STATE
     try:
-        state = json.loads(S.read_checked(path, want, S.MAX_JSON, HASHERS))
+        state = json.loads(safe_io.read_checked(path, want, safe_io.MAX_JSON, HASHERS))
     except (UnicodeDecodeError, ValueError) as e:
-        if isinstance(e, S.UnsafeCheckpointFile):
+        if isinstance(e, safe_io.UnsafeCheckpointFile):
             raise
-        raise S.UnsafeCheckpointFile(path, f"is not valid JSON ({e}); truncated or not ours") from None
+        raise safe_io.UnsafeCheckpointFile(path, f"is not valid JSON ({e}); truncated or not ours") from None
     if not isinstance(state, dict):
-        raise S.UnsafeCheckpointFile(path, f"holds a {type(state).__name__}, not an object")
+        raise safe_io.UnsafeCheckpointFile(path, f"holds a {type(state).__name__}, not an object")
     for field, kind in _STATE_FIELDS.items():
         if field not in state and field in ("step", "world_size", "scheduler"):
-            raise S.UnsafeCheckpointFile(path, f"field {field!r} is missing (truncated or not ours)")
+            raise safe_io.UnsafeCheckpointFile(path, f"field {field!r} is missing (truncated or not ours)")
         value = state.get(field)
         if field in state and (not isinstance(value, kind) or isinstance(value, bool)):
-            raise S.UnsafeCheckpointFile(path, f"field {field!r} is {value!r}, which is not a "
+            raise safe_io.UnsafeCheckpointFile(path, f"field {field!r} is {value!r}, which is not a "
                                                f"{getattr(kind, '__name__', 'object or null')}; refused")
     if state["step"] < 0 or state["world_size"] < 1:
         bad = "step" if state["step"] < 0 else "world_size"
-        raise S.UnsafeCheckpointFile(path, f"field {bad!r} is {state[bad]!r}, out of range; refused")
+        raise safe_io.UnsafeCheckpointFile(path, f"field {bad!r} is {state[bad]!r}, out of range; refused")
     return state
 
 
 def verify(folder: Path, rank: int = 0, world: int = 1) -> list[str]:
     """Problems found in this rank's share of a checkpoint (all of it with the defaults); [] if sound."""
     try:
-        files = S.retry(lambda: listing(folder), folder / MARKER, log.warning)
+        files = safe_io.retry(lambda: listing(folder), folder / MARKER, log.warning)
     except (OSError, ValueError) as e:
         return [str(e)]
     if TRAIN_STATE not in files or ".metadata" not in files:

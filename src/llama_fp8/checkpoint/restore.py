@@ -10,15 +10,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from llama_fp8.checkpoint import dcp_read as D
-from llama_fp8.checkpoint import files as F
-from llama_fp8.checkpoint import manifest as M
+from llama_fp8.checkpoint import dcp_read, manifest
+from llama_fp8.checkpoint import files as rank_files
 from llama_fp8.errors import ConfigError
 
 
 def _manifest_files(path: Path) -> dict | None:
     """The manifest's files (None for a version-1 checkpoint without one)."""
-    man = M.read_manifest(path)
+    man = manifest.read_manifest(path)
     return None if man is None else man["files"]
 
 
@@ -27,19 +26,19 @@ def _entry(files: dict | None, name: str) -> dict | None:
     if files is None:
         return None
     if name not in files:
-        raise F.UnsafeCheckpointFile(Path(name), "is not in the checkpoint's manifest; refused")
+        raise rank_files.UnsafeCheckpointFile(Path(name), "is not in the checkpoint's manifest; refused")
     return files[name]
 
 
 def read_rank_file(path: Path, rank: int, files: dict | None = None) -> dict:
     """Rank ``rank``'s saved state: ``rank{r}.safetensors``, or ``rank{r}.pt`` in older checkpoints;
     verified against the manifest's ``files`` on the bytes parsed, when given."""
-    new, old = path / F.RANK_FILE.format(rank), path / F.LEGACY_RANK_FILE.format(rank)
+    new, old = path / rank_files.RANK_FILE.format(rank), path / rank_files.LEGACY_RANK_FILE.format(rank)
     try:
         if new.exists() or not old.exists():
-            return F.read_rank_state(new, _entry(files, new.name))
-        return F.read_legacy_rank_state(old)
-    except F.UnsafeCheckpointFile as e:
+            return rank_files.read_rank_state(new, _entry(files, new.name))
+        return rank_files.read_legacy_rank_state(old)
+    except rank_files.UnsafeCheckpointFile as e:
         raise ConfigError(f"cannot resume from {path}: {e}") from None
 
 
@@ -50,8 +49,8 @@ def check_fits(path: Path, state: dict, want: dict | None = None):
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
-        meta = D.read_dcp_metadata(path, want)
-    except F.UnsafeCheckpointFile as e:
+        meta = dcp_read.read_dcp_metadata(path, want)
+    except rank_files.UnsafeCheckpointFile as e:
         raise ConfigError(f"cannot resume from {path}: {e}") from None
     try:  # DCP's own flattening (private), so that the keys are exactly the ones it looks up
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict

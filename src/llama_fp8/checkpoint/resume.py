@@ -21,9 +21,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from llama_fp8 import parallel
-from llama_fp8.checkpoint import layout as L
-from llama_fp8.checkpoint import lock
-from llama_fp8.checkpoint import manifest as M
+from llama_fp8.checkpoint import layout, lock, manifest
 from llama_fp8.checkpoint.safe_io import UnsafeCheckpointFile
 from llama_fp8.errors import AgreedError, ConfigError
 
@@ -61,10 +59,10 @@ def check_resume(cfg, env, plan):
     # one job per checkpoint folder, taken before anything in it is renamed or deleted (lock.py)
     parallel.on_every_rank(env, lambda: lock.acquire(Path(plan.checkpoint_dir)) if env.is_main else None)
     if env.is_main:
-        for stray in L.incomplete_folders(Path(plan.checkpoint_dir)):
+        for stray in layout.incomplete_folders(Path(plan.checkpoint_dir)):
             log.warning("%s has no COMPLETE marker: not a checkpoint this run can resume from (copied by hand or "
                         "left by another tool?); kept as it is, and renamed %s%s if this run saves that step",
-                        stray, stray.name, L.INCOMPLETE)
+                        stray, stray.name, layout.INCOMPLETE)
     if plan.resume_from is None:
         return plan
     explicit = cfg.resume_from_checkpoint != "auto"
@@ -78,7 +76,7 @@ def _candidates(env, first: Path, ckpt_dir: Path, explicit: bool) -> list[Path]:
     """The decided checkpoint, then (auto) every older complete one; rank 0's listing, so that every rank
     tries the same list even if the file system shows them different views for a moment."""
     out: list = [[first] if explicit else
-                 [p for s, p in reversed(L.complete_checkpoints(ckpt_dir)) if s <= L.step_of(first)]]
+                 [p for s, p in reversed(layout.complete_checkpoints(ckpt_dir)) if s <= layout.step_of(first)]]
     if env.world_size > 1:
         dist.broadcast_object_list(out, src=0)
     return out[0]
@@ -88,7 +86,7 @@ def _first_sound(candidates: list[Path], env, explicit: bool, ckpt_dir: Path) ->
     damaged = []
     for path in candidates:
         try:
-            mine = M.verify(path, env.rank, env.world_size)
+            mine = manifest.verify(path, env.rank, env.world_size)
         except Exception as e:  # noqa: BLE001 - every rank must reach the gather below
             mine = [f"{path}: check failed: {type(e).__name__}: {e}"]
         gathered: list = [None] * env.world_size
@@ -116,7 +114,7 @@ def _set_aside(path: Path, problems: list[str], is_main: bool) -> None:
     if not is_main:
         return
     try:
-        where = f"renamed to {L.set_aside(path).name} for inspection"
+        where = f"renamed to {layout.set_aside(path).name} for inspection"
     except OSError as e:
         where = f"could not be renamed ({e.strerror})"
     log.warning("CHECKPOINT %s IS DAMAGED, not resuming from it (%s): %s. Trying the previous complete "
@@ -126,7 +124,7 @@ def _set_aside(path: Path, problems: list[str], is_main: bool) -> None:
 def check_compatible(path: Path, cfg, plan, is_main: bool = True) -> None:
     """ConfigError naming every flag that makes ``path`` unusable for this run; logs what else changed."""
     try:
-        saved = M.read_train_state(path)
+        saved = manifest.read_train_state(path)
     except UnsafeCheckpointFile as e:
         raise ConfigError(f"cannot resume from {path}: {e}") from None
     asked, ran = saved.get("config") or {}, saved.get("plan") or {}

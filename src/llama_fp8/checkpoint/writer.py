@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from llama_fp8.checkpoint import safe_io as S
+from llama_fp8.checkpoint import safe_io
 
 
 class _HashingStream:
@@ -40,12 +40,12 @@ class _HashingStream:
         self._h.update(view[:n])
         done = 0
         while done < n:
-            room = S.BLOCK - self.nbytes % S.BLOCK
+            room = safe_io.BLOCK - self.nbytes % safe_io.BLOCK
             self._block.update(view[done:done + room])
             step = min(room, n - done)
             done += step
             self.nbytes += step
-            if self.nbytes % S.BLOCK == 0:
+            if self.nbytes % safe_io.BLOCK == 0:
                 self.blocks.append(self._block.hexdigest())
                 self._block = self._new()
         return n
@@ -54,7 +54,7 @@ class _HashingStream:
         return self._h.hexdigest()
 
     def block_digests(self) -> list[str]:
-        return self.blocks + ([self._block.hexdigest()] if self.nbytes % S.BLOCK else [])
+        return self.blocks + ([self._block.hexdigest()] if self.nbytes % safe_io.BLOCK else [])
 
     def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close, closed, seek...
         if name == "seek":

@@ -290,7 +290,7 @@ def efa_problem(nccl: str | None, efa: str) -> str:
     """Why an EFA installer does not go with this NCCL ('' when its plugin release names NCCL's major.minor)."""
     e = installer(efa)
     if e is None:
-        return f"EFA installer {efa} is not in llama_fp8/cluster/ngc.py: check which NCCL its aws-ofi-nccl names"
+        return f"EFA installer {efa} is not in src/llama_fp8/cluster/ngc.py: check which NCCL its aws-ofi-nccl names"
     if nccl is None or not e.nccl_tested:
         return "" if nccl is None else f"which NCCL EFA installer {efa}'s aws-ofi-nccl was tested with is not confirmed"
     if not any(_minor(t) == _minor(nccl) for t in e.nccl_tested):
@@ -324,7 +324,7 @@ def check_image(tag: str, efa: str, plugin_env: Path | None, out: Path | None) -
     row = release(tag)
     print(f"NGC {tag}: " + ", ".join(f"{k} {v}" for k, v in found.items()))
     if row is None:
-        print(f"note: {tag} is not in llama_fp8/cluster/ngc.py; add a row with the versions above")
+        print(f"note: {tag} is not in src/llama_fp8/cluster/ngc.py; add a row with the versions above")
     else:
         for key, cell in row.cells().items():
             if found.get(key) and cell.value and not same_version(found[key], cell.value):

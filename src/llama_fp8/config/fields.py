@@ -21,12 +21,13 @@ Choices = tuple | Callable[[], tuple] | None
 
 
 def _f(default: Any, help: Text, *, choices: Choices = None, min: float | None = None,
-       max: float | None = None, group: str = "training") -> Any:
+       max: float | None = None, group: str = "training", aliases: dict[str, str] | None = None) -> Any:
     """A dataclass field whose metadata carries its one-line help and its valid range. ``help`` and
     ``choices`` may be functions: those read a table that lives elsewhere (model implementations, FP8
-    recipes), so that the table stays the one place that lists them."""
+    recipes), so that the table stays the one place that lists them. ``aliases``: older spellings still
+    accepted, each read as the choice it names (the config records that name)."""
     return field(default=default, metadata={"help": help, "choices": choices, "min": min, "max": max,
-                                            "group": group})
+                                            "group": group, "aliases": aliases or {}})
 
 
 def _impl_choices() -> tuple:
@@ -150,9 +151,10 @@ class TrainConfig:
     cp_comm_type: str = _f("p2p", "how context-parallel ranks exchange keys and values: p2p (ring), all_gather, a2a "
                            "(Ulysses: heads across ranks; TE model), a2a+p2p (a2a within pairs, p2p between; TE model)",
                            choices=("p2p", "all_gather", "a2a", "a2a+p2p"), group="parallel")
-    activation_checkpointing: str = _f("0", "recompute activations in backward: 0 off, 1 every decoder block, "
-                                       "selective (HF model: keep matmul outputs, recompute the rest)",
-                                       choices=("0", "1", "selective"), group="parallel")
+    activation_checkpointing: str = _f("none", "recompute activations in backward: none, full (every decoder "
+                                       "block), or selective (HF model: keep matmul outputs, recompute the rest); "
+                                       "0 and 1 are read as none and full", choices=("none", "full", "selective"),
+                                       group="parallel", aliases={"0": "none", "1": "full"})
     compile: bool = _f(False, "1: torch.compile each decoder block (after activation checkpointing, before "
                        "fully_shard)", group="parallel")
     cpu_offload: bool = _f(False, "1: keep sharded parameters, gradients and optimizer states in host memory "

@@ -10,6 +10,7 @@ import os
 import time
 from typing import Any
 
+from llama_fp8 import precision
 from llama_fp8.config.fields import MODEL_FIELDS, ROPE_THETA_BY_TYPE, TrainConfig
 from llama_fp8.errors import ConfigError
 
@@ -42,10 +43,7 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         profiling.parse_ranks(cfg.profile_ranks)
     if cfg.fp8_all_gather and not cfg.fp8:
         raise ConfigError("--fp8_all_gather 1 needs --fp8 1 (it all-gathers the FP8 weights)")
-    if cfg.fp8 and cfg.fp8_backend != "auto":  # the rest of the choice needs the model implementation (plan)
-        from llama_fp8 import precision
-
-        precision.choose_recipe(cfg.fp8_backend, cfg.fp8_recipe, cfg.compile)
+    precision.check_asked(cfg)  # precision's own decision, the part the flags settle; the rest is the plan's
     return cfg
 
 

@@ -66,6 +66,7 @@ def coerce(name: str, value: Any, source: str) -> Any:
                 raise ValueError("not a mapping")
         else:
             out = str(value)
+            out = f.metadata["aliases"].get(out, out)  # an older spelling: recorded as the name it stands for
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{source}: {name}={value!r} is not valid ({e}); {_valid(f)}") from None
     _check_range(f, out, source)
@@ -87,7 +88,8 @@ def _valid(f: dataclasses.Field) -> str:
     md = f.metadata
     typ = _base_type(f)
     if choices_of(f):
-        return "valid: " + ", ".join(choices_of(f))
+        aliases = ", ".join(f"{old} = {new}" for old, new in md["aliases"].items())
+        return "valid: " + ", ".join(choices_of(f)) + (f" (or {aliases})" if aliases else "")
     lo, hi = md.get("min"), md.get("max")
     kind = {bool: "0 or 1", int: "an integer", float: "a number", dict: "a YAML mapping"}.get(typ, "a string")
     if lo is not None and hi is not None:

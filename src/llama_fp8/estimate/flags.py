@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from llama_fp8.config.fields import TrainConfig
 from llama_fp8.config.flags import build_parser, config_from_flags
@@ -20,36 +20,40 @@ def _gpu_names() -> tuple[str, ...]:
     return gpus.names()
 
 
+def _opt(default, help: str):
+    """A field of EstimateOptions: its default and its flag's one help text."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class EstimateOptions:
-    """What ``estimate`` adds to the train flags."""
+    """What ``estimate`` adds to the train flags: one field per flag ``--<field>``, its metadata ``help`` the
+    flag's help."""
 
-    nodes: int = 1
-    """nodes the job gets"""
-    gpus_per_node: int = 8
-    """GPUs (training processes) per node"""
-    gpu: str = "H100"
-    """GPU the estimate is checked against (its memory and its NVLink/network bandwidths)"""
-    gpu_memory_gib: float | None = None
-    """memory per GPU in GiB, for a GPU not in the table (bandwidths stay those of --gpu)"""
-    suggest: bool = True
-    """when it does not fit, estimate the changes that would make it fit (each is one more estimate)"""
-    json: bool = False
-    """print one JSON object instead of the report"""
+    nodes: int = _opt(1, "nodes the job gets")
+    gpus_per_node: int = _opt(8, "GPUs (training processes) per node")
+    gpu: str = _opt("H100", "GPU to check against: its memory and its NVLink/network bandwidths")
+    gpu_memory_gib: float | None = _opt(None, "memory per GPU in GiB, for a GPU not in the table (bandwidths stay "
+                                              "those of --gpu)")
+    suggest: bool = _opt(True, "1: when it does not fit, estimate what would make it fit (each is one more "
+                               "estimate)")
+    json: bool = _opt(False, "print one JSON object (the same numbers) instead of the report")
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
 
+_OPTIONS = {f.name: f for f in fields(EstimateOptions)}
+
+
 def _doc(name: str) -> str:
-    return {"nodes": "nodes the job gets (default 1)",
-            "gpus_per_node": "GPUs (training processes) per node (default 8)",
-            "gpu": f"GPU to check against: {', '.join(_gpu_names())} (default H100)",
-            "gpu_memory_gib": "memory per GPU in GiB, for a GPU not in the table (bandwidths stay --gpu's)",
-            "suggest": "1: when it does not fit, estimate what would make it fit (each is one more estimate; "
-                       "default 1)",
-            "json": "print one JSON object (the same numbers) instead of the report"}[name]
+    """``--name``'s help: the field's help and, for a flag that takes a value, its default."""
+    f = _OPTIONS[name]
+    if f.default is None or name == "json":  # --json takes no value
+        return f.metadata["help"]
+    default = int(f.default) if isinstance(f.default, bool) else f.default
+    return f"{f.metadata['help']} (default: {default})"
 
 
 def build_estimate_parser() -> argparse.ArgumentParser:

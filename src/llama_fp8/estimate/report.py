@@ -36,13 +36,12 @@ def versions() -> dict[str, str]:
 def headline(e: Estimate) -> str:
     c, d = e.cfg, e.measurement.decision
     layout = " x ".join(f"{n} {s}" for n, s in d.dims.shape)
-    ac = {"0": "off", "1": "full", "selective": "selective"}[c.activation_checkpointing]
     accum = f", {c.grad_accum_steps} micro-batches" if c.grad_accum_steps > 1 else ""
     impl = d.impl.name if not d.stand_in else f"{d.job_impl.name}, estimated through {d.impl.name}"
     return (f"{c.model} ({e.measurement.num_params / 1e9:.2f} B parameters, --model_impl {impl}), "
             f"{e.opts.nodes} node(s) x {e.opts.gpus_per_node} GPUs = {e.opts.world_size} ({layout}); "
             f"{c.train_batch_size} x {c.max_context_width} tokens per GPU{accum}; {d.precision.name}; "
-            f"activation checkpointing {ac}")
+            f"activation checkpointing {c.activation_checkpointing}")
 
 
 def text(e: Estimate) -> str:

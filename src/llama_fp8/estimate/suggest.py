@@ -11,14 +11,14 @@ import dataclasses
 from llama_fp8.errors import ConfigError
 from llama_fp8.estimate import assess, run
 
-AC_ORDER = ("0", "selective", "1")  # from the least recomputation to the most
+AC_ORDER = ("none", "selective", "full")  # from the least recomputation to the most
 
 
 def candidates(e: assess.Estimate) -> list[tuple[str, object, object]]:
     """(the change as flags, the config, the options) of each suggestion that applies to ``e``'s run."""
     cfg, opts, job = e.cfg, e.opts, e.measurement.decision.job_impl
     out = []
-    modes = [m for m in AC_ORDER if m == "0" or m in job.activation_checkpointing_modes]
+    modes = [m for m in AC_ORDER if m == "none" or m in job.activation_checkpointing_modes]
     if cfg.activation_checkpointing in modes and modes.index(cfg.activation_checkpointing) + 1 < len(modes):
         nxt = modes[modes.index(cfg.activation_checkpointing) + 1]
         out.append((f"--activation_checkpointing {nxt}", dataclasses.replace(cfg, activation_checkpointing=nxt), opts))

@@ -25,7 +25,7 @@ REVISION = 2  # 2: the NCCL term per communicator and the world's communicator
 GPU = "H100"
 GPUS_PER_NODE = 8
 NODES = (1, 2, 4, 8, 16, 32, 64)
-AC_SEARCH = ("1", "selective", "0")  # full first (the least memory), then less recomputation while it fits
+AC_SEARCH = ("full", "selective", "none")  # full first (the least memory), then less recomputation while it fits
 MARKERS = ("<!-- fit-table:start -->", "<!-- fit-table:end -->")
 
 
@@ -94,7 +94,6 @@ def _row(preset: str, e, runs: int) -> dict:
 
 
 def render(rows: list[dict], fp: str, made_with: str | None = None) -> str:
-    ac = {"0": "off", "selective": "selective", "1": "full"}
     lines = [f"<!-- fingerprint {fp} (estimate/table.py; scripts/estimate_table.py rewrites this table) -->",
              f"Estimated for the Hugging Face model (`--model_impl hf`), with {made_with or versions()}:", "",
              "| preset | parameters | sequence x batch per GPU | smallest fit (8 x H100 80GB per node) | activation "
@@ -107,7 +106,7 @@ def render(rows: list[dict], fp: str, made_with: str | None = None) -> str:
             continue
         params = f"{r['params_b']} B" if r["params_b"] >= 0.01 else "< 0.01 B"
         lines.append(f"| {r['preset']} | {params} | {r['seq']} x {r['batch']} | {r['nodes']} node(s), "
-                     f"{r['nodes'] * GPUS_PER_NODE} GPUs | {ac[r['ac']]} | {r['needed_gib']} ({r['tracked_gib']}) + "
+                     f"{r['nodes'] * GPUS_PER_NODE} GPUs | {r['ac']} | {r['needed_gib']} ({r['tracked_gib']}) + "
                      f"{r['margin_gib']} | {r['peak_at']} |")
     return "\n".join(lines)
 

@@ -40,11 +40,15 @@ class ModelImpl:
     cast_block_inputs: bool = True
     """Whether FSDP2's mixed-precision policy may cast the floating inputs of a decoder block to the
     parameter dtype (False when a block takes inputs that must stay FP32)."""
-    activation_checkpointing_modes: tuple[str, ...] = ("1", "selective")
+    activation_checkpointing_modes: tuple[str, ...] = ("full", "selective")
+    """The ``--activation_checkpointing`` modes it has besides ``none`` (``wrap_activation_checkpointing``)."""
     tensor_parallel: bool = False
     """Has a tensor-parallel plan (``apply_tensor_parallel``)."""
     context_parallel: bool = False
     """Supports context parallelism (``apply_context_parallel``)."""
+    why_not: dict[str, str] = {}
+    """Why it lacks what the flag (``--activation_checkpointing``, ``--tp_size``, ``--cp_size``) asks for, and
+    the way out: said by ``check``'s refusal of that flag."""
 
     # --- choice ------------------------------------------------------------------------------------
     def unavailable(self, device: torch.device) -> str | None:
@@ -60,15 +64,23 @@ class ModelImpl:
         return ()
 
     def check(self, cfg, device: torch.device) -> None:
-        """Refuse (ConfigError naming the flag) what this implementation cannot do, before anything is built."""
-        if cfg.activation_checkpointing != "0" and cfg.activation_checkpointing not in self.activation_checkpointing_modes:
-            modes = ", ".join(["0", *self.activation_checkpointing_modes])
-            raise ConfigError(f"--activation_checkpointing {cfg.activation_checkpointing} does not work with "
-                              f"--model_impl {self.name}; valid with it: {modes}")
+        """Refuse (ConfigError naming the flag) what this implementation cannot do, before anything is built. The
+        one place that refuses a parallelism or an activation checkpointing an implementation lacks (its
+        ``why_not`` says why); a subclass adds what only it refuses."""
         if cfg.tp_size > 1 and not self.tensor_parallel:
-            raise ConfigError(f"--tp_size {cfg.tp_size}: --model_impl {self.name} has no tensor-parallel plan")
+            raise ConfigError(f"--tp_size {cfg.tp_size}: --model_impl {self.name} has no tensor-parallel plan"
+                              f"{self._why('--tp_size')}")
         if cfg.cp_size > 1 and not self.context_parallel:
-            raise ConfigError(f"--cp_size {cfg.cp_size}: --model_impl {self.name} has no context parallelism")
+            raise ConfigError(f"--cp_size {cfg.cp_size}: --model_impl {self.name} has no context parallelism"
+                              f"{self._why('--cp_size')}")
+        if cfg.activation_checkpointing not in ("none", *self.activation_checkpointing_modes):
+            modes = ", ".join(["none", *self.activation_checkpointing_modes])
+            raise ConfigError(f"--activation_checkpointing {cfg.activation_checkpointing} does not work with "
+                              f"--model_impl {self.name}{self._why('--activation_checkpointing')}; valid with it: "
+                              f"{modes}")
+
+    def _why(self, flag: str) -> str:
+        return f": {self.why_not[flag]}" if flag in self.why_not else ""
 
     # --- tensor and context parallelism (the plans parallelize() applies) ---------------------------------
     def apply_tensor_parallel(self, model: nn.Module, tp_mesh, cfg, fp8_collectives: bool) -> None:

@@ -23,8 +23,9 @@ def _save_matmuls_policy(ctx, op, *args, **kwargs):
 
 
 def wrap(layer: nn.Module, mode: str) -> nn.Module:
-    """0: as is; 1: recompute the whole block in backward; selective: per-op policy."""
-    if mode == "0":
+    """none: as is; full: recompute the whole block in backward; selective: per-op policy."""
+    assert mode in ("none", "full", "selective"), f"--activation_checkpointing {mode!r} reached wrap()"
+    if mode == "none":
         return layer
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts

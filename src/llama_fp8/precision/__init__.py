@@ -1,7 +1,8 @@
 """One precision interface, three kinds: bf16 (or fp32), torchao FP8, an implementation's own FP8.
 
-The loop calls ``convert(model)`` (on the meta model, before sharding), ``autocast()`` around the
-forward pass and ``post_step(model)`` after the optimizer step, and nothing else FP8-specific. Only
+The build calls ``convert(model)`` (on the meta model, before sharding); the loop calls ``autocast()``
+around the forward pass, ``post_step(model)`` after the optimizer step and ``report(writer, step)`` after
+each step (``Runtime`` lists every method), and nothing else FP8-specific. Only
 this package and ``models/te/`` (Transformer Engine's FP8, which exists only with the TE model) know
 FP8 exists. Which recipes exist and what they need is the table in ``precision/recipes.py``.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -35,13 +36,17 @@ class PrecisionChoice:
     stats_every: int = 0  # --fp8_stats: per-layer FP8 numerics every N steps (precision/fp8_stats.py)
 
 
-class Fp8Runtime(Protocol):
+class Runtime(Protocol):
+    """A run's precision as the build and the loop use it (``build``): ``Plain`` or an FP8 backend's runtime.
+    ``Plain`` documents each method."""
+
     def convert(self, model: nn.Module) -> nn.Module: ...
     def autocast(self) -> contextlib.AbstractContextManager: ...
     def model_init_context(self) -> contextlib.AbstractContextManager: ...
     def prepare(self, model: nn.Module) -> None: ...
     def optimizer(self, param_groups: list[dict], **kwargs) -> torch.optim.Optimizer | None: ...
     def post_step(self, model: nn.Module) -> None: ...
+    def report(self, writer, step: int) -> None: ...
 
 
 class Fp8Backend(Protocol):
@@ -62,7 +67,7 @@ class Fp8Backend(Protocol):
         """Raise ConfigError for what this backend refuses in the flags alone, whatever the library version and
         the GPU (an estimate makes these on a machine without the library)."""
 
-    def runtime(self, choice: PrecisionChoice, cfg, run_dir: Path | None = None) -> Fp8Runtime:
+    def runtime(self, choice: PrecisionChoice, cfg, run_dir: Path | None = None) -> Runtime:
         """``run_dir``: where a backend may keep its own logs (TE's debug API, with --fp8_stats)."""
 
 
@@ -101,12 +106,11 @@ def resolve(cfg, impl, device: torch.device | None, world_size: int = 1, others:
     the recipe and the options asked for (the table's minimum versions); with a ``device``, the backend
     also checks the hardware (``device=None``: preflight on a node that is not the training device).
     ``others``: every model implementation, to name the one a backend needs. Raises ConfigError naming the
-    flag; the plan and preflight come here, config validation to ``choose_recipe``."""
+    flag; the plan and preflight come here, config validation to ``check_asked``."""
     plain = "bf16" if cfg.bf16 else "fp32"
     if not cfg.fp8:
         return PrecisionChoice(name=plain, backend="none")
-    backend = _backend(cfg, impl, others)
-    recipe = choose_recipe(backend.name, cfg.fp8_recipe, cfg.compile)
+    backend, recipe = _choose(cfg, impl, others)
     emulated = False
     if device is not None:
         emulated = backend.check(cfg, recipe, device, world_size)
@@ -124,13 +128,26 @@ def check_flags(cfg, impl, others: tuple = ()) -> None:
     training node (``llama_fp8 estimate`` on a login node without Transformer Engine)."""
     if not cfg.fp8:
         return
+    backend, recipe = _choose(cfg, impl, others)
+    backend.check_flags(cfg, recipe)
+
+
+def check_asked(cfg) -> None:
+    """What ``resolve`` refuses that the flags decide before a model implementation is chosen: with a named
+    ``--fp8_backend``, a ``--fp8_recipe`` of another backend. Config validation (``config.rules.resolve``) asks
+    this, so that such a command line is refused as it is parsed; the rest waits for the plan."""
+    if cfg.fp8 and cfg.fp8_backend != "auto":
+        _choose_recipe(cfg.fp8_backend, cfg.fp8_recipe, cfg.compile)
+
+
+def _choose(cfg, impl, others: tuple) -> tuple[Fp8Backend, Recipe]:
     backend = _backend(cfg, impl, others)
-    backend.check_flags(cfg, choose_recipe(backend.name, cfg.fp8_recipe, cfg.compile))
+    return backend, _choose_recipe(backend.name, cfg.fp8_recipe, cfg.compile)
 
 
-def choose_recipe(backend: str, asked: str, compile: bool) -> Recipe:
-    """``--fp8_recipe`` for ``--fp8_backend backend``: ``auto`` is the table's default; a named recipe must
-    belong to the backend. Needs no implementation and no library, so config validation uses it too."""
+def _choose_recipe(backend: str, asked: str, compile: bool) -> Recipe:
+    """The recipe decision: ``--fp8_recipe`` for ``--fp8_backend backend``. ``auto`` is the table's default;
+    a named recipe must belong to the backend. Needs no implementation and no library."""
     if asked == "auto":
         return recipe_table.default_for(backend, compile)
     recipe = recipe_table.get(asked)
@@ -180,9 +197,9 @@ def fp8_collectives(choice: PrecisionChoice) -> bool:
     return choice.backend != "none" and not choice.emulated and recipe_table.get(choice.recipe).tensor_parallel
 
 
-def build(choice: PrecisionChoice, impl, cfg, run_dir: Path | None = None) -> Any:
-    """The runtime object (convert / autocast / model_init_context / post_step) for a choice; made before the
-    model is built (a backend may have to set itself up before its modules exist)."""
+def build(choice: PrecisionChoice, impl, cfg, run_dir: Path | None = None) -> Runtime:
+    """The runtime (``Runtime``) for a choice; made before the model is built (a backend may have to set itself
+    up before its modules exist)."""
     if choice.backend == "none":
         return Plain()
     backend = next(b for b in impl.fp8_backends() if b.name == choice.backend)

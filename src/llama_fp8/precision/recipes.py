@@ -90,7 +90,8 @@ _TE_SRC = ("TE transformer_engine/common/recipe/__init__.py (recipe classes per 
 # as written. FP8 parameters (quantized_model_init) under FSDP2 need TE's QuantizedTensor to implement
 # fsdp_pre_all_gather / fsdp_post_all_gather: TE 2.10 for Float8Tensor (delayed, current) and MXFP8Tensor.
 # Float8BlockwiseQTensor (block) has them since 2.14, but TE's own FSDP2 tests mark block + FP8 weights as failing
-# (tests/pytorch/distributed/run_fsdp2_model.py), so the TE path refuses it: no FP8 all-gather for block here.
+# (TransformerEngine/tests/pytorch/distributed/run_fsdp2_model.py), so the TE path refuses it: no FP8 all-gather
+# for block here.
 RECIPES: tuple[Recipe, ...] = (
     Recipe("tensorwise", TORCHAO, "one scale per tensor (dynamic)", min_library="0.12",
            fp8_all_gather_since="0.12", tensor_parallel=True, emulated_on_cpu=True, default=True,

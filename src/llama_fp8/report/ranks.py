@@ -1,6 +1,6 @@
 """The report's per-rank view: stragglers (a rank x window heat strip, repeat offenders) and GPU
 throttling per arm, from the ``ranks``/``stragglers``/``throttled`` fields of the window records
-(llama_fp8/telemetry/stragglers.py). When the arms differ in throttling, their speeds are not comparable.
+(telemetry/stragglers.py). When the arms differ in throttling, their speeds are not comparable.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ nodes, commands) per run, and a bash script that re-runs the same A/B.
 
 The A/B launchers (2.ab_fp8_vs_bf16.sh, scripts/demo.sh) keep their exact command in ``ab_command.sh`` at
 the top of the A/B folder; runs record their own flags, git state and Slurm job in the meta record
-(``repro``, see llama_fp8/repro.py) and image and versions in ``environment``. Without ``ab_command.sh``
+(``repro``, see telemetry/repro.py) and image and versions in ``environment``. Without ``ab_command.sh``
 (runs started by hand) the script re-runs each run's training command, then the report.
 """
 

@@ -1,7 +1,7 @@
 """Where and with what a run ran: nodes, GPU model and driver, image, library versions, NCCL network.
 
 ``describe()`` goes into the ``meta`` record of metrics.jsonl (train/state.py), and the A/B report puts the
-two runs' descriptions side by side and says "not the same hardware" when they differ (report/environment.py).
+two runs' descriptions side by side and says "not the same hardware" when they differ (report/hardware.py).
 Every field is best effort: a value that cannot be read is None, and nothing here raises or starts a
 collective (it runs on every rank at start-up, before the first step).
 

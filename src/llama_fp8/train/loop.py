@@ -7,8 +7,8 @@ import math
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.nn import functional
 
 from llama_fp8 import data, faults, parallel
 from llama_fp8.telemetry.profiling import phase
@@ -18,7 +18,7 @@ from llama_fp8.train.state import TrainState
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy; labels are already aligned with logits (B, T), -100 ignored. (Under
     loss parallelism the logits are a DTensor sharded over the vocabulary and so is the computation.)"""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+    return functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ class TrainState:
     plan: RunPlan
     env: parallel.DistEnv
     impl: models.ModelImpl
-    precision: Any  # precision.build(): convert / autocast / model_init_context / post_step
+    precision: precision.Runtime  # precision.build()
     model: nn.Module
     size: ModelSize
     optimizer: torch.optim.Optimizer

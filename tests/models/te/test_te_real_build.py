@@ -11,9 +11,8 @@ import pytest
 import torch
 import transformer_engine.pytorch as te  # noqa: F401  (torch first: TE finds libnccl through torch)
 
-from llama_fp8 import config as C
-from llama_fp8 import models, parallel
-from llama_fp8.models import common as M
+from llama_fp8 import config, models, parallel
+from llama_fp8.models import common
 
 pytestmark = pytest.mark.te
 
@@ -23,7 +22,7 @@ ARGS = ["--model", "tiny", "--num_layers", "2", "--device", "cpu", "--model_impl
 TE = models.get("te")
 
 
-def build_sharded(cfg: C.TrainConfig, env: parallel.DistEnv) -> torch.nn.Module:
+def build_sharded(cfg: config.TrainConfig, env: parallel.DistEnv) -> torch.nn.Module:
     """Our build path (train/build.py) up to the init: meta -> parallelize -> to_empty."""
     with mock.patch.object(torch.cuda, "is_available", return_value=True), torch.device("meta"):
         model = TE.build(cfg)
@@ -34,7 +33,7 @@ def build_sharded(cfg: C.TrainConfig, env: parallel.DistEnv) -> torch.nn.Module:
 
 
 def test_build_path_shards_checkpoints_and_initializes_te_layers(one_rank):
-    cfg = C.parse_args([*ARGS, "--activation_checkpointing", "1"])
+    cfg = config.parse_args([*ARGS, "--activation_checkpointing", "full"])
     model = build_sharded(cfg, one_rank)
     from torch.distributed.fsdp import FSDPModule
 
@@ -43,26 +42,27 @@ def test_build_path_shards_checkpoints_and_initializes_te_layers(one_rank):
     assert all(layer.checkpoint_fn is te.checkpoint for layer in layers)   # TE's own activation checkpointing
     TE.init_weights(model, cfg, torch.device("cpu"))
     TE.check_weights(model, cfg)
-    size = M.model_size(model, cfg)
+    size = common.model_size(model, cfg)
     with torch.device("meta"):
-        hf = models.get("hf").build(C.parse_args(ARGS[:-2] + ["--model_impl", "hf"]))
-    hf_size = M.model_size(hf, cfg)
+        hf = models.get("hf").build(config.parse_args(ARGS[:-2] + ["--model_impl", "hf"]))
+    hf_size = common.model_size(hf, cfg)
     assert size.num_params == hf_size.num_params and size.flops_per_token == hf_size.flops_per_token
 
 
 def test_selective_checkpointing_is_refused_for_te(one_rank):
-    cfg = C.parse_args([*ARGS, "--activation_checkpointing", "selective"])
-    with pytest.raises(C.ConfigError, match="selective is for the Hugging Face model"):
+    cfg = config.parse_args([*ARGS, "--activation_checkpointing", "selective"])
+    with pytest.raises(config.ConfigError, match="selective does not work with --model_impl te: the TE model "
+                                                 "checkpoints whole blocks"):
         TE.check(cfg, torch.device("cuda", 0))  # the plan's check, before anything is built
-    TE.check(C.parse_args([*ARGS, "--activation_checkpointing", "1"]), torch.device("cuda", 0))
+    TE.check(config.parse_args([*ARGS, "--activation_checkpointing", "full"]), torch.device("cuda", 0))
 
 
 def test_init_from_hf_into_sharded_te_model(one_rank, tmp_path):
     from transformers import LlamaForCausalLM
 
-    cfg = C.parse_args(ARGS)
+    cfg = config.parse_args(ARGS)
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(M.hf_config(cfg))
+    hf = LlamaForCausalLM(common.hf_config(cfg))
     hf.save_pretrained(str(tmp_path), max_shard_size="300KB")
     model = build_sharded(cfg, one_rank)
     TE.load_hf(model, str(tmp_path))
@@ -80,7 +80,7 @@ def test_rotary_angles_reach_the_real_te_layer_in_fp32(one_rank):
     stops the call before TE's kernels (which need a GPU) run."""
     from llama_fp8.models.te import model as te_llama
 
-    cfg = C.parse_args([*ARGS, "--max_context_width", "4096", "--vocab_size", "256"])
+    cfg = config.parse_args([*ARGS, "--max_context_width", "4096", "--vocab_size", "256"])
     model = build_sharded(cfg, one_rank)
     TE.init_weights(model, cfg, torch.device("cpu"))
     seen = {}
@@ -109,7 +109,7 @@ def test_te_init_equals_the_hf_init_through_the_mapping(one_rank):
     from llama_fp8.models.common import hf_config
     from llama_fp8.models.te.weights import te_state_to_hf
 
-    cfg = C.parse_args(ARGS)
+    cfg = config.parse_args(ARGS)
     te_model = build_sharded(cfg, one_rank)
     TE.init_weights(te_model, cfg, torch.device("cpu"))
     hf_impl = models.get("hf")
@@ -135,7 +135,7 @@ def test_excluded_layers_are_built_without_fp8_weights_under_quantized_init(one_
     from llama_fp8.models.te.fp8 import recipes as te_recipes
     from llama_fp8.models.te.fp8.precision import TEFp8
 
-    cfg = C.parse_args([*ARGS, "--fp8", "1", "--fp8_all_gather", "1", "--fp8_exclude", "model.layers.0.*"])
+    cfg = config.parse_args([*ARGS, "--fp8", "1", "--fp8_all_gather", "1", "--fp8_exclude", "model.layers.0.*"])
     runtime = TEFp8(te_recipes.make_recipe("current"), all_gather=True, stateful=False, exclude=("model.layers.0.*",))
     with mock.patch.object(torch.cuda, "is_available", return_value=True), torch.device("meta"):
         with runtime.model_init_context():

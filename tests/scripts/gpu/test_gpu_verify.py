@@ -43,7 +43,7 @@ def test_every_matrix_cell_is_accepted_by_the_trainers_parser(tmp_path):
         assert cfg.dataset == ("synthetic" if unit.info["data"] == "synthetic" else "/demo/corpus")
         if v.fp8:
             assert (cfg.fp8_backend, cfg.fp8_recipe) == (v.backend, v.recipe)
-        assert cfg.activation_checkpointing == ("1" if unit.info["model"] == "llama3.2-3b" else "0")
+        assert cfg.activation_checkpointing == ("full" if unit.info["model"] == "llama3.2-3b" else "none")
         if unit.info["model"] == "llama2-7b-8l":
             assert (cfg.model, cfg.num_layers, cfg.hidden_width) == ("llama2-7b", 8, 4096)
     hf_fp8 = [units.VARIANT[n] for n in ("hf-fp8-tensorwise", "hf-fp8-rowwise")]

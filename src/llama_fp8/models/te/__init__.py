@@ -19,8 +19,13 @@ class TEImpl(ModelImpl):
     name = "te"
     description = "Transformer Engine TransformerLayer blocks"
     auto_when = "when Transformer Engine imports on a CUDA machine"
-    activation_checkpointing_modes = ("1",)
-    context_parallel = True  # TE's own (set_context_parallel_group); no tensor parallelism: see te/parallel.py
+    activation_checkpointing_modes = ("full",)
+    why_not = {"--activation_checkpointing": "the TE model checkpoints whole blocks with TE's checkpoint",
+               "--tp_size": "Transformer Engine's tensor parallelism keeps plain per-rank weight shards that FSDP2's "
+                            "checkpoints would mix up (its DTensor support, NVIDIA/TransformerEngine#2713, is not "
+                            "released); use --model_impl hf with --fp8_backend torchao for tensor parallelism, or "
+                            "--tp_size 1"}
+    context_parallel = True  # TE's own (set_context_parallel_group): models/te/parallel.py
     # Each block receives the RoPE angles (positions x inverse frequencies, up to ~T radians) as an FP32
     # input; FSDP2's mixed-precision policy would cast them to BF16 with the hidden states, which keeps 8
     # significant bits: at positions 2048-4096 the angles would be rounded to multiples of 16 rad. So the
@@ -47,17 +52,9 @@ class TEImpl(ModelImpl):
         return (TE,)
 
     def check(self, cfg, device: torch.device) -> None:
-        if cfg.tp_size > 1:
-            raise ConfigError(f"--tp_size {cfg.tp_size} with --model_impl te: Transformer Engine's tensor parallelism "
-                              "keeps plain per-rank weight shards that FSDP2's checkpoints would mix up (its DTensor "
-                              "support, NVIDIA/TransformerEngine#2713, is not released); use --model_impl hf with "
-                              "--fp8_backend torchao for tensor parallelism, or --tp_size 1")
+        super().check(cfg, device)
         if cfg.cp_size > 1:
             check_context_parallel(cfg)
-        if cfg.activation_checkpointing == "selective":
-            raise ConfigError("--activation_checkpointing selective is for the Hugging Face model; the TE model "
-                              "checkpoints whole blocks with TE's checkpoint: use --activation_checkpointing 1")
-        super().check(cfg, device)
         if device.type != "cuda":
             raise ConfigError(f"--model_impl {self.name} runs Transformer Engine's CUDA kernels and needs a CUDA GPU; "
                               "on CPU use --model_impl hf (or auto)")
@@ -99,7 +96,7 @@ class TEImpl(ModelImpl):
         """TE's own checkpoint, which recomputes under the same FP8 autocast state."""
         from llama_fp8.models.te.model import te_checkpoint_wrap
 
-        return layer if mode == "0" else te_checkpoint_wrap(layer)
+        return layer if mode == "none" else te_checkpoint_wrap(layer)
 
     @contextlib.contextmanager
     def sharding(self, model: nn.Module) -> Iterator[None]:

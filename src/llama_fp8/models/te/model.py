@@ -238,7 +238,7 @@ def save_param_attrs(model: nn.Module) -> dict[str, dict[str, Any]]:
     """Public Python attributes TE puts on its parameters (e.g. ``sequence_parallel``).
 
     ``fully_shard`` swaps parameters for DTensors, which drops them; TE's own FSDP2 tests copy them
-    back (tests/pytorch/distributed/fsdp2_tests/fsdp2_utils.py). Call before sharding, then
+    back (TransformerEngine/tests/pytorch/distributed/fsdp2_tests/fsdp2_utils.py). Call before sharding, then
     :func:`restore_param_attrs` after.
     """
     return {

@@ -1,8 +1,8 @@
 """Context parallelism for the TE Llama: Transformer Engine's own (``set_context_parallel_group``).
 
 Each rank receives its head-tail chunks of the sequence (cut by ``parallel/context.py``: chunks r and
-2cp-1-r, TE's DUAL_CHUNK_SWAP layout, as TE's own tests/pytorch/attention/run_attention_with_cp.py cuts
-bshd batches) and TE's attention exchanges keys and values over the CP group: a ring of P2P transfers
+2cp-1-r, TE's DUAL_CHUNK_SWAP layout, as TE's own test
+TransformerEngine/tests/pytorch/attention/run_attention_with_cp.py cuts bshd batches) and TE's attention exchanges keys and values over the CP group: a ring of P2P transfers
 ("p2p"), an all-gather ("all_gather"), all-to-alls over heads ("a2a", DeepSpeed-Ulysses style), or a2a
 within pairs of CP ranks and p2p between the pairs ("a2a+p2p", the two-level split TE's test uses). The
 RoPE angles are passed for the whole sequence: TE's fused RoPE picks each rank's positions from its CP

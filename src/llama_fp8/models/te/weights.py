@@ -12,8 +12,8 @@ TE's own state_dict in tests/models/te/test_te_real_structure.py) are::
 Two weights are fused, their row blocks stacked in HF order:
 - ``layernorm_qkv.weight`` (heads*d + 2*kv_heads*d, hidden) is ``[q_proj; k_proj; v_proj]``. Without
   interleaving TE views the projection as (heads/kv_heads + 2, kv_heads, d) and splits it along the first
-  dimension (TE attention/multi_head_attention.py), so query head h is rows [h*d, (h+1)*d) and uses KV head
-  h // (heads/kv_heads), as HF's repeat_kv. (One GEMM instead of three; FP8 parameters need it: TE cannot
+  dimension (transformer_engine/pytorch/attention/multi_head_attention.py), so query head h is rows
+  [h*d, (h+1)*d) and uses KV head h // (heads/kv_heads), as HF's repeat_kv. (One GEMM instead of three; FP8 parameters need it: TE cannot
   split an FP8 weight into q/k/v parameters.)
 - ``fc1_weight`` (2*ffn, hidden) is ``[gate_proj; up_proj]``: TE's swiglu applies SiLU to the first half.
 Embedding, final norm and LM head keep HF's names. TE's ``*._extra_state`` entries (FP8 metadata) have

@@ -118,17 +118,18 @@ def check_fp8_parameters(cfg, recipe: Recipe) -> None:
     able = [r.name for r in te_recipes.TE_RECIPES if r.fp8_all_gather_since]
     if not recipe.fp8_all_gather_since:  # block
         # TE's own FSDP2 tests mark Float8BlockScaling + FP8 init as failing ("scale inverse padding is not
-        # handled correctly during FSDP2 all-gather slice ops", tests/pytorch/distributed/run_fsdp2_model.py).
+        # handled correctly during FSDP2 all-gather slice ops",
+        # TransformerEngine/tests/pytorch/distributed/run_fsdp2_model.py).
         raise ConfigError(f"--fp8_all_gather 1 with --fp8_recipe block: Transformer Engine's FSDP2 all-gather of "
                           f"blockwise-scaled FP8 weights is not reliable (TE's own tests mark it failing); use "
                           f"--fp8_recipe {' or '.join(a for a in able if a != 'mxfp8')}, or --fp8_all_gather 0")
     if cfg.sharding_strategy == "hybrid" or cfg.dp_replicate_size != 1:
-        # TE finds the shard group of a 2-D mesh by the dimension name "shard" (module/base.py
-        # reset_parameters), and its tests mark MXFP8 + FP8 init + HSDP as failing.
+        # TE finds the shard group of a 2-D mesh by the dimension name "shard" (reset_parameters in
+        # transformer_engine/pytorch/module/base.py), and its tests mark MXFP8 + FP8 init + HSDP as failing.
         raise ConfigError("--fp8_all_gather 1 with the TE model works with plain FSDP only (one data-parallel "
                           "mesh dimension); drop --sharding_strategy hybrid / --dp_replicate_size, or use "
                           "--fp8_all_gather 0")
-    if cfg.activation_checkpointing != "0":
+    if cfg.activation_checkpointing != "none":
         # FSDP2 re-gathers a resharded block for backward with only the weight's transposed (column-wise) FP8
         # data: TE's Float8Tensor.fsdp_pre_all_gather asks for column-wise usage in PRE_BACKWARD and
         # update_usage drops the row-wise data where FP8 GEMMs need TN layouts (SM < 10; MXFP8 gathers one
@@ -137,9 +138,9 @@ def check_fp8_parameters(cfg, recipe: Recipe) -> None:
         # never combine the two). Keeping the blocks unsharded after forward would avoid it, unproven on a GPU.
         raise ConfigError(f"--fp8_all_gather 1 with --activation_checkpointing {cfg.activation_checkpointing} "
                           "(TE): the backward's recomputed forward needs FP8 weight data that FSDP2's backward "
-                          "all-gather of TE's FP8 weights does not bring; use --activation_checkpointing 0 (FP8 "
-                          "all-gather, more activation memory) or --fp8_all_gather 0 (activation checkpointing, "
-                          "FP8 compute, weights all-gathered in BF16)")
+                          "all-gather of TE's FP8 weights does not bring; use --activation_checkpointing none "
+                          "(FP8 all-gather, more activation memory) or --fp8_all_gather 0 (activation "
+                          "checkpointing, FP8 compute, weights all-gathered in BF16)")
     if cfg.optimizer != "adamw":
         # FP8 weights need FP32 masters in the optimizer (master_weights.py); torchao's low-bit AdamW has none.
         raise ConfigError(f"--optimizer {cfg.optimizer} with --fp8_all_gather 1 (TE): FP8 primary weights are "

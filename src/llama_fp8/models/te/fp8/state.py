@@ -11,9 +11,9 @@ which we never set). So, for every TE module of our model:
   ``None`` before TE sees it ("nothing to restore", ``set_extra_state``): no pickle is written or read, ever.
   A module's own load pre-hook comes too late for that where TE's primary weights are FP8: TE 2.20's
   ``_load_from_state_dict`` then calls ``set_extra_state`` with the checkpoint's value before the module's
-  pre-hooks run (module/base.py). So the model's root gets a pre-hook too, which runs before any child
-  module is loaded (``nn.Module.load_state_dict`` derives each child's entries after its parent's hooks),
-  and loads go through the root, as the checkpointer's do;
+  pre-hooks run (transformer_engine/pytorch/module/base.py). So the model's root gets a pre-hook too, which
+  runs before any child module is loaded (``nn.Module.load_state_dict`` derives each child's entries after
+  its parent's hooks), and loads go through the root, as the checkpointer's do;
 - with DelayedScaling, the scales and amax histories are persistent buffers (``fp8_scale_fwd``,
   ``fp8_amax_history_fwd``, ``fp8_scale_bwd``, ``fp8_amax_history_bwd``) that *are* the tensors TE uses
   (TE's quantizers hold views of them and its global amax buffers hold references): a checkpoint load
@@ -37,7 +37,8 @@ EXTRA_STATE = "_extra_state"
 SCALING = {"fwd": "scaling_fwd", "bwd": "scaling_bwd"}
 BUFFERS = tuple(f"fp8_{what}_{tag}" for tag in SCALING for what in ("scale", "amax_history"))
 # GEMMs per forward of the TE modules in a TransformerLayer (the ``num_gemms`` each passes to
-# ``prepare_forward``; TE's module/layernorm_mlp.py and attention/dot_product_attention.py); others have one.
+# ``prepare_forward``: transformer_engine/pytorch/module/layernorm_mlp.py and
+# transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py); others have one.
 GEMMS_BY_CLASS = {"LayerNormMLP": 2, "DotProductAttention": 3}
 
 

@@ -45,7 +45,7 @@ TENSORS = {"activation": "input", "weight": "weight", "gradient": "grad_output"}
 FP8_STATS = ("underflows%", "scale_inv_min", "scale_inv_max", "mse")
 HIGH_PRECISION_STATS = ("cur_amax", "mean", "std")  # TE's LogTensorStats has no "variance"
 # Our --fp8_recipe names that TE's debug statistics cover, and whether the recipe is HYBRID (E4M3 forward,
-# E5M2 gradients: models/te/recipes.recipe_spec) or E4M3 throughout (TE's MXFP8 and block-scaling defaults)
+# E5M2 gradients: models/te/fp8/recipes.recipe_spec) or E4M3 throughout (TE's MXFP8 and block-scaling defaults)
 HYBRID = {"delayed": True, "current": True, "mxfp8": False, "block": False}
 
 
