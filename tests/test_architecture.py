@@ -88,7 +88,7 @@ LAYERS = (
     ("train",),
     ("estimate", "convert", "fp8_bisect"),
     ("report",),
-    ("cluster", "reference"),
+    ("cluster", "reference", "publish"),
     ("__main__",),
 )
 
