@@ -82,12 +82,14 @@ def arms(summary: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _asked(runs: list[dict[str, Any]], key: str) -> str | None:
+def _tracked_with(runs: list[dict[str, Any]]) -> tuple[str | None, str | None]:
+    """(tracking URI, experiment) of the first arm that trained with --mlflow_tracking_uri, else (None, None)."""
     for arm in runs:
         asked = arm["config"].get("asked")
-        if isinstance(asked, dict) and isinstance(asked.get(key), str) and asked[key]:
-            return asked[key]
-    return None
+        if isinstance(asked, dict) and isinstance(asked.get("mlflow_tracking_uri"), str) and asked["mlflow_tracking_uri"]:
+            experiment = asked.get("mlflow_experiment")
+            return asked["mlflow_tracking_uri"], experiment if isinstance(experiment, str) and experiment else None
+    return None, None
 
 
 def _parent_numbers(summary: dict[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
@@ -102,11 +104,18 @@ def _parent_numbers(summary: dict[str, Any]) -> tuple[dict[str, float], dict[str
             {k: v if isinstance(v, str) else json.dumps(v) for k, v in params.items() if v is not None})
 
 
-def _child(client, uri: str, experiment: str, parent_name: str, arm: dict[str, Any]) -> str:
-    """The arm's MLflow run: the one training opened on this tracking server, else a new one from its folder or log."""
+def _child(client, uri: str, experiment: str, parent: str, parent_name: str, arm: dict[str, Any]) -> str:
+    """The arm's MLflow run: the one training opened on this tracking server, else the one an earlier publish of this
+    A/B made, else a new one from its folder or log."""
     recorded = tracking.read_run_file(arm["folder"]) if arm["folder"] is not None else None
     if recorded is not None and recorded["tracking_uri"] == uri:
         return recorded["run_id"]
+    source = str(arm["source"])
+    if "'" not in source:
+        made = client.search_runs([experiment], max_results=1, filter_string=(
+            f"tags.mlflow.parentRunId = '{parent}' and tags.run_dir = '{source}'"))
+        if made:
+            return made[0].info.run_id
     try:
         run = load_run(str(arm["source"]), arm["role"])
     except CompareError as e:
@@ -126,14 +135,15 @@ def publish(args: argparse.Namespace) -> dict[str, Any]:
     report_dir = Path(args.report)
     summary = read_summary(report_dir)
     runs = arms(summary)
-    uri = args.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or _asked(runs, "mlflow_tracking_uri")
+    arms_uri, arms_experiment = _tracked_with(runs)
+    uri = args.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or arms_uri
     if not uri:
         raise PublishError("no MLflow tracking URI: pass --mlflow_tracking_uri (or set MLFLOW_TRACKING_URI; arms "
                            "trained with --mlflow_tracking_uri name theirs)")
     client = tracking.client(uri)
     from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
-    experiment = tracking.experiment_id(client, args.mlflow_experiment or _asked(runs, "mlflow_experiment")
+    experiment = tracking.experiment_id(client, args.mlflow_experiment or arms_experiment
                                         or tracking.DEFAULT_EXPERIMENT)
     name = args.mlflow_run_name or (report_dir.resolve().parent.name if report_dir.name == "report"
                                     else report_dir.resolve().name)
@@ -157,7 +167,7 @@ def publish(args: argparse.Namespace) -> dict[str, Any]:
             client.log_artifact(parent, str(path))
     children = []
     for arm in runs:
-        child = _child(client, uri, experiment, name, arm)
+        child = _child(client, uri, experiment, parent, name, arm)
         for key, value in {MLFLOW_PARENT_RUN_ID: parent, "ab_role": arm["role"], "ab_pair": str(arm["pair"]),
                            "ab_verdict": verdict}.items():
             client.set_tag(child, key, value)

@@ -83,6 +83,10 @@ class TextfileSink(Sink):
         if self.board.update(rec):
             self._write(self.path)
 
+    def abandon(self) -> None:
+        """A failed textfile leaves the collector's folder: its last values would be exported on as if current."""
+        self.path.unlink(missing_ok=True)
+
     def close(self, ended: str) -> None:
         """The last state into the run dir, then out of the collector's folder."""
         try:

@@ -47,6 +47,10 @@ class Sink:
     def close(self, ended: str) -> None:
         return None
 
+    def abandon(self) -> None:
+        """The sink failed and is left out: undo what would mislead if left behind (best effort)."""
+        return None
+
 
 class LineSink(Sink):
     """The log line on stdout (``Batch N Loss: ...``: the prefix log monitors match)."""
@@ -191,6 +195,10 @@ class MetricsWriter:
     def _drop(self, sink: Sink, error: BaseException, when: str) -> None:
         """Report a failed sink once, then leave it out: a metrics sink never stops training."""
         self._sinks.remove(sink)
+        try:
+            sink.abandon()
+        except Exception:  # noqa: S110 - the failure itself is what gets reported
+            pass
         log.warning("metrics sink %s failed %s (%s: %s); it is off for the rest of this run, training and the other "
                     "sinks go on", sink.name, when, type(error).__name__, error)
 
