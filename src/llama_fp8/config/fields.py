@@ -193,7 +193,7 @@ class TrainConfig:
                          choices=("offline", "online"), group="logging")
     prometheus_textfile_dir: str | None = _f(None, "node_exporter's textfile collector folder: every rank writes its "
                                              "llama_fp8_* gauges there (atomically), removed at the end (needs "
-                                             "prometheus_client; docs/metrics.md)", group="logging")
+                                             "prometheus_client)", group="logging")
     otlp_endpoint: str | None = _f(None, "also push the llama_fp8_* gauges to this OTLP/HTTP receiver, e.g. "
                                    "http://localhost:4318 (needs opentelemetry-sdk)", group="logging")
     mlflow_tracking_uri: str | None = _f(None, "also log the run to MLflow: a server URL, a database, a file store or a "
