@@ -27,6 +27,7 @@ from llama_fp8.telemetry import mlflow_tracking as tracking
 MAX_SUMMARY_BYTES = 16 << 20
 MAX_CONFIG_BYTES = 1 << 20
 MAX_ARTIFACT_BYTES = 64 << 20
+MAX_ARTIFACTS = 100
 ARTIFACT_SUFFIXES = (".md", ".json", ".png")
 ROLES = ("baseline", "candidate")
 
@@ -161,10 +162,10 @@ def publish(args: argparse.Namespace) -> dict[str, Any]:
     tracking.log_params(client, parent, params)
     for key, value in metrics.items():
         client.log_metric(parent, key, value)
-    for path in sorted(report_dir.iterdir()):
-        if path.suffix in ARTIFACT_SUFFIXES and path.is_file() and not path.is_symlink() \
-                and path.name != tracking.RUN_FILE and path.stat().st_size <= MAX_ARTIFACT_BYTES:
-            client.log_artifact(parent, str(path))
+    artifacts = [p for p in sorted(report_dir.iterdir()) if p.suffix in ARTIFACT_SUFFIXES and p.is_file()
+                 and not p.is_symlink() and p.name != tracking.RUN_FILE and p.stat().st_size <= MAX_ARTIFACT_BYTES]
+    for path in artifacts[:MAX_ARTIFACTS]:  # what compare writes: report.md, summary.json, a few plots
+        client.log_artifact(parent, str(path))
     children = []
     for arm in runs:
         child = _child(client, uri, experiment, parent, name, arm)
