@@ -15,7 +15,8 @@
 #                   too long for one allocation. The report says "not the same hardware" when they differ.
 # Environment: SBATCH_ARGS (extra sbatch options for every job, the report job included, e.g. partition and
 # account), AB_DIR (default runs/ab_<date-time>), AB_ORDER (same mode: "bf16 fp8" or "fp8 bf16"), plus
-# everything 1.train_llama.sbatch reads (IMAGE, VENV, CONTAINER_MOUNTS, ...).
+# everything 1.train_llama.sbatch reads (IMAGE, VENV, CONTAINER_MOUNTS, ...). With --mlflow_tracking_uri among the
+# train arguments the report is also logged to MLflow (`llama_fp8 publish`: the A/B a parent run, the arms children).
 set -euo pipefail
 
 export REPO_DIR=${REPO_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}  # read by the batch scripts
@@ -71,15 +72,18 @@ BF16_JOB=$(submit_run bf16 0 "$@")
 
 # The report job: afterany (also report a failed run); SBATCH_ARGS first (partition, account, ...), then one
 # task on one node, which win over any --nodes/--ntasks in SBATCH_ARGS.
-COMPARE=(-m llama_fp8 compare "$AB_DIR/bf16" "$AB_DIR/fp8" --out "$AB_DIR/report")
 if [[ -n "${IMAGE:-}" ]]; then
     RUN=(srun --container-image="$IMAGE" --container-mounts="${CONTAINER_MOUNTS:-$REPO_DIR:$REPO_DIR,$AB_DIR:$AB_DIR}"
-        python "${COMPARE[@]}")
+        python)
 else
-    RUN=(env PYTHONPATH="$REPO_DIR/src" "${VENV:-$REPO_DIR/.venv}/bin/python" "${COMPARE[@]}")
+    RUN=(env PYTHONPATH="$REPO_DIR/src" "${VENV:-$REPO_DIR/.venv}/bin/python")
+fi
+WRAP=$(printf '%q ' "${RUN[@]}" -m llama_fp8 compare "$AB_DIR/bf16" "$AB_DIR/fp8" --out "$AB_DIR/report")
+if [[ " $* " == *" --mlflow_tracking_uri"* ]]; then  # the report as an MLflow run too (docs/metrics.md)
+    WRAP+="&& { $(printf '%q ' "${RUN[@]}" -m llama_fp8 publish "$AB_DIR/report")|| echo 'warning: llama_fp8 publish could not log the report to MLflow' >&2; }"
 fi
 REPORT_JOB=$(sbatch --parsable ${EXTRA[@]+"${EXTRA[@]}"} --job-name=llama-fp8-report --nodes=1 --ntasks=1 \
-    --output=logs/%x_%j.out --dependency="afterany:$FP8_JOB:$BF16_JOB" --wrap="$(printf '%q ' "${RUN[@]}")")
+    --output=logs/%x_%j.out --dependency="afterany:$FP8_JOB:$BF16_JOB" --wrap="$WRAP")
 
 cat <<EOF
 fp8 job:    $FP8_JOB   log logs/llama-fp8-fp8_$FP8_JOB.out    run dir $AB_DIR/fp8

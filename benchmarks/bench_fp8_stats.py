@@ -34,7 +34,7 @@ from llama_fp8 import config as C
 from llama_fp8 import models
 from llama_fp8.precision import fp8_stats
 from llama_fp8.precision.torchao import TorchaoFp8
-from llama_fp8.telemetry import metrics
+from llama_fp8.telemetry import sinks
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -60,7 +60,7 @@ def build(cfg, every: int, device: torch.device, run_dir: Path):
     runtime.convert(model)
     model.to(device=device)
     run_dir.mkdir(parents=True, exist_ok=True)
-    writer = metrics.MetricsWriter(run_dir, enabled=True)
+    writer = sinks.MetricsWriter(run_dir, enabled=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     state = {"step": 0}
 

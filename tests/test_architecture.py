@@ -89,7 +89,7 @@ LAYERS = (
     ("train",),
     ("estimate", "convert", "fp8_bisect"),
     ("report",),
-    ("cluster", "reference"),
+    ("cluster", "reference", "publish"),
     ("__main__",),
 )
 

@@ -26,6 +26,7 @@ HELP_PAGES = {
     "convert": ("docs/checkpoints.md", "python -m llama_fp8 convert CKPT_DIR OUT_DIR"),
     "preflight": ("docs/cluster.md", "python -m llama_fp8 preflight -- --model"),
     "fp8-bisect": ("docs/fp8.md", "python -m llama_fp8 fp8-bisect --config"),
+    "publish": ("docs/metrics.md", "llama-fp8 publish REPORT_DIR"),
 }
 
 

@@ -91,4 +91,5 @@ def test_wandb_flags_reach_wandb_init(tmp_path, monkeypatch):
 
     monkeypatch.setattr(wandb, "init", lambda **kw: (seen.update(kw), Run())[1])
     assert T.run(tiny(tmp_path, "--wandb_project", "proj", "--wandb_mode", "online")) == 0
-    assert (seen["project"], seen["mode"], seen["steps"], seen["finished"]) == ("proj", "online", [1, 2, 3], True)
+    # the train records of steps 1..3, then the attempt's goodput record at its last step
+    assert (seen["project"], seen["mode"], seen["steps"], seen["finished"]) == ("proj", "online", [1, 2, 3, 3], True)

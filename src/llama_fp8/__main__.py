@@ -1,4 +1,4 @@
-"""`python -m llama_fp8 {train,estimate,compare,submit,convert,preflight,fp8-bisect} ...` (also the `llama-fp8` script)."""
+"""`python -m llama_fp8 {train,estimate,compare,submit,convert,preflight,fp8-bisect,publish} ...` (also the `llama-fp8` script)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ COMMANDS = {
     "convert": "export a checkpoint to a Hugging Face folder",
     "preflight": "check a node: GPUs, FP8 support, TE, NCCL, EFA, file systems",
     "fp8-bisect": "find the decoder layers to keep in BF16 for FP8 to match BF16's loss",
+    "publish": "an A/B report as an MLflow run, each arm's run a child of it",
 }
 MODULES = {"train": "llama_fp8.train.cli", "estimate": "llama_fp8.estimate.cli", "compare": "llama_fp8.report.compare",
            "launch": "llama_fp8.cluster.launch.torchrun", "submit": "llama_fp8.cluster.launch.submit", "convert": "llama_fp8.convert",
-           "preflight": "llama_fp8.cluster.nodes.preflight", "fp8-bisect": "llama_fp8.fp8_bisect"}
+           "preflight": "llama_fp8.cluster.nodes.preflight", "fp8-bisect": "llama_fp8.fp8_bisect",
+           "publish": "llama_fp8.publish"}
 
 
 def _usage() -> str:

@@ -73,16 +73,48 @@ def decide_setup(cfg: TrainConfig, env: DistEnv, impl: models.ModelImpl | None =
             data.validate_data_config(cfg, dims.dp_size)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        for flag, module, extra in (("tensorboard_dir", "tensorboard", "tensorboard"),
-                                    ("wandb_project", "wandb", "wandb")):
-            if getattr(cfg, flag) and importlib.util.find_spec(module) is None:
-                raise ConfigError(f"--{flag} needs {module}: pip install 'llama-fp8[{extra}]'")
+        check_sinks(cfg)
     impl = impl or models.resolve(cfg.model_impl, env.device)
     impl.check(cfg, env.device)
     choice = precision.resolve(cfg, impl, env.device, env.world_size, models.implementations())
     if not memory_only:
         check_device_options(cfg, env)
     return impl, choice, dims
+
+
+# flag -> (modules it imports, what to name, the extra that installs them)
+SINK_PACKAGES = {
+    "tensorboard_dir": (("tensorboard",), "tensorboard", "tensorboard"),
+    "wandb_project": (("wandb",), "wandb", "wandb"),
+    "prometheus_textfile_dir": (("prometheus_client",), "prometheus_client", "prometheus"),
+    "mlflow_tracking_uri": (("mlflow",), "mlflow", "mlflow"),
+    "otlp_endpoint": (("opentelemetry.sdk.metrics", "opentelemetry.exporter.otlp.proto.http.metric_exporter"),
+                      "opentelemetry-sdk and its OTLP/HTTP exporter", "otlp"),
+}
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a dotted name whose parent package is missing
+        return False
+
+
+def check_sinks(cfg: TrainConfig) -> None:
+    """The optional metrics sinks asked for can start: their packages are installed, the textfile folder is writable,
+    the OTLP endpoint is a URL (checked before training, on every rank: each node has its own folder)."""
+    from llama_fp8.telemetry import otlp, prometheus
+
+    for flag, (modules, what, extra) in SINK_PACKAGES.items():
+        if getattr(cfg, flag) and not all(map(_installed, modules)):
+            raise ConfigError(f"--{flag} needs {what}: pip install 'llama-fp8[{extra}]'")
+    if cfg.prometheus_textfile_dir and (problem := prometheus.check_dir(cfg.prometheus_textfile_dir)):
+        raise ConfigError(f"--prometheus_textfile_dir {cfg.prometheus_textfile_dir} {problem}")
+    if cfg.otlp_endpoint:
+        try:
+            otlp.endpoint_url(cfg.otlp_endpoint)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def check_device_options(cfg: TrainConfig, env: DistEnv) -> None:

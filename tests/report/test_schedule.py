@@ -89,6 +89,7 @@ FAKE_SRUN = """#!/bin/bash
 cat >/dev/null   # srun forwards stdin to its tasks: take all of it, as a task reading stdin would
 while [[ "$1" == --* ]]; do shift; done
 if [[ "$*" == *"llama_fp8 compare"* ]]; then echo "$*" >>"$AB_DIR/compare.calls"; exit 0; fi
+if [[ "$*" == *"llama_fp8 publish"* ]]; then echo "$*" >>"$AB_DIR/publish.calls"; exit "${FAKE_PUBLISH_RC:-0}"; fi
 exec "$@"
 """
 
@@ -126,3 +127,31 @@ def test_batch_job_runs_the_interleaved_schedule_and_compares_every_pair(tmp_pat
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
     assert proc.returncode == 0 and proc.stdout.count("finished in an earlier attempt") == 6
     assert len((ab / "train.calls").read_text().splitlines()) == 6
+
+
+def test_batch_job_publishes_the_report_to_mlflow_only_when_the_arms_log_there(tmp_path):
+    """With --mlflow_tracking_uri among the train arguments the job runs `llama_fp8 publish` on its report once; a
+    failed upload is a warning, not a failed A/B; without the flag there is no publish step."""
+    repo = tmp_path / "repo"
+    (repo / "scripts" / "slurm").mkdir(parents=True)
+    (repo / "scripts" / "slurm" / "ab_job.sbatch").write_text((REPO / "scripts/slurm/ab_job.sbatch").read_text())
+    (repo / "scripts" / "slurm" / "job_lib.sh").write_text(FAKE_JOB_LIB)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    for name, extra, rc in (("plain", [], "0"), ("tracked", ["--mlflow_tracking_uri", "http://mlflow:5000"], "1")):
+        ab = tmp_path / name
+        ab.mkdir()
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "REPO_DIR": str(repo), "AB_DIR": str(ab),
+               "SLURM_JOB_ID": "78", "SLURM_JOB_NODELIST": "n1", "FAKE_PY": sys.executable, "FAKE_PUBLISH_RC": rc,
+               "PYTHONPATH": str(REPO / "src")}
+        cmd = ["bash", str(repo / "scripts" / "slurm" / "ab_job.sbatch"), "--model", "tiny", *extra]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        calls = (ab / "publish.calls").read_text().splitlines() if (ab / "publish.calls").exists() else []
+        if extra:
+            assert [c.split()[-2:] for c in calls] == [["publish", f"{ab}/report"]]
+            assert "could not log the report to MLflow" in proc.stderr
+        else:
+            assert calls == []

@@ -193,6 +193,16 @@ class TrainConfig:
     wandb_project: str | None = _f(None, "also log to this Weights & Biases project (needs wandb)", group="logging")
     wandb_mode: str = _f("offline", "wandb mode: offline (no network; `wandb sync` later) or online",
                          choices=("offline", "online"), group="logging")
+    prometheus_textfile_dir: str | None = _f(None, "node_exporter's textfile collector folder: every rank writes its "
+                                             "llama_fp8_* gauges there (atomically), removed at the end (needs "
+                                             "prometheus_client)", group="logging")
+    otlp_endpoint: str | None = _f(None, "also push the llama_fp8_* gauges to this OTLP/HTTP receiver, e.g. "
+                                   "http://localhost:4318 (needs opentelemetry-sdk)", group="logging")
+    mlflow_tracking_uri: str | None = _f(None, "also log the run to MLflow: a server URL, a database, a file store or a "
+                                         "SageMaker MLflow ARN (needs mlflow)", group="logging")
+    mlflow_experiment: str = _f("llama-fp8", "MLflow experiment of the run (with --mlflow_tracking_uri)",
+                                group="logging")
+    mlflow_run_name: str | None = _f(None, "MLflow run name (default: the run dir's name)", group="logging")
     run_dir: str | None = _f(None, "where config.yaml and metrics.jsonl go (default: runs/<SLURM_JOB_ID or "
                              "timestamp>)", group="logging")
     # --- profiling -------------------------------------------------------------------------------------

@@ -67,6 +67,29 @@ def last_logged_step(metrics_path: Path, max_bytes: int = 64 << 20) -> int:
     return last
 
 
+def earlier_attempts(metrics_path: Path, max_bytes: int = 64 << 20) -> int:
+    """How many attempts of this run came before this one (a restart inside the allocation and a requeue alike): each
+    attempt's meta record in metrics.jsonl counts, the last one with its own count (``restarts``) + 1 when it has one.
+    Reads at most the file's last ``max_bytes``."""
+    try:
+        with metrics_path.open("rb") as f:
+            f.seek(max(0, metrics_path.stat().st_size - max_bytes))
+            text = f.read(max_bytes).decode("utf-8", errors="replace")
+    except OSError:
+        return 0
+    count, last = 0, None
+    for line in text.splitlines():
+        if not line.startswith('{"type": "meta"'):  # json.dumps writes "type" first; skip parsing the rest
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        count, last = count + 1, rec
+    restarts = last.get("restarts") if isinstance(last, dict) else None
+    return restarts + 1 if isinstance(restarts, int) and not isinstance(restarts, bool) and restarts >= 0 else count
+
+
 def _count(env, var: str) -> int:
     try:
         return int(env.get(var) or 0)

@@ -1,4 +1,5 @@
-"""Throughput, TFLOPS, MFU and memory, measured on logging steps only; the log line and metrics.jsonl.
+"""Throughput, TFLOPS, MFU and memory, measured on logging steps only, and the log line. Where the records go (the
+line, metrics.jsonl and the optional sinks) is sinks.py's and outputs.py's.
 
 Between logging steps nothing here touches the device: no ``.item()``, no synchronize. On a logging
 step the device is synchronized once, so the window [previous log, this log] covers finished work.
@@ -6,14 +7,12 @@ step the device is synchronized once, so the window [previous log, this log] cov
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import resource
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -130,70 +129,6 @@ def format_line(rec: dict) -> str:
             f"lr: {rec['lr']:.6f}, tokens/s/device: {rec['tokens_per_sec_per_device']:.1f}, "
             f"TFLOPS/device: {_num(rec['tflops_per_device'], '.3f')}, {mfu}, "
             f"mem: {_num(rec['mem_peak_gib'], '.2f')} GiB, grad_norm: {_num(rec['grad_norm'], '.3f')}")
-
-
-class MetricsWriter:
-    """Rank 0's sinks: the stdout line, metrics.jsonl (flushed each write), and optionally TensorBoard
-    and Weights & Biases (imported only when asked for)."""
-
-    def __init__(self, run_dir: Path, enabled: bool, cfg=None):
-        self.enabled = enabled
-        self.path = run_dir / "metrics.jsonl"
-        self._fh = open(self.path, "a") if enabled else None
-        self._tb = self._wandb = None
-        if enabled and cfg is not None and cfg.tensorboard_dir:
-            self._tb = _tensorboard_writer(cfg.tensorboard_dir)
-        if enabled and cfg is not None and cfg.wandb_project:
-            self._wandb = _wandb_run(cfg, run_dir)
-
-    def write(self, rec: dict, line: str | None = None) -> None:
-        if not self.enabled:
-            return
-        if line:
-            print(line, flush=True)
-        self._fh.write(json.dumps(rec) + "\n")
-        self._fh.flush()
-        if rec.get("type") in ("train", "val", "fp8_stats"):
-            scalars = {f"{rec['type']}/{k}": v for k, v in rec.items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time", "data_from_step")}
-            if self._tb is not None:
-                for k, v in scalars.items():
-                    self._tb.add_scalar(k, v, rec["step"])
-                self._tb.flush()
-            if self._wandb is not None:
-                self._wandb.log(scalars, step=rec["step"])
-
-    def close(self) -> None:
-        if self._fh:
-            self._fh.close()
-            self._fh = None
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            import wandb
-
-            self._wandb.finish()
-            # Wait for wandb's service process to write everything (offline: the run file) before the
-            # training process goes on to exit; its atexit hook alone is not reliable under launchers.
-            wandb.teardown()
-            self._wandb = None
-
-
-def _tensorboard_writer(log_dir: str):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as e:
-        raise ImportError("--tensorboard_dir needs tensorboard: pip install 'llama-fp8[tensorboard]'") from e
-    return SummaryWriter(log_dir=log_dir)
-
-
-def _wandb_run(cfg, run_dir: Path):
-    try:
-        import wandb
-    except ImportError as e:
-        raise ImportError("--wandb_project needs wandb: pip install 'llama-fp8[wandb]'") from e
-    return wandb.init(project=cfg.wandb_project, mode=cfg.wandb_mode, dir=str(run_dir),
-                      name=run_dir.name, config={k: v for k, v in vars(cfg).items() if not k.startswith("_")})
 
 
 def setup_logging(is_main: bool) -> None:

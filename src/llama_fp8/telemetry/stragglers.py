@@ -50,14 +50,16 @@ class RankMonitor:
         self._step_s += max(step_s - data_wait_s, 0.0)
         self._wait_s += data_wait_s
 
-    def window(self) -> dict[str, Any]:
+    def window(self, mem_peak_gib: float | None = None) -> dict[str, Any]:
+        """``mem_peak_gib``: this rank's memory high-water mark (the meter's), gathered with the rest so that the record
+        holds every rank's."""
         n = max(self._steps, 1)
         g = self.health.sample()
-        mine = torch.tensor([self._step_s / n, self._wait_s / n,
+        mine = torch.tensor([self._step_s / n, self._wait_s / n, NAN if mem_peak_gib is None else mem_peak_gib,
                              *(NAN if g[k] is None else g[k] for k in FIELDS)], dtype=torch.float64)
         self._reset()
         if len(self.ranks) > 1:
-            # NCCL gathers device tensors; gloo host ones. 7 numbers per rank: no measurable cost.
+            # NCCL gathers device tensors; gloo host ones. 8 numbers per rank: no measurable cost.
             t = mine.to(self.device)
             out = [torch.empty_like(t) for _ in self.ranks]
             dist.all_gather(out, t)
@@ -65,7 +67,8 @@ class RankMonitor:
         else:
             rows = [mine.tolist()]
         ranks = [{"rank": i, **self.ranks[i], "step_s": r[0], "data_wait_s": r[1],
-                  **{k: (None if v != v else v) for k, v in zip(FIELDS, r[2:])}}  # NaN -> None
+                  "mem_peak_gib": None if r[2] != r[2] else r[2],
+                  **{k: (None if v != v else v) for k, v in zip(FIELDS, r[3:])}}  # NaN -> None
                  for i, r in enumerate(rows)]
         nodes = per_node(ranks)
         return {"ranks": ranks, "stragglers": find_stragglers(ranks, self.threshold),

@@ -14,14 +14,14 @@ import time
 import torch
 
 from llama_fp8 import faults
-from llama_fp8.telemetry import goodput, heartbeat, metrics, profiling, stragglers
+from llama_fp8.telemetry import goodput, heartbeat, metrics, profiling, sinks, stragglers
 
 log = logging.getLogger("llama_fp8.train")
 
 
 class RunObserver:
     def __init__(self, *, heartbeat: heartbeat.Heartbeat, clock: goodput.Goodput, ranks: stragglers.RankMonitor,
-                 profiler: profiling.Profiler, meter: metrics.StepMeter, writer: metrics.MetricsWriter,
+                 profiler: profiling.Profiler, meter: metrics.StepMeter, writer: sinks.MetricsWriter,
                  precision, precision_name: str, world_size: int, is_main: bool, start_step: int):
         self.heartbeat, self.clock, self.ranks, self.profiler = heartbeat, clock, ranks, profiler
         self.meter, self.writer, self.precision = meter, writer, precision
@@ -48,12 +48,14 @@ class RunObserver:
         self.precision.report(self.writer, step)  # FP8 check / statistics records, when the runtime has any
 
     def log(self, step: int, lr: float, grad_norm: torch.Tensor | None, data_crc32: int) -> float:
-        """A logging step: the window's record (metrics.jsonl, the log line, the optional sinks) and a warning that
-        names stragglers. Returns the window's loss."""
+        """A logging step: the window's record and a warning that names stragglers. Every rank makes the record (its
+        all-reduced loss, every rank's step time, data wait and memory); rank 0's writer writes it everywhere, each
+        rank's writer exports its per-rank gauges from it (telemetry/outputs.py). Returns the window's loss."""
         rec = self.meter.window(step, lr, grad_norm)
         # rank 0's tokens over the window's steps: equal in two runs iff they read the same data
         rec.update(precision=self.precision_name, world_size=self.world_size, data_crc32=data_crc32,
-                   data_from_step=self._window_start, goodput=self.clock.so_far(), **self.ranks.window())
+                   data_from_step=self._window_start, goodput=self.clock.so_far(),
+                   **self.ranks.window(rec["mem_peak_gib"]))
         self._window_start = step + 1
         self.writer.write(rec, metrics.format_line(rec))
         note = stragglers.summary_line(rec["stragglers"])

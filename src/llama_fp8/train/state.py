@@ -10,10 +10,21 @@ import torch
 from torch import nn
 
 from llama_fp8 import checkpoint, faults, models, parallel, precision
+from llama_fp8 import config as config_mod
 from llama_fp8.config import ConfigError, TrainConfig
 from llama_fp8.models.common import ModelSize
 from llama_fp8.plan import RunPlan, make_plan
-from llama_fp8.telemetry import goodput, gpu_health, heartbeat, metrics, peaks, profiling, stragglers
+from llama_fp8.telemetry import (
+    goodput,
+    gpu_health,
+    heartbeat,
+    metrics,
+    outputs,
+    peaks,
+    profiling,
+    sinks,
+    stragglers,
+)
 from llama_fp8.train import build
 from llama_fp8.train.observer import RunObserver
 
@@ -32,7 +43,7 @@ class TrainState:
     train_loader: Any
     val_loader: Any
     checkpointer: checkpoint.Checkpointer
-    writer: metrics.MetricsWriter
+    writer: sinks.MetricsWriter  # every sink this rank writes to (telemetry/outputs.py)
     watch: faults.SignalWatch
     guard: faults.NanGuard
     start_step: int
@@ -44,7 +55,7 @@ class TrainState:
             self.checkpointer.wait()
         self.observer.close()
         self.watch.close()
-        self.writer.close()
+        self.writer.close(self.observer.clock.ended)
 
 
 def start(cfg: TrainConfig, env: parallel.DistEnv) -> TrainState:
@@ -103,14 +114,19 @@ def start_metrics(cfg: TrainConfig, plan: RunPlan, env: parallel.DistEnv, size: 
                                                      cfg.peak_tflops)
     meter = metrics.StepMeter(env.device, env.world_size, plan.global_batch, cfg.max_context_width,
                               size.flops_per_token, peak_bf16, peak_fp8, cfg.fp8)
-    writer = metrics.MetricsWriter(Path(plan.run_dir), enabled=env.is_main, cfg=cfg)
+    run_dir = Path(plan.run_dir)
+    # attempts before this one (a resumed or restarted run's metrics.jsonl has their meta records): read before the
+    # writer appends this attempt's
+    restarts = goodput.earlier_attempts(run_dir / "metrics.jsonl") if env.is_main else 0
+    origin = outputs.Origin.here(run_dir, env.rank, env.local_rank, env.is_main, plan.precision.name)
+    writer = outputs.open_writer(cfg, origin, {"asked": config_mod.asked(cfg), "resolved": plan.to_dict()})
     writer.write({"type": "meta", "precision": plan.precision.name, "model": cfg.model, "model_impl": plan.model_impl,
                   "world_size": env.world_size, "device": env.device.type, "device_name": device_name,
                   "peak_tflops_bf16": peak_bf16, "peak_tflops_fp8": peak_fp8, "peak_source": peak_source,
                   "flops_convention": metrics.FLOPS_CONVENTION, "seq_len": cfg.max_context_width,
                   "global_batch_size": plan.global_batch,
                   "flops_per_token": size.flops_per_token, "num_params": size.num_params,
-                  "fp8_emulated": plan.precision.emulated, "start_step": start_step,
+                  "fp8_emulated": plan.precision.emulated, "start_step": start_step, "restarts": restarts,
                   "environment": environment.describe(env.device.type) if env.is_main else {},
                   "repro": repro.describe() if env.is_main else {}})
     return meter, writer

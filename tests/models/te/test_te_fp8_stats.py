@@ -144,7 +144,7 @@ def test_the_te_runtime_keeps_validation_out_of_the_statistics(monkeypatch):
 
 def test_the_te_runtime_writes_records_and_a_summary_on_rank_0(tmp_path):
     from llama_fp8.models.te.fp8.precision import TEFp8
-    from llama_fp8.telemetry.metrics import MetricsWriter
+    from llama_fp8.telemetry.sinks import MetricsWriter
 
     stats = TS.TEStats(1, "current", False)
     stats.layers = {"l"}

@@ -1,0 +1,207 @@
+"""``llama-fp8 publish REPORT_DIR``: an A/B report (the folder ``llama-fp8 compare`` wrote) as an MLflow run that a
+team can find again. The A/B is a parent run: the report's markdown, plots and summary.json are its artifacts, its
+verdict is a tag (``verdict``), its speed-up and loss gaps are metrics. Each arm's run is a child: the MLflow run that
+training opened (``--mlflow_tracking_uri``; its id is in the run folder's mlflow_run.json), else one made here from the
+run folder (config.yaml's params, metrics.jsonl's scalars) or log. Children are tagged with their role
+(``ab_role``: baseline or candidate), their pair and the A/B's verdict, so that "which FP8 runs passed last month" is
+one query (docs/metrics.md). The report folder remembers its parent run: publishing again updates it.
+
+The tracking URI: ``--mlflow_tracking_uri``, else ``MLFLOW_TRACKING_URI``, else the one the arms trained with.
+``report/`` stays a reader of run folders; this command only reads what it wrote and the arms' folders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llama_fp8.report.runs import CompareError, load_run
+from llama_fp8.telemetry import mlflow_tracking as tracking
+
+MAX_SUMMARY_BYTES = 16 << 20
+MAX_CONFIG_BYTES = 1 << 20
+MAX_ARTIFACT_BYTES = 64 << 20
+MAX_ARTIFACTS = 100
+ARTIFACT_SUFFIXES = (".md", ".json", ".png")
+ROLES = ("baseline", "candidate")
+
+
+class PublishError(ValueError):
+    """Bad input: main() prints it and exits 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llama-fp8 publish", allow_abbrev=False, epilog="docs: docs/metrics.md",
+                                description="An A/B report as an MLflow run, each arm's run a child of it.")
+    p.add_argument("report", metavar="REPORT_DIR", help="the folder `llama-fp8 compare` wrote (summary.json, "
+                                                        "report.md, plots)")
+    p.add_argument("--mlflow_tracking_uri", help="default: $MLFLOW_TRACKING_URI, else the arms' own")
+    p.add_argument("--mlflow_experiment", help=f"default: the arms' own, else {tracking.DEFAULT_EXPERIMENT}")
+    p.add_argument("--mlflow_run_name", help="the A/B's run name (default: the A/B folder's name)")
+    return p
+
+
+def _read(path: Path, limit: int, what: str) -> str:
+    try:
+        if path.stat().st_size > limit:
+            raise PublishError(f"{path}: larger than {limit >> 20} MiB; not a {what}")
+        return path.read_text(errors="replace")
+    except OSError as e:
+        raise PublishError(f"{path}: {e.strerror or e} (is it a {what}?)") from None
+
+
+def read_summary(report_dir: Path) -> dict[str, Any]:
+    text = _read(report_dir / "summary.json", MAX_SUMMARY_BYTES, "compare report's summary")
+    try:
+        summary = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PublishError(f"{report_dir / 'summary.json'}: not JSON ({e})") from None
+    runs = summary.get("repro", {}).get("runs") if isinstance(summary, dict) else None
+    if summary.get("verdict") not in ("PASS", "FAIL") or not isinstance(runs, list) or len(runs) % 2 or not runs:
+        raise PublishError(f"{report_dir / 'summary.json'}: no verdict or no runs: not written by llama-fp8 compare")
+    return summary
+
+
+def arms(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each run of the report, baseline and candidate of each pair in order: its source, run folder and config."""
+    out = []
+    for i, info in enumerate(summary["repro"]["runs"]):
+        source = Path(str(info.get("source")))
+        folder = source if source.is_dir() else source.parent if source.name == "metrics.jsonl" else None
+        config: dict[str, Any] = {}
+        if folder is not None and (folder / "config.yaml").is_file():
+            loaded = yaml.safe_load(_read(folder / "config.yaml", MAX_CONFIG_BYTES, "run's config.yaml"))
+            config = loaded if isinstance(loaded, dict) else {}
+        out.append({"name": str(info.get("run") or source.name), "source": source, "folder": folder,
+                    "config": config, "role": ROLES[i % 2], "pair": i // 2 + 1})
+    return out
+
+
+def _tracked_with(runs: list[dict[str, Any]]) -> tuple[str | None, str | None]:
+    """(tracking URI, experiment) of the first arm that trained with --mlflow_tracking_uri, else (None, None)."""
+    for arm in runs:
+        asked = arm["config"].get("asked")
+        if isinstance(asked, dict) and isinstance(asked.get("mlflow_tracking_uri"), str) and asked["mlflow_tracking_uri"]:
+            experiment = asked.get("mlflow_experiment")
+            return asked["mlflow_tracking_uri"], experiment if isinstance(experiment, str) and experiment else None
+    return None, None
+
+
+def _parent_numbers(summary: dict[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
+    """The A/B's metrics (speed-up, loss gaps) and params (tolerance, pairs, seeds) from summary.json."""
+    loss, ab = summary.get("loss") or {}, summary.get("ab") or {}
+    metrics = {"speedup": summary.get("speedup"), "train_loss_gap_pct": loss.get("train_gap_pct"),
+               "val_loss_gap_pct": loss.get("val_gap_pct"), "pairs": ab.get("pairs")}
+    params = {"loss_tolerance_pct": summary.get("loss_tolerance_pct"), "pairs": ab.get("pairs"),
+              "seeds": ab.get("seeds"), "baseline": summary.get("run_a", {}).get("label"),
+              "candidate": summary.get("run_b", {}).get("label")}
+    return ({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
+            {k: v if isinstance(v, str) else json.dumps(v) for k, v in params.items() if v is not None})
+
+
+def _child(client, uri: str, experiment: str, parent: str, parent_name: str, arm: dict[str, Any]) -> str:
+    """The arm's MLflow run: the one training opened on this tracking server, else the one an earlier publish of this
+    A/B made, else a new one from its folder or log."""
+    recorded = tracking.read_run_file(arm["folder"]) if arm["folder"] is not None else None
+    if recorded is not None and recorded["tracking_uri"] == uri:
+        return recorded["run_id"]
+    source = str(arm["source"])
+    if "'" not in source:
+        made = client.search_runs([experiment], max_results=1, filter_string=(
+            f"tags.mlflow.parentRunId = '{parent}' and tags.run_dir = '{source}'"))
+        if made:
+            return made[0].info.run_id
+    try:
+        run = load_run(str(arm["source"]), arm["role"])
+    except CompareError as e:
+        raise PublishError(str(e)) from None
+    run_id = client.create_run(experiment, run_name=f"{parent_name}/{arm['name']}",
+                               tags={"precision": run.label, "run_dir": str(arm["source"])}).info.run_id
+    if arm["config"]:
+        tracking.log_params(client, run_id, tracking.flat_params(arm["config"]))
+    records = [*({**r, "type": "train"} for r in run.train), *({**r, "type": "val"} for r in run.val),
+               *({**r, "type": "goodput"} for r in run.goodput)]
+    tracking.log_records(client, run_id, records)
+    client.set_terminated(run_id, status="FINISHED")
+    return run_id
+
+
+def publish(args: argparse.Namespace) -> dict[str, Any]:
+    report_dir = Path(args.report)
+    summary = read_summary(report_dir)
+    runs = arms(summary)
+    arms_uri, arms_experiment = _tracked_with(runs)
+    uri = args.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or arms_uri
+    if not uri:
+        raise PublishError("no MLflow tracking URI: pass --mlflow_tracking_uri (or set MLFLOW_TRACKING_URI; arms "
+                           "trained with --mlflow_tracking_uri name theirs)")
+    client = tracking.client(uri)
+    from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+
+    experiment = tracking.experiment_id(client, args.mlflow_experiment or arms_experiment
+                                        or tracking.DEFAULT_EXPERIMENT)
+    name = args.mlflow_run_name or (report_dir.resolve().parent.name if report_dir.name == "report"
+                                    else report_dir.resolve().name)
+    verdict = summary["verdict"]
+    recorded = tracking.read_run_file(report_dir)
+    if recorded is not None and recorded["tracking_uri"] == uri:
+        parent = recorded["run_id"]
+        client.update_run(parent, status="RUNNING", name=name)
+    else:
+        parent = client.create_run(experiment, run_name=name).info.run_id
+        tracking.write_run_file(report_dir, uri, experiment, parent)
+    for key, value in {"kind": "ab", "verdict": verdict, "verdict_line": str(summary.get("verdict_line", ""))}.items():
+        client.set_tag(parent, key, value)
+    metrics, params = _parent_numbers(summary)
+    tracking.log_params(client, parent, params)
+    for key, value in metrics.items():
+        client.log_metric(parent, key, value)
+    artifacts = [p for p in sorted(report_dir.iterdir()) if p.suffix in ARTIFACT_SUFFIXES and p.is_file()
+                 and not p.is_symlink() and p.name != tracking.RUN_FILE and p.stat().st_size <= MAX_ARTIFACT_BYTES]
+    for path in artifacts[:MAX_ARTIFACTS]:  # what compare writes: report.md, summary.json, a few plots
+        client.log_artifact(parent, str(path))
+    children = []
+    for arm in runs:
+        child = _child(client, uri, experiment, parent, name, arm)
+        for key, value in {MLFLOW_PARENT_RUN_ID: parent, "ab_role": arm["role"], "ab_pair": str(arm["pair"]),
+                           "ab_verdict": verdict}.items():
+            client.set_tag(child, key, value)
+        children.append({"run": arm["name"], "role": arm["role"], "run_id": child})
+    client.set_terminated(parent, status="FINISHED")
+    return {"uri": uri, "experiment_id": experiment, "run_id": parent, "verdict": verdict, "children": children}
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse printed the message naming the flag
+        return int(e.code or 0)
+    if not Path(args.report).is_dir():
+        print(f"publish: error: REPORT_DIR {args.report} is not a folder (give the folder compare wrote)",
+              file=sys.stderr)
+        return 2
+    try:
+        done = publish(args)
+    except (PublishError, ImportError) as e:
+        print(f"publish: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # the tracking server refused, or is not there
+        if not type(e).__module__.startswith(("mlflow", "requests", "urllib3")):
+            raise
+        print(f"publish: error: MLflow: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(f"mlflow: A/B run {done['run_id']} ({done['verdict']}) in experiment {done['experiment_id']} at "
+          f"{done['uri']}")
+    for child in done["children"]:
+        print(f"  {child['role']} {child['run']}: run {child['run_id']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

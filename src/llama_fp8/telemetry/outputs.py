@@ -1,0 +1,92 @@
+"""Which sinks (sinks.py) a run writes to, from its flags: ``open_writer``.
+
+Rank 0: the log line and metrics.jsonl always; TensorBoard (``--tensorboard_dir``), Weights & Biases
+(``--wandb_project``) and MLflow (``--mlflow_tracking_uri``) when asked. Every rank: the Prometheus textfile
+(``--prometheus_textfile_dir``) and OTLP (``--otlp_endpoint``) when asked, rank 0 with the job-wide gauges, each rank
+with its per-rank ones. The packages they need were checked before training (plan.decide_setup); a sink that still
+cannot start is reported and the run goes on without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llama_fp8.telemetry import sinks
+from llama_fp8.telemetry.gauges import Board
+
+log = logging.getLogger("llama_fp8.metrics")
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Who writes: this rank of this run, and the labels its gauges carry."""
+
+    run_dir: Path
+    rank: int
+    local_rank: int
+    is_main: bool
+    precision: str
+    slurm_job_id: str = ""
+    node: str = ""
+
+    @classmethod
+    def here(cls, run_dir: Path, rank: int, local_rank: int, is_main: bool, precision: str,
+             env: dict[str, str] | None = None) -> Origin:
+        """The Slurm job and the node from the environment (the hostname outside Slurm)."""
+        env = os.environ if env is None else env
+        return cls(Path(run_dir), rank, local_rank, is_main, precision, env.get("SLURM_JOB_ID") or "",
+                   env.get("SLURMD_NODENAME") or socket.gethostname())
+
+    def labels(self) -> dict[str, str]:
+        return {"slurm_job_id": self.slurm_job_id, "node": self.node, "run": self.run_dir.name,
+                "precision": self.precision}
+
+    def board(self) -> Board:
+        return Board(self.labels(), self.rank, self.local_rank, self.is_main)
+
+
+def open_writer(cfg, origin: Origin, params: dict[str, Any]) -> sinks.MetricsWriter:
+    """``params``: what config.yaml holds (``{"asked": ..., "resolved": ...}``), for MLflow."""
+    out: list[sinks.Sink] = []
+
+    def add(name: str, make: Callable[[], sinks.Sink]) -> None:
+        try:
+            out.append(make())
+        except Exception as e:
+            log.warning("metrics sink %s could not start (%s: %s); the run goes on without it", name,
+                        type(e).__name__, e)
+
+    if origin.is_main:
+        out += [sinks.LineSink(), sinks.JsonlSink(origin.run_dir / "metrics.jsonl")]
+        if cfg.tensorboard_dir:
+            add("tensorboard", lambda: sinks.TensorBoardSink(cfg.tensorboard_dir))
+        if cfg.wandb_project:
+            add("wandb", lambda: sinks.WandbSink(cfg, origin.run_dir))
+        if cfg.mlflow_tracking_uri:
+            out.append(sinks.Background("mlflow", lambda: _mlflow(cfg, origin, params)))
+    if cfg.prometheus_textfile_dir:
+        from llama_fp8.telemetry import prometheus
+
+        name = prometheus.file_name(origin.slurm_job_id, origin.run_dir.name, origin.rank)
+        add("prometheus textfile", lambda: prometheus.TextfileSink(cfg.prometheus_textfile_dir, origin.board(),
+                                                                   origin.run_dir, name))
+    if cfg.otlp_endpoint:
+        from llama_fp8.telemetry import otlp
+
+        add("otlp", lambda: otlp.OtlpSink(cfg.otlp_endpoint, origin.board()))
+    return sinks.MetricsWriter(origin.run_dir, origin.is_main, out)
+
+
+def _mlflow(cfg, origin: Origin, params: dict[str, Any]) -> sinks.Sink:
+    from llama_fp8.telemetry import mlflow_tracking
+
+    tags = {"precision": origin.precision, "slurm_job_id": origin.slurm_job_id, "node": origin.node,
+            "run_dir": str(origin.run_dir.resolve()), "model": str(cfg.model)}
+    return mlflow_tracking.MlflowSink(cfg.mlflow_tracking_uri, cfg.mlflow_experiment,
+                                      cfg.mlflow_run_name or origin.run_dir.name, origin.run_dir, params, tags)

@@ -1,0 +1,427 @@
+"""Metrics where clusters already look: the Prometheus textfile, OTLP and MLflow sinks with their real libraries, the
+Grafana dashboard's queries, and a failing sink that never stops training. One 2-rank CPU run (module fixture) feeds
+most assertions; its values are checked against its own metrics.jsonl."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from helpers import REPO, cli_env, read_metrics
+from llama_fp8 import config as C
+from llama_fp8 import train as T
+from llama_fp8.telemetry import gauges, goodput, otlp, prometheus
+
+pytest.importorskip("prometheus_client", reason="the prometheus extra (make installs it)")
+pytest.importorskip("mlflow", reason="the mlflow extra (make installs it)")
+pytest.importorskip("opentelemetry.sdk", reason="the otlp extra (make installs it)")
+
+GIB = 2**30
+JOB = "4242"
+
+
+class _Receiver(BaseHTTPRequestHandler):
+    """An OTLP/HTTP receiver on the loopback: keeps each request's body."""
+
+    bodies: list[bytes] = []
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        self.bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        return None
+
+
+@pytest.fixture(scope="module")
+def run2(tmp_path_factory):
+    """One 2-rank CPU run with every exporting sink on (FP8 emulated, FP8 statistics and validation, so that every
+    gauge has a value)."""
+    base = tmp_path_factory.mktemp("sinks")
+    (base / "textfiles").mkdir()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), type("Receiver", (_Receiver,), {"bodies": []}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    args = ["--model", "tiny", "--device", "cpu", "--num_layers", "1", "--max_context_width", "32", "--max_steps", "4",
+            "--run_dir", str(base / "run"), "--fp8", "1", "--fp8_stats", "2", "--validation_freq", "2",
+            "--peak_tflops", "1", "--prometheus_textfile_dir", str(base / "textfiles"),
+            "--mlflow_tracking_uri", (base / "mlruns").as_uri(), "--mlflow_experiment", "fp8-runs",
+            "--mlflow_run_name", "arm-b", "--otlp_endpoint", f"http://127.0.0.1:{server.server_port}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "llama_fp8",
+           "train", *args]
+    env = cli_env(SLURM_JOB_ID=JOB, MLFLOW_ALLOW_FILE_STORE="true")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    server.shutdown()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = read_metrics(base / "run")
+    yield SimpleNamespace(base=base, run_dir=base / "run", records=records, bodies=server.RequestHandlerClass.bodies,
+                          mlruns=(base / "mlruns").as_uri())
+
+
+def last(records: list[dict], kind: str) -> dict:
+    return [r for r in records if r["type"] == kind][-1]
+
+
+def expected(records: list[dict], rank: int) -> dict[tuple[str, str | None], float]:
+    """What the textfile of ``rank`` must hold, read from metrics.jsonl by the names of docs/metrics.md."""
+    train, mine = last(records, "train"), last(records, "train")["ranks"][rank]
+    out = {("llama_fp8_memory_high_water_bytes", None): mine["mem_peak_gib"] * GIB,
+           ("llama_fp8_rank_step_seconds", None): mine["step_s"],
+           ("llama_fp8_rank_data_wait_seconds", None): mine["data_wait_s"]}
+    if rank:
+        return out
+    named = train["stragglers"]
+    fp8 = last(records, "fp8_stats")
+    out.update({("llama_fp8_step", None): train["step"], ("llama_fp8_train_loss", None): train["loss"],
+                ("llama_fp8_validation_loss", None): last(records, "val")["val_loss"],
+                ("llama_fp8_learning_rate", None): train["lr"], ("llama_fp8_grad_norm", None): train["grad_norm"],
+                ("llama_fp8_tokens_per_second", None): train["tokens_per_sec"],
+                ("llama_fp8_device_tokens_per_second", None): train["tokens_per_sec_per_device"],
+                ("llama_fp8_device_flops_per_second", None): train["tflops_per_device"] * 1e12,
+                ("llama_fp8_mfu_ratio", "bf16"): train["mfu_vs_bf16_peak"],
+                ("llama_fp8_mfu_ratio", "fp8"): train["mfu_vs_fp8_peak"],
+                ("llama_fp8_data_wait_ratio", None): train["data_wait_frac"],
+                ("llama_fp8_goodput_ratio", None): last(records, "goodput")["goodput"],
+                ("llama_fp8_straggler_rank", None): named[0]["rank"] if named else -1,
+                ("llama_fp8_stragglers", None): len(named),
+                ("llama_fp8_restarts_total", None): last(records, "meta")["restarts"],
+                **{("llama_fp8_fp8_underflow_ratio", t): fp8[f"{t}_underflow_max"]
+                   for t in ("input", "weight", "grad_output")},
+                **{("llama_fp8_fp8_snr_decibels", t): fp8[f"{t}_snr_db_min"] for t in ("input", "weight", "grad_output")}})
+    return out
+
+
+def parse_textfile(path: Path) -> tuple[dict[tuple[str, str | None], float], list[dict], dict[str, str]]:
+    """(values by (sample name, peak/tensor label), every sample's labels, family types) through prometheus_client's
+    own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values, labels, types = {}, [], {}
+    for family in text_string_to_metric_families(path.read_text()):
+        for sample in family.samples:
+            extra = sample.labels.get("peak") or sample.labels.get("tensor")
+            values[(sample.name, extra)] = sample.value
+            labels.append(sample.labels)
+            types[sample.name] = family.type
+    return values, labels, types
+
+
+def test_the_textfile_of_a_2_rank_run_holds_metrics_jsonl_under_prometheus_names(run2):
+    final = run2.run_dir / prometheus.FINAL_DIR
+    assert sorted(p.name for p in final.iterdir()) == [f"llama_fp8_job{JOB}_run_rank0.prom",
+                                                       f"llama_fp8_job{JOB}_run_rank1.prom"]
+    assert list((run2.base / "textfiles").iterdir()) == []  # removed from the collector's folder at the end
+    meta = last(run2.records, "meta")
+    for rank in (0, 1):
+        values, labels, types = parse_textfile(final / f"llama_fp8_job{JOB}_run_rank{rank}.prom")
+        want = expected(run2.records, rank)
+        assert set(values) == set(want)
+        assert values == pytest.approx(want, rel=1e-12)
+        assert types["llama_fp8_restarts_total"] == "counter" if rank == 0 else "llama_fp8_restarts_total" not in types
+        job_labels = {"slurm_job_id": JOB, "node": socket.gethostname(), "run": "run", "precision": meta["precision"]}
+        for sample_labels in labels:
+            assert {k: sample_labels[k] for k in job_labels} == job_labels
+        per_rank = [s for s in labels if "rank" in s]
+        assert per_rank and all((s["rank"], s["local_rank"]) == (str(rank), str(rank)) for s in per_rank)
+    # every gauge of the table was exported by this run (the docs' table lists no gauge that never appears)
+    assert {name for name, _ in expected(run2.records, 0)} == {g.name for g in gauges.GAUGES}
+
+
+def test_mlflow_file_store_holds_the_runs_params_and_metrics(run2, monkeypatch):
+    import mlflow
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    mlflow.set_tracking_uri(run2.mlruns)
+    (run,) = mlflow.search_runs(experiment_names=["fp8-runs"], filter_string="attributes.run_name = 'arm-b'",
+                                output_format="list")
+    meta = last(run2.records, "meta")
+    assert (run.info.run_name, run.info.status) == ("arm-b", "FINISHED")
+    assert (run.data.tags["precision"], run.data.tags["slurm_job_id"]) == (meta["precision"], JOB)
+    params = run.data.params
+    assert (params["fp8"], params["max_steps"], params["mlflow_run_name"]) == ("true", "4", "arm-b")
+    assert (params["resolved.precision.name"], params["resolved.world_size"]) == (meta["precision"], "2")
+    history = MlflowClient(run2.mlruns).get_metric_history(run.info.run_id, "train/loss")
+    assert [(m.step, m.value) for m in history] == [(r["step"], pytest.approx(r["loss"]))
+                                                    for r in run2.records if r["type"] == "train"]
+    vals = MlflowClient(run2.mlruns).get_metric_history(run.info.run_id, "val/val_loss")
+    assert [m.step for m in vals] == [2, 4]
+
+
+def otlp_points(bodies: list[bytes]) -> dict[tuple[str, str, str | None], float]:
+    """(metric name, rank label or "", peak/tensor label) -> value, from OTLP/HTTP protobuf requests."""
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+    out = {}
+    for body in bodies:
+        request = ExportMetricsServiceRequest.FromString(body)
+        for resource in request.resource_metrics:
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    points = metric.gauge.data_points or metric.sum.data_points
+                    for point in points:
+                        attrs = {kv.key: kv.value.string_value for kv in point.attributes}
+                        out[(metric.name, attrs.get("rank", ""), attrs.get("peak") or attrs.get("tensor"))] = \
+                            point.as_double
+    return out
+
+
+def test_otlp_over_http_carries_the_textfiles_gauges_from_every_rank(run2):
+    got = otlp_points(run2.bodies)
+    want = {}
+    for rank in (0, 1):
+        for (name, extra), value in expected(run2.records, rank).items():
+            want[(name, str(rank) if gauges.BY_NAME[name].per_rank else "", extra)] = value
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_otlp_through_the_sdks_in_memory_reader_holds_the_same_values(run2):
+    """The SDK's InMemoryMetricReader in place of the OTLP exporter, fed rank 0's records of the run."""
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    board = gauges.Board({"slurm_job_id": JOB, "node": "n1", "run": "run", "precision": "fp8"}, 0, 0, True)
+    sink = otlp.OtlpSink(None, board, reader=reader)
+    for rec in run2.records:
+        sink.write(rec)
+    got = {}
+    for resource in reader.get_metrics_data().resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                for point in metric.data.data_points:
+                    assert point.attributes["slurm_job_id"] == JOB and point.attributes["node"] == "n1"
+                    got[(metric.name, point.attributes.get("peak") or point.attributes.get("tensor"))] = point.value
+    sink.close("finished")
+    assert got == pytest.approx(expected(run2.records, 0), rel=1e-12)
+
+
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
+                "offset", "label_values"}
+
+
+def dashboard_queries() -> list[str]:
+    dash = json.loads((REPO / "dashboards" / "llama-fp8.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    exprs += [v["query"]["query"] for v in dash["templating"]["list"] if v["type"] == "query"]
+    return exprs
+
+
+def names_and_labels(expr: str) -> tuple[set[str], set[str]]:
+    """The metric names a PromQL expression reads and the label names it matches or groups by."""
+    labels = set(re.findall(r"([a-zA-Z_]\w*)\s*(?:=~|!~|!=|=)", " ".join(re.findall(r"\{([^}]*)\}", expr))))
+    for group in re.findall(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", expr):
+        labels.update(x.strip() for x in group.split(",") if x.strip())
+    labels.update(re.findall(r"label_values\([^,]+,\s*(\w+)\)", expr))
+    bare = re.sub(r'"[^"]*"|\{[^}]*\}|\[[^\]]*\]|\b(?:by|without|on|ignoring)\s*\([^)]*\)', " ", expr)
+    bare = re.sub(r",\s*\w+\)", ")", bare)  # label_values(metric, label): the label is not a metric
+    return {w for w in re.findall(r"\b[a-zA-Z_:][\w:]*\b(?!\s*\()", bare) if w not in PROMQL_WORDS}, labels
+
+
+def test_the_dashboards_queries_name_only_metrics_and_labels_the_textfile_writes(run2):
+    written, labels = set(), set()
+    for path in (run2.run_dir / prometheus.FINAL_DIR).iterdir():
+        values, sample_labels, _ = parse_textfile(path)
+        written |= {name for name, _ in values}
+        labels |= {k for s in sample_labels for k in s}
+    used = [names_and_labels(e) for e in dashboard_queries()]
+    assert len(used) > 20
+    assert set().union(*(n for n, _ in used)) <= written
+    assert set().union(*(lab for _, lab in used)) <= labels
+    assert {"llama_fp8_train_loss", "llama_fp8_mfu_ratio", "llama_fp8_memory_high_water_bytes"} <= \
+        set().union(*(n for n, _ in used))
+
+
+def test_the_query_reader_finds_a_name_the_textfile_lacks():
+    names, labels = names_and_labels('sum by (node) (rate(DCGM_FI_DEV_GPU_UTIL{hpc_job=~"$job"}[5m]))')
+    assert (names, labels) == ({"DCGM_FI_DEV_GPU_UTIL"}, {"node", "hpc_job"})
+
+
+def test_gauge_names_follow_prometheus_conventions():
+    for g in gauges.GAUGES:
+        assert re.fullmatch(r"llama_fp8_[a-z0-9_]+", g.name), g.name
+        assert g.name.endswith("_total") == g.counter, g.name
+        assert not re.search(r"(gib|_ms|milliseconds|tflops|percent)", g.name), f"{g.name}: not a base unit"
+        if "second" in g.name:
+            assert g.name.endswith(("_seconds", "_per_second")), g.name
+        if "bytes" in g.name or "ratio" in g.name:
+            assert g.name.endswith(("_bytes", "_ratio")), g.name
+
+
+def test_the_textfile_is_written_by_rename_and_leaves_the_collector_folder_at_the_end(tmp_path, monkeypatch):
+    renames = []
+    real = os.rename
+    monkeypatch.setattr(os, "rename", lambda a, b: (renames.append((a, b)), real(a, b))[1])
+    (tmp_path / "collector").mkdir()
+    board = gauges.Board({"slurm_job_id": "7", "node": "n", "run": "r", "precision": "bf16"}, 0, 0, True)
+    name = prometheus.file_name("7", "runs/a b", 0)
+    assert name == "llama_fp8_job7_runs_a_b_rank0.prom"
+    sink = prometheus.TextfileSink(str(tmp_path / "collector"), board, tmp_path / "run", name)
+    sink.write({"type": "train", "step": 5, "loss": 2.5, "ranks": [{"step_s": 0.1, "data_wait_s": 0.0,
+                                                                    "mem_peak_gib": 1.0}]})
+    (tmp, final), = renames
+    assert Path(final) == tmp_path / "collector" / name and not Path(tmp).name.endswith(".prom")
+    assert Path(tmp).parent == Path(final).parent  # a rename within one file system: atomic
+    assert parse_textfile(Path(final))[0][("llama_fp8_train_loss", None)] == 2.5
+    sink.write({"type": "train", "step": 5, "loss": 2.5})  # nothing changed: no write
+    assert len(renames) == 1
+    sink.close("finished")
+    assert list((tmp_path / "collector").iterdir()) == []
+    assert parse_textfile(tmp_path / "run" / "prometheus" / name)[0][("llama_fp8_step", None)] == 5
+
+
+def tiny(tmp_path, *extra: str) -> C.TrainConfig:
+    return C.parse_args(["--model", "tiny", "--device", "cpu", "--num_layers", "1", "--max_context_width", "32",
+                         "--max_steps", "4", "--run_dir", str(tmp_path / "run"), *extra])
+
+
+def test_a_sink_failing_mid_run_leaves_training_and_the_other_records_intact(tmp_path, monkeypatch, capsys):
+    """A full disk under the textfile from its third write on, and an MLflow server that is not there: each is
+    reported once, training finishes, metrics.jsonl and TensorBoard get every record, the stale textfile is gone."""
+    import prometheus_client
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    real, calls = prometheus_client.write_to_textfile, []
+
+    def disk_full(path, registry, *a, **kw):
+        calls.append(path)
+        if len(calls) >= 3:
+            raise OSError(28, "No space left on device")
+        return real(path, registry, *a, **kw)
+
+    monkeypatch.setattr(prometheus_client, "write_to_textfile", disk_full)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    (tmp_path / "collector").mkdir()
+    code = T.run(tiny(tmp_path, "--prometheus_textfile_dir", str(tmp_path / "collector"), "--tensorboard_dir",
+                      str(tmp_path / "tb"), "--mlflow_tracking_uri", f"http://127.0.0.1:{port}"))
+    assert code == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if r["type"] == "train"] == [1, 2, 3, 4]
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4]
+    # (training's logging setup replaces the root handlers, so the warnings are read where it prints them)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "llama_fp8.metrics" in line]
+    assert len([w for w in warnings if "prometheus textfile failed" in w and "No space left" in w]) == 1, warnings
+    assert len([w for w in warnings if "mlflow failed" in w]) == 1, warnings
+    assert len(calls) == 3 and list((tmp_path / "collector").iterdir()) == []
+
+
+@pytest.mark.parametrize("flag, value, module, extra", [
+    ("--prometheus_textfile_dir", ".", "prometheus_client", "prometheus"),
+    ("--mlflow_tracking_uri", "http://127.0.0.1:5000", "mlflow", "mlflow"),
+    ("--otlp_endpoint", "http://127.0.0.1:4318", "opentelemetry.sdk.metrics", "otlp"),
+])
+def test_a_missing_package_is_a_config_error_before_training(tmp_path, monkeypatch, capsys, flag, value, module,
+                                                             extra):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+    assert T.run(tiny(tmp_path, flag, value)) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} needs" in err and f"pip install 'llama-fp8[{extra}]'" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_textfile_folder_or_otlp_endpoint_that_cannot_work_is_a_config_error(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert T.run(tiny(tmp_path, "--prometheus_textfile_dir", str(tmp_path / "file"))) == 2
+    assert f"--prometheus_textfile_dir {tmp_path / 'file'} is not a folder" in capsys.readouterr().err
+    assert T.run(tiny(tmp_path, "--otlp_endpoint", "localhost:4318")) == 2
+    assert "--otlp_endpoint 'localhost:4318': give the http(s) URL" in capsys.readouterr().err
+    assert otlp.endpoint_url("http://c:4318") == "http://c:4318/v1/metrics"
+    assert otlp.endpoint_url("https://c/otlp/v1/metrics") == "https://c/otlp/v1/metrics"
+
+
+def test_restarts_count_the_earlier_attempts_of_a_run(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    assert goodput.earlier_attempts(path) == 0
+    lines = [{"type": "meta"}, {"type": "train", "step": 1}, {"type": "meta"}, {"type": "train", "step": 1}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert goodput.earlier_attempts(path) == 2  # older runs' meta records without a count
+    path.write_text(path.read_text() + json.dumps({"type": "meta", "restarts": 6}) + "\n")
+    assert goodput.earlier_attempts(path) == 7  # the last attempt's own count + 1 (a tail may miss older ones)
+
+
+def test_the_sinks_flags_are_recorded_in_config_yaml(tmp_path):
+    cfg = tiny(tmp_path, "--mlflow_experiment", "e1", "--mlflow_run_name", "r1")
+    asked = C.asked(cfg)
+    assert (asked["mlflow_experiment"], asked["mlflow_run_name"], asked["prometheus_textfile_dir"]) == ("e1", "r1",
+                                                                                                          None)
+    assert {f.name for f in dataclasses.fields(cfg)} >= {"prometheus_textfile_dir", "otlp_endpoint",
+                                                         "mlflow_tracking_uri", "mlflow_experiment", "mlflow_run_name"}
+
+
+def test_publish_makes_the_ab_a_parent_run_with_its_report_and_each_arm_a_child(run2, tmp_path, monkeypatch, capsys):
+    """The 2-rank FP8 run (tracked in MLflow while it trained) against a BF16 run that was not: the A/B's report as the
+    parent's artifacts, its verdict a tag, the tracked arm made a child, the other one's run made from its folder."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from llama_fp8 import publish
+    from llama_fp8.report import compare
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert T.run(tiny(tmp_path)) == 0
+    report = tmp_path / "report"
+    assert compare.main([str(tmp_path / "run"), str(run2.run_dir), "--out", str(report)]) == 0
+    summary = json.loads((report / "summary.json").read_text())
+    # no tracking URI given: the one the FP8 arm trained with, and its experiment
+    assert publish.main([str(report), "--mlflow_run_name", "ab-1"]) == 0
+    assert publish.main([str(report), "--mlflow_run_name", "ab-1"]) == 0  # again: the same parent, updated
+    client = MlflowClient(run2.mlruns)
+    mlflow.set_tracking_uri(run2.mlruns)
+    (parent,) = mlflow.search_runs(experiment_names=["fp8-runs"], filter_string="tags.kind = 'ab'", output_format="list")
+    assert (parent.info.run_name, parent.info.status) == ("ab-1", "FINISHED")
+    assert parent.data.tags["verdict"] == summary["verdict"]
+    assert parent.data.metrics["speedup"] == pytest.approx(summary["speedup"])
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"report.md", "summary.json"} <= artifacts and any(a.endswith(".png") for a in artifacts)
+    children = mlflow.search_runs(experiment_names=["fp8-runs"], output_format="list",
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    by_role = {c.data.tags["ab_role"]: c for c in children}
+    assert set(by_role) == {"baseline", "candidate"} and len(children) == 2
+    trained = json.loads((run2.run_dir / "mlflow_run.json").read_text())["run_id"]
+    assert by_role["candidate"].info.run_id == trained  # the run training opened, not a copy
+    base = by_role["baseline"]
+    assert (base.data.params["fp8"], base.data.tags["precision"]) == ("false", "bf16")
+    history = client.get_metric_history(base.info.run_id, "train/loss")
+    assert [m.value for m in history] == pytest.approx([r["loss"] for r in read_metrics(tmp_path / "run")
+                                                        if r["type"] == "train"])
+    # "which FP8 runs passed": one query
+    found = mlflow.search_runs(experiment_names=["fp8-runs"], output_format="list", filter_string=(
+        f"tags.ab_role = 'candidate' and tags.ab_verdict = '{summary['verdict']}' and tags.precision LIKE 'fp8%'"))
+    assert [r.info.run_id for r in found] == [trained]
+    assert f"({summary['verdict']})" in capsys.readouterr().out
+
+
+def test_publish_without_a_tracking_uri_or_report_says_what_to_pass(tmp_path, monkeypatch, capsys):
+    from llama_fp8 import publish
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert publish.main([str(tmp_path / "nowhere")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+    (tmp_path / "summary.json").write_text(json.dumps({"verdict": "PASS", "repro": {"runs": [
+        {"source": str(tmp_path / "a")}, {"source": str(tmp_path / "b")}]}}))
+    assert publish.main([str(tmp_path)]) == 2
+    assert "no MLflow tracking URI: pass --mlflow_tracking_uri" in capsys.readouterr().err
+    (tmp_path / "summary.json").write_text("{}")
+    assert publish.main([str(tmp_path), "--mlflow_tracking_uri", "file:///x"]) == 2
+    assert "not written by llama-fp8 compare" in capsys.readouterr().err
