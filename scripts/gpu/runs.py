@@ -111,7 +111,7 @@ def timebox(cmd: list[str], timeout: float, log: Path, env: dict[str, str] | Non
 
 FINAL = frozenset({"passed", "failed", "skipped", "refused", "timeout", "error"})
 RETRYABLE = frozenset({"failed", "timeout", "error"})  # what --retry runs again
-MEASURED = frozenset({"train", "bench", "profile"})  # kinds whose numbers belong to one GPU
+MEASURED = frozenset({"train", "bench", "profile", "memory", "estimate"})  # kinds whose numbers belong to one GPU
 SCHEMA = 1
 
 
@@ -139,6 +139,25 @@ def done(records: list[dict], key: str, retry: bool = False, gpu: str | None = N
         if r.get("key") == key and r.get("status") in FINAL and "unit" in r and same_gpu:
             last[r["unit"]] = r["status"]
     return {u for u, s in last.items() if not (retry and s in RETRYABLE)}
+
+
+def merge(returned: Path, local: Path) -> list[dict]:
+    """Append to ``local`` the lines of ``returned`` it does not have; returns their records."""
+    have = set(local.read_text().splitlines()) if local.exists() else set()
+    new = [line for line in returned.read_text().splitlines() if line.strip() and line not in have]
+    valid = []
+    for line in new:
+        try:
+            valid.append((line, json.loads(line)))
+        except json.JSONDecodeError:
+            print(f"[results] skipped a line that is not JSON (cut off?): {line[:80]}", file=sys.stderr)
+    if valid:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        with open(local, "a") as f:
+            if local.stat().st_size and not local.read_text().endswith("\n"):
+                f.write("\n")
+            f.writelines(line + "\n" for line, _ in valid)
+    return [rec for _, rec in valid]
 
 
 class Store:
