@@ -184,10 +184,15 @@ class Store:
             f.write(json.dumps(record, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        if self.mirror is not None:
+        self.copy_to_mirror()
+        return record
+
+    def copy_to_mirror(self) -> None:
+        """The whole results file into the mirror folder (also at a command's start: an output folder that comes
+        back from a command that ran nothing still holds every record the node has)."""
+        if self.mirror is not None and self.path.is_file():
             self.mirror.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(self.path, self.mirror / self.path.name)
-        return record
 
 
 

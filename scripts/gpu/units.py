@@ -26,10 +26,10 @@ TOKENS = 8192  # bench_linear rows: the training batch below (2 sequences of 409
 # name -> (train flags, seconds a synthetic-data cell of it takes on one H100: start-up + 40 steps + exit). The
 # issue's three shapes: Llama 3.2 1B and 3B at 4096 tokens (3B with activation checkpointing: FP32 AdamW states
 # alone take ~51 GB of the 80), and the AWS sample's Llama 2 7B shape cut to 8 layers. 1B: the CPU rehearsal's
-# fixed parts taken as they are (the trainer's start-up 14-23 s, exit ~3 s, on 2 shared cores: no credit for
-# the node's faster cores) + CUDA/NCCL init and the weights on the GPU (~5 s) + the first step's and the FP8
-# check's profiled step's overheads (~10 s) + 40 steps of 7.4e13 FLOPs at an assumed 35 % MFU of 989 TFLOPS
-# (0.21 s each, ~9 s): ~47 s (scripts/gpu/README.md, "The first visit"). The 3B and 7B-8L figures are guesses.
+# fixed parts at their median, scale 1 (the trainer's start-up 8-35 s, median 18 s, and ~3 s of exit, on 2 shared
+# cores: no credit for the node's faster, unshared cores) + CUDA/NCCL init and the weights on the GPU (~5 s) + the
+# first step's and the FP8 check's profiled step's overheads (~10 s) + 40 steps of 7.4e13 FLOPs at an assumed 35 %
+# MFU of 989 TFLOPS (0.21 s each, ~9 s): ~45 s (scripts/gpu/README.md, "The first visit"). 3B, 7B-8L: guesses.
 MODELS: dict[str, tuple[tuple[str, ...], int]] = {
     "llama3.2-1b": (("--model", "llama3.2-1b", "--max_context_width", "4096"), 50),
     "llama3.2-3b": (("--model", "llama3.2-3b", "--max_context_width", "4096", "--activation_checkpointing", "1"),
@@ -37,9 +37,9 @@ MODELS: dict[str, tuple[tuple[str, ...], int]] = {
     "llama2-7b-8l": (("--model", "llama2-7b", "--num_layers", "8"), 150),
 }
 COMPILE_S = 60  # what --compile 1 adds to a cell (Inductor compiling the blocks, cold cache): a guess
-MEMORY_S = 30  # memory/terms: memprobe.py (rehearsal: 10 s without CUDA; + CUDA init, TE's FP8 step, NCCL init)
-ESTIMATE_S = 55  # one `llama_fp8 estimate` of a 1B cell on the node's CPU (rehearsal: 51 and 57 s, no GPU work)
-TE_TESTS_S = 90  # a TE value test set (rehearsal: 26-32 s of pytest start-up and TE import; + the tests on a GPU)
+MEMORY_S = 30  # memory/terms: memprobe.py (rehearsal: 9-10 s without CUDA; + CUDA init, TE's FP8 step, NCCL init)
+ESTIMATE_S = 55  # one `llama_fp8 estimate` of a 1B cell on the node's CPU (rehearsal: 44-71 s, median 54; no GPU work)
+TE_TESTS_S = 90  # a TE value test set (rehearsal: 26-41 s of pytest start-up and TE import; + the tests on a GPU)
 DATA = ("synthetic", "text")
 
 
@@ -106,10 +106,10 @@ BENCH_SETS = (("current", "tensorwise"), ("delayed", "rowwise"), ("block", "tens
 HEADLINE_MODEL = "llama3.2-1b"
 HEADLINE = (("te-bf16", 1), ("te-fp8-current", 1), ("te-fp8-current", 2), ("te-bf16", 2))
 # What a visit pays besides its units (seconds): the node's start (1-2 minutes, counted in the visit's time),
-# each command's install (the kit, TE's import, one TE FP8 forward+backward, the versions block: 59 s in the
-# CPU rehearsal, where no kernel runs), the idle node between two commands (the results taken back, the next
-# call), and the margin visit.sh leaves before its budget's end.
-NODE_START_S, INSTALL_S, GAP_S, MARGIN_S = 120, 60, 30, 15
+# each command's install and verify.py's versions probe (the kit, TE's import, one TE FP8 forward+backward, the
+# versions block: 59-71 s in the CPU rehearsal, where no kernel runs), the idle node between two commands (the
+# results taken back, the next call), and the margin visit.sh leaves before its budget's end.
+NODE_START_S, INSTALL_S, GAP_S, MARGIN_S = 120, 65, 30, 15
 VISIT_S = 15 * 60  # one visit: the node's start, its idle time and every command
 COMMANDS_S = (540, 180)  # the first visit's commands: the main one (9 minutes), an optional second on the warm node
 VISIT_COMMAND_S = COMMANDS_S[0]  # one command's budget (visit.sh VISIT_SECONDS)

@@ -161,13 +161,15 @@ def probe_versions(args: argparse.Namespace, work: Path, env: dict[str, str]) ->
 
 
 def bundle_logs(work: Path, mirror: Path | None) -> None:
-    """logs/ and every run's metrics.jsonl and config.yaml, as one archive (few files for the output folder)."""
+    """logs/ (with nvidia-smi's samples of each run) and every run's metrics.jsonl and config.yaml, as one archive
+    (few files for the output folder)."""
     if mirror is None:
         return
     mirror.mkdir(parents=True, exist_ok=True)
     tmp = mirror / "logs.tar.gz.tmp"
     with tarfile.open(tmp, "w:gz") as tar:
-        for path in sorted(work.glob("logs/*.log")) + sorted(work.glob("runs/**/metrics.jsonl")) + sorted(
+        for path in sorted(work.glob("logs/*.log")) + sorted(work.glob("logs/*.smi.csv")) + sorted(
+                work.glob("runs/**/metrics.jsonl")) + sorted(
                 work.glob("runs/**/config.yaml")):
             tar.add(path, arcname=str(path.relative_to(work)))
     tmp.replace(mirror / "logs.tar.gz")
@@ -255,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         store.append({"key": key, "unit": "versions", "kind": "versions", "status": "passed", "versions": found,
                       **stamp})
     print(f"[verify] key {key} on {gpu}: {len(pending)} of {len(selected)} selected units to run", flush=True)
+    store.copy_to_mirror()
     return run_units(ctx, pending, stamp)
 
 

@@ -207,3 +207,15 @@ def test_the_headlines_later_pairs_stay_out_of_the_matrix_tables():
 def test_verify_runs_the_memory_steps():
     assert verify.RUNNERS["memory"] is memory.run_memory and verify.RUNNERS["estimate"] is memory.run_estimate
     assert runs.MEASURED >= {"memory", "estimate"}
+
+
+def test_the_logs_archive_brings_back_the_samples(tmp_path):
+    import tarfile
+
+    work = tmp_path / "work"
+    (work / "logs").mkdir(parents=True)
+    (work / "logs" / "train_x.log").write_text("log")
+    (work / "logs" / "train_x.smi.csv").write_text("600, 81559\n")
+    verify.bundle_logs(work, tmp_path / "out")
+    with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["logs/train_x.log", "logs/train_x.smi.csv"]

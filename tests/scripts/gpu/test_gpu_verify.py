@@ -253,7 +253,9 @@ def test_merge_from_carries_the_repositorys_records_into_the_nodes_file(tmp_path
             str(tmp_path / "w"), "--match", "memory/*", "--match", "estimate/*"]
     assert verify.main(argv) == 0
     assert calls == ["estimate/llama3.2-1b/synthetic/te-bf16", "estimate/llama3.2-1b/synthetic/te-fp8-current"]
-    assert verify.main(argv) == 0 and len(calls) == 2  # the second command: nothing again
+    mirror = tmp_path / "out2"
+    assert verify.main(argv + ["--mirror", str(mirror)]) == 0 and len(calls) == 2  # the second command: nothing again
+    assert (mirror / "results.jsonl").read_text() == node_file.read_text()  # its output folder holds every record
     units_in_node = [r["unit"] for r in runs.load(node_file)]
     assert units_in_node.count("memory/terms") == 1 and len(units_in_node) == 4  # merged once, + versions, 2 estimates
     assert verify.main([*argv[:4], "--merge-from", str(tmp_path / "missing.jsonl"), *argv[6:]]) == 0  # no file: fine
