@@ -111,7 +111,7 @@ def timebox(cmd: list[str], timeout: float, log: Path, env: dict[str, str] | Non
 
 FINAL = frozenset({"passed", "failed", "skipped", "refused", "timeout", "error"})
 RETRYABLE = frozenset({"failed", "timeout", "error"})  # what --retry runs again
-MEASURED = frozenset({"train", "bench", "profile"})  # kinds whose numbers belong to one GPU
+MEASURED = frozenset({"train", "bench", "profile", "memory", "estimate"})  # kinds whose numbers belong to one GPU
 SCHEMA = 1
 
 
@@ -141,6 +141,25 @@ def done(records: list[dict], key: str, retry: bool = False, gpu: str | None = N
     return {u for u, s in last.items() if not (retry and s in RETRYABLE)}
 
 
+def merge(returned: Path, local: Path) -> list[dict]:
+    """Append to ``local`` the lines of ``returned`` it does not have; returns their records."""
+    have = set(local.read_text().splitlines()) if local.exists() else set()
+    new = [line for line in returned.read_text().splitlines() if line.strip() and line not in have]
+    valid = []
+    for line in new:
+        try:
+            valid.append((line, json.loads(line)))
+        except json.JSONDecodeError:
+            print(f"[results] skipped a line that is not JSON (cut off?): {line[:80]}", file=sys.stderr)
+    if valid:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        with open(local, "a") as f:
+            if local.stat().st_size and not local.read_text().endswith("\n"):
+                f.write("\n")
+            f.writelines(line + "\n" for line, _ in valid)
+    return [rec for _, rec in valid]
+
+
 class Store:
     """Appends records to ``path`` (flushed and synced each time) and copies the whole file to
     ``mirror/<same name>`` after each append, so that the node's output folder $OUT always holds the latest."""
@@ -165,10 +184,15 @@ class Store:
             f.write(json.dumps(record, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        if self.mirror is not None:
+        self.copy_to_mirror()
+        return record
+
+    def copy_to_mirror(self) -> None:
+        """The whole results file into the mirror folder (also at a command's start: an output folder that comes
+        back from a command that ran nothing still holds every record the node has)."""
+        if self.mirror is not None and self.path.is_file():
             self.mirror.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(self.path, self.mirror / self.path.name)
-        return record
 
 
 

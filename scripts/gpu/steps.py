@@ -18,6 +18,7 @@ import shlex
 import time
 from pathlib import Path
 
+import memory
 import runs
 import units
 from runs import Context, failure, fresh_dir, slug
@@ -140,10 +141,16 @@ def run_train(ctx: Context, unit: units.Unit) -> dict:
         if isinstance(demo, str):
             return {**info, "status": "unavailable", "message": demo}
     run_dir = fresh_dir(ctx.work / "runs" / slug(unit.id))
-    cmd = ctx.train_cmd(units.train_flags(ctx.opts, info["model"], info["data"], variant, run_dir, demo))
-    out, killed = ctx.run(slug(unit.id), cmd, deadline)
-    base = {**info, "command": shlex.join(cmd), "seconds_total": round(out.seconds, 1)}
-    return {**base, **train_outcome(out, killed, variant, run_dir, ctx.opts.warmup)}
+    model, ran, rehearsal = info["model"], variant, {}
+    if ctx.opts.rehearse:
+        model, ran = units.rehearsal_twin(variant)
+        rehearsal = {"rehearsal": {"device": "cpu", "model": model, "ran_as": ran.name}}
+    cmd = ctx.train_cmd(units.train_flags(ctx.opts, model, info["data"], ran, run_dir, demo,
+                                          info.get("seed", units.SEED)))
+    with memory.SmiSampler(ctx.work / "logs" / f"{slug(unit.id)}.smi.csv") as smi:
+        out, killed = ctx.run(slug(unit.id), cmd, deadline)
+    base = {**info, **rehearsal, "command": shlex.join(cmd), "seconds_total": round(out.seconds, 1), **smi.fields()}
+    return {**base, **train_outcome(out, killed, ran, run_dir, ctx.opts.warmup)}
 
 
 def train_outcome(out: runs.Outcome, killed: str | None, variant: units.Variant, run_dir: Path,
@@ -253,4 +260,20 @@ def summarize(run_dir: Path, warmup: int) -> dict:
             "mem_reserved_peak_gib": max(reserved) if reserved else None,
             "alloc_retries": max((r.get("alloc_retries", 0) for r in train), default=0),
             "losses": [[r["step"], r["loss"]] for r in train], "last_step": train[-1]["step"],
-            "last_loss": train[-1]["loss"], "val_losses": [[r["step"], r["val_loss"]] for r in run.val]}
+            "last_loss": train[-1]["loss"], "val_losses": [[r["step"], r["val_loss"]] for r in run.val],
+            "fp8_check": fp8_check(run_dir)}
+
+
+def fp8_check(run_dir: Path) -> dict | None:
+    """The run's FP8 check (metrics.jsonl ``type: fp8_check``, llama_fp8.precision.verify: coverage, the GEMM
+    kernels of the profiled step, problems and notes), the last one written; None for a BF16 run."""
+    found = None
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        if '"fp8_check"' in line:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("type") == "fp8_check":
+                found = {k: v for k, v in rec.items() if k != "type"}
+    return found

@@ -1,14 +1,18 @@
 """Verify the package on a GPU node, in slices that each fit one command's time budget on the node, resumable across visits.
 
     python scripts/gpu/verify.py [--plan first|all] [--only STEP,...] [--match GLOB]... [--budget-seconds S]
-                                 [--list] [--dry-run]
+                                 [--merge-from FILE] [--rehearse] [--list] [--dry-run]
 
-Runs the units of units.py in order (pytest -m gpu, bench_linear, the training A/B matrix, profile) and
-appends one record per unit (per test for pytest) to the results file (default docs/gpu-results/results.jsonl)
-as soon as the unit ends. A unit already recorded with a final status for this GPU architecture + versions
+Runs the units of units.py in order (plan first: the headline A/B, the memory terms and estimates, ...; plan
+all: then pytest -m gpu, bench_linear, the training A/B matrix, profile) and appends one record per unit (per
+test for pytest) to the results file (default docs/gpu-results/results.jsonl) as soon as the unit ends. A unit already recorded with a final status for this GPU architecture + versions
 (versions.key; a measurement: on this very GPU) is skipped, so running the same command again continues where
 the last one stopped. Each unit has its own time limit, and no unit is started with less of
 --budget-seconds left than it is expected to take.
+
+--rehearse runs the plan on CPU (its training cells as their CPU twins, units.rehearsal_twin; the GPU tests
+skip; the memory probe finds no CUDA; the estimates run as on the node) to time and check the command before a
+GPU visit; its records go to WORK/rehearsal.jsonl unless --results names a file.
 
 Exit codes: 0 every selected unit is recorded; 10 the budget ran out first (run again); 2 bad arguments;
 3 the versions probe failed.
@@ -32,6 +36,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO / "scripts" / "offline"))  # the versions block and the install's offline settings
 
 import install  # noqa: E402
+import memory  # noqa: E402
 import runs  # noqa: E402
 import steps  # noqa: E402
 import units  # noqa: E402
@@ -43,13 +48,17 @@ EXIT_MORE, EXIT_VERSIONS = 10, 3
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="verify.py", description=__doc__.splitlines()[0])
     p.add_argument("--plan", default="all", choices=units.PLANS,
-                   help="first: a first visit's essentials (~25 min of node time in 3 commands); all: everything")
+                   help="first: what one 15-minute visit runs, by value (one command and an optional short second); "
+                        "all: those, then everything else")
     p.add_argument("--only", help=f"comma-separated steps to run, in this order: {','.join(units.STEPS)}")
     p.add_argument("--match", action="append", metavar="GLOB",
                    help="only units whose id matches (repeatable), e.g. 'train/llama3.2-1b/synthetic/*'")
     p.add_argument("--budget-seconds", type=float, help="stop before a unit that would not fit in what is left")
-    p.add_argument("--results", default=str(REPO / "docs" / "gpu-results" / "results.jsonl"),
-                   help="the results file (JSONL, appended to)")
+    p.add_argument("--results", help="the results file (JSONL, appended to; default docs/gpu-results/results.jsonl, "
+                                      "with --rehearse WORK/rehearsal.jsonl)")
+    p.add_argument("--merge-from", metavar="FILE", help="first append the records of FILE that the results file "
+                   "lacks (visit.sh: the repository's results into the node's own file, which a second command "
+                   "on the same node finds again)")
     p.add_argument("--mirror", default=os.environ.get("OUT"),
                    help="copy the results file, a logs archive and kept traces here after each unit (default $OUT)")
     p.add_argument("--work", default="/tmp/llama-fp8-verify", help="run dirs, logs, demo corpus")
@@ -57,6 +66,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--retry", action="store_true", help="run again the units whose last record failed or timed out")
     p.add_argument("--list", action="store_true", help="print each selected unit with its status and exit")
     p.add_argument("--dry-run", action="store_true", help="print the commands of the units still to run and exit")
+    p.add_argument("--rehearse", action="store_true",
+                   help="run on CPU as a rehearsal of a GPU visit: training cells as their CPU twins (tiny, HF model, "
+                        "eager, torchao FP8 emulated), everything else as on the node")
     d = units.Options()
     p.add_argument("--device", default=d.device, choices=("cuda", "cpu"), help="--device of the training runs")
     p.add_argument("--models", default=",".join(d.models),
@@ -106,10 +118,10 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 
 def options(args: argparse.Namespace) -> units.Options:
-    return units.Options(device=args.device, models=tuple(args.models.split(",")), data=tuple(args.data.split(",")),
-                             max_steps=args.max_steps, text_steps=args.text_steps, warmup=args.warmup_steps,
-                             logging_freq=args.logging_freq, profile_cell=args.profile_cell,
-                             profile_steps=args.profile_steps)
+    return units.Options(device="cpu" if args.rehearse else args.device, models=tuple(args.models.split(",")),
+                         data=tuple(args.data.split(",")), max_steps=args.max_steps, text_steps=args.text_steps,
+                         warmup=args.warmup_steps, logging_freq=args.logging_freq, profile_cell=args.profile_cell,
+                         profile_steps=args.profile_steps, rehearse=args.rehearse)
 
 
 def child_env(work: Path) -> dict[str, str]:
@@ -149,20 +161,22 @@ def probe_versions(args: argparse.Namespace, work: Path, env: dict[str, str]) ->
 
 
 def bundle_logs(work: Path, mirror: Path | None) -> None:
-    """logs/ and every run's metrics.jsonl and config.yaml, as one archive (few files for the output folder)."""
+    """logs/ (with nvidia-smi's samples of each run) and every run's metrics.jsonl and config.yaml, as one archive
+    (few files for the output folder)."""
     if mirror is None:
         return
     mirror.mkdir(parents=True, exist_ok=True)
     tmp = mirror / "logs.tar.gz.tmp"
     with tarfile.open(tmp, "w:gz") as tar:
-        for path in sorted(work.glob("logs/*.log")) + sorted(work.glob("runs/**/metrics.jsonl")) + sorted(
+        for path in sorted(work.glob("logs/*.log")) + sorted(work.glob("logs/*.smi.csv")) + sorted(
+                work.glob("runs/**/metrics.jsonl")) + sorted(
                 work.glob("runs/**/config.yaml")):
             tar.add(path, arcname=str(path.relative_to(work)))
     tmp.replace(mirror / "logs.tar.gz")
 
 
 RUNNERS = {"pytest": steps.run_pytest, "bench": steps.run_bench, "train": steps.run_train,
-           "profile": steps.run_profile}
+           "memory": memory.run_memory, "estimate": memory.run_estimate, "profile": steps.run_profile}
 
 
 def commands_of(ctx: runs.Context, unit: units.Unit) -> list[str]:
@@ -177,17 +191,30 @@ def commands_of(ctx: runs.Context, unit: units.Unit) -> list[str]:
     elif unit.step == "bench":
         cmds = [steps.bench_cmd(ctx, unit)]
     elif unit.step == "train":
-        cmds = [ctx.train_cmd(units.train_flags(ctx.opts, unit.info["model"], unit.info["data"], v, root, demo))]
+        model, ran = units.rehearsal_twin(v) if ctx.opts.rehearse else (unit.info["model"], v)
+        cmds = [ctx.train_cmd(units.train_flags(ctx.opts, model, unit.info["data"], ran, root, demo,
+                                                unit.info.get("seed", units.SEED)))]
+    elif unit.step == "memory":
+        cmds = [[ctx.python, str(HERE / "memprobe.py")]]
+    elif unit.step == "estimate":
+        cmds = [memory.estimate_cmd(ctx, unit, root)]
     else:
         cmds = [ctx.train_cmd(units.profile_flags(ctx.opts, root, demo))]
     return [shlex.join(c) for c in cmds]
 
 
-def list_units(selected: list[units.Unit], records: list[dict], key: str, gpu: str) -> None:
+def list_units(selected: list[units.Unit], records: list[dict], key: str, gpu: str, which: str) -> None:
+    """Each unit with its status and estimate; for the first plan, which command it falls in and the visit's
+    budget (units.first_visit)."""
     last = {r["unit"]: r["status"] for r in records if r.get("key") == key and "unit" in r
             and (r.get("kind") not in runs.MEASURED or r.get("gpu") == gpu)}
+    budget = units.first_visit() if which == "first" else None
+    command = {u.id: i for i, c in enumerate(budget.commands, 1) for u in c} if budget else {}
     for u in selected:
-        print(f"{last.get(u.id, 'pending'):<12} ~{u.estimate_s:>4.0f}s  {u.id}")
+        where = f"  [command {command[u.id]}]" if u.id in command else ""
+        print(f"{last.get(u.id, 'pending'):<12} ~{u.estimate_s:>4.0f}s  {u.id}{where}")
+    if budget:
+        print("\n".join(budget.lines()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work).resolve()
     (work / "logs").mkdir(parents=True, exist_ok=True)
     mirror = Path(args.mirror).resolve() if args.mirror else None
-    store = runs.Store(Path(args.results).resolve(), mirror)
+    default = work / "rehearsal.jsonl" if args.rehearse else REPO / "docs" / "gpu-results" / "results.jsonl"
+    store = runs.Store(Path(args.results or default).resolve(), mirror)
+    if args.merge_from and Path(args.merge_from).is_file():
+        runs.merge(Path(args.merge_from), store.path)
     budget = runs.Budget(args.budget_seconds)
     env = child_env(work)
     try:
@@ -211,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     selected = units.select(units.plan(opts, args.plan), only, tuple(args.match) if args.match else None)
     records = store.records()
     if args.list:
-        list_units(selected, records, key, gpu)
+        list_units(selected, records, key, gpu, args.plan)
         return 0
     ctx = runs.Context(REPO, work, args.python, store, key, gpu, opts, env, budget, mirror, args.retry)
     pending = [u for u in selected if u.id not in runs.done(records, key, args.retry, gpu)]
@@ -220,10 +250,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# {u.id} (~{u.estimate_s:.0f} s, limit {u.timeout_s:.0f} s)")
             print("\n".join(commands_of(ctx, u)))
         return 0
+    if args.rehearse:
+        print("[verify] rehearsal on CPU: training cells run as their CPU twins (tiny, HF, eager); GPU tests skip; "
+              "the memory probe finds no CUDA; estimates run as on the node", flush=True)
     if not any(r.get("key") == key and r.get("gpu") == gpu and r.get("unit") == "versions" for r in records):
         store.append({"key": key, "unit": "versions", "kind": "versions", "status": "passed", "versions": found,
                       **stamp})
     print(f"[verify] key {key} on {gpu}: {len(pending)} of {len(selected)} selected units to run", flush=True)
+    store.copy_to_mirror()
     return run_units(ctx, pending, stamp)
 
 

@@ -5,7 +5,9 @@
 #   bash scripts/gpu/visit.sh [verify.py flags]     e.g. --plan first     or     --match 'train/llama3.2-1b/*'
 # Environment: WHEELS (the kit, default .whl; relative paths are the repo's), SITE (install target, default
 # /tmp/site), VISIT_SECONDS (the whole command's budget, default 540), PYTHON (default python3), OUT (where
-# results and logs go: the output folder that comes back from the node; default /tmp/llama-fp8-out).
+# results and logs go: the output folder that comes back from the node; default /tmp/llama-fp8-out), RESULTS
+# (the node's own results file, default /tmp/llama-fp8-verify/results.jsonl: the repository's records are merged
+# into it first, and a second command on the same node continues from it).
 # Exit code: verify.py's (0 slice done, 10 budget ran out: run the same command again), or install.py's 2.
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -34,4 +36,5 @@ if (( budget < 60 )); then
     echo "visit: only ${budget} s left after the install: nothing started"
     exit 10
 fi
-"$py" "$repo/scripts/gpu/verify.py" --mirror "$out" --budget-seconds "$budget" "$@"
+"$py" "$repo/scripts/gpu/verify.py" --mirror "$out" --budget-seconds "$budget" \
+    --results "${RESULTS:-/tmp/llama-fp8-verify/results.jsonl}" --merge-from "$repo/docs/gpu-results/results.jsonl" "$@"

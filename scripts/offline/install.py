@@ -29,6 +29,7 @@ import argparse
 import importlib.metadata
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -247,6 +248,17 @@ def check_kit(args: argparse.Namespace) -> tuple[Kit, Node, str]:
     return kit, node, te_version
 
 
+MISSING_MODULE = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
+
+
+def missing_module(import_error: str) -> str | None:
+    """The module a failed import check could not find, unless it is TE's own extension (which a compile makes)."""
+    found = MISSING_MODULE.findall(import_error)
+    if not found or found[-1].split(".")[0] in (TE_TORCH, "transformer_engine"):
+        return None
+    return found[-1]
+
+
 def install_te(kit: Kit, wheels: list[Path], choice: Choice, te_version: str, node: Node, target: Path,
                args: argparse.Namespace) -> None:
     """Install the kit with the chosen TE extension; compile one when it does not import (unless --no-build)."""
@@ -257,6 +269,10 @@ def install_te(kit: Kit, wheels: list[Path], choice: Choice, te_version: str, no
         say(("TE: " if ok else "TE does not import with this wheel: ") + message)
     if ok:
         return
+    missing = missing_module(message)
+    if missing is not None:  # a compile builds TE's extension only: it cannot bring a Python module
+        raise InstallError(f"TE does not import: it needs the Python module {missing!r}, which this node lacks; "
+                           f"carry its wheel in the kit (and its own needs): compiling would not help", EXIT_NO_TE)
     if args.no_build:
         raise InstallError("transformer_engine_torch is not usable and --no-build was given", EXIT_NO_TE)
     if kit.sdist is None:

@@ -151,3 +151,16 @@ def test_timebox_returns_the_exit_code_and_the_budget_cuts_long_limits(tmp_path)
     assert budget.limit(480) == (50, True) and budget.limit(30) == (30, False)
     now[0] = 140.0
     assert budget.left() == 10 and runs.Budget(None).limit(480) == (480, False)
+
+
+def test_the_record_holds_the_runs_fp8_check(tmp_path):
+    """The FP8 check the trainer writes after its first steps (coverage, the profiled step's GEMM kernels, problems)
+    goes into the record as written; a BF16 run has none."""
+    run = write_metrics(tmp_path / "fp8", {s: 3.0 for s in range(1, 11)}, precision="fp8-te-current")
+    check = {"type": "fp8_check", "step": 2, "fp8_linears": 112, "linears": 113, "fp8_flop_share": 0.91,
+             "gemm_kernel_names": 9, "fp8_gemm_kernels": 6, "problems": [], "notes": []}
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(check) + "\n")
+    rec = steps.summarize(run, warmup=2)
+    assert rec["fp8_check"] == {k: v for k, v in check.items() if k != "type"}
+    assert steps.summarize(write_metrics(tmp_path / "bf16", {1: 3.0, 2: 2.9}), warmup=0)["fp8_check"] is None

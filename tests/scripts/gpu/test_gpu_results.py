@@ -139,3 +139,20 @@ def test_take_back_appends_the_new_records_keeps_the_wheel_and_regenerates_the_p
     out = capsys.readouterr().out
     assert "3 new records" in out and "failed       test:tests/a.py::test_bad" in out
     assert results.main(argv) == 0 and len(local.read_text().splitlines()) == 5  # idempotent
+
+
+def test_the_script_runs_as_the_runbook_calls_it(tmp_path):
+    """`python scripts/gpu/results.py ...` as the runbook writes it (not imported by a test with scripts/offline on
+    sys.path): it finds its helpers (versions.py lies in scripts/offline) and takes a returned folder back."""
+    import subprocess
+    import sys
+
+    files_at = tmp_path / "files"
+    files_at.mkdir()
+    (files_at / "results.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in visit()[:3]))
+    script = results.REPO / "scripts" / "gpu" / "results.py"
+    proc = subprocess.run([sys.executable, str(script), "--take-back", str(files_at), "--results-dir",
+                           str(tmp_path / "docs"), "--wheels", str(tmp_path / "kit"), "--out", str(tmp_path / "p.md")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "3 new records" in proc.stdout and "## NVIDIA H100 80GB HBM3" in (tmp_path / "p.md").read_text()

@@ -32,12 +32,15 @@ def train_argv(cmd: list[str]) -> list[str]:
 def test_every_matrix_cell_is_accepted_by_the_trainers_parser(tmp_path):
     opts = units.Options()
     cells = [u for u in units.plan(opts) if u.step == "train"]
-    assert len(cells) == 3 * 2 * 9
+    assert len([u for u in cells if u.info["pair"] == 1]) == 3 * 2 * 9
+    assert [u.id for u in cells if u.info["pair"] > 1] == [f"train/llama3.2-1b/synthetic/{v}/pair2"
+                                                            for v in ("te-fp8-current", "te-bf16")]
     for unit in cells:
         v = units.VARIANT[unit.info["variant"]]
-        flags = units.train_flags(opts, unit.info["model"], unit.info["data"], v, tmp_path / "run", DEMO)
+        flags = units.train_flags(opts, unit.info["model"], unit.info["data"], v, tmp_path / "run", DEMO,
+                                  unit.info["seed"])
         cfg = parse_args(flags)
-        assert (cfg.seed, cfg.device, cfg.max_context_width) == (units.SEED, "cuda", 4096), unit.id
+        assert (cfg.seed, cfg.device, cfg.max_context_width) == (units.SEED + unit.info["pair"] - 1, "cuda", 4096)
         assert cfg.max_steps == (100 if unit.info["data"] == "text" else 40) and cfg.logging_freq == 5
         assert cfg.model_impl == v.impl and cfg.fp8 == v.fp8 and cfg.compile == v.compile
         assert cfg.dataset == ("synthetic" if unit.info["data"] == "synthetic" else "/demo/corpus")
@@ -59,13 +62,16 @@ def test_profile_command(tmp_path):
 
 def test_units_run_in_the_issues_order_and_select_by_step_and_glob():
     plan = units.plan(units.Options())
-    steps = [u.step for u in plan]
-    assert [s for i, s in enumerate(steps) if i == 0 or steps[i - 1] != s] == list(units.STEPS)
-    assert [u.id for u in plan[:2]] == ["pytest/te", "pytest/other"]  # the TE path first
+    first = units.plan(units.Options(), "first")
+    assert plan[:len(first)] == first  # a later visit goes on with what the first one left
+    rest = plan[len(first) + len(units.after_first()):]
+    steps = [u.step for u in rest]
+    assert [s for i, s in enumerate(steps) if i == 0 or steps[i - 1] != s] == ["pytest", "bench", "train", "profile"]
+    assert [u.id for u in rest[:2]] == ["pytest/te", "pytest/other"]  # the TE path first
     picked = units.select(plan, ("train", "profile"), ("train/llama3.2-1b/synthetic/te-*", "profile/*"))
-    assert [u.id for u in picked] == [f"train/llama3.2-1b/synthetic/te-{x}" for x in
-                                      ("bf16", "fp8-delayed", "fp8-current", "fp8-block", "fp8-mxfp8")] + [
-        "profile/llama3.2-1b/synthetic/te-fp8-current"]
+    assert [u.id for u in picked] == [f"train/llama3.2-1b/synthetic/{x}" for x in (
+        "te-bf16", "te-fp8-current", "te-fp8-current/pair2", "te-bf16/pair2", "te-fp8-delayed", "te-fp8-block",
+        "te-fp8-mxfp8")] + ["profile/llama3.2-1b/synthetic/te-fp8-current"]
     assert units.select(plan, ("bench",), None) == [u for u in plan if u.step == "bench"]
 
 
@@ -83,9 +89,10 @@ def test_dry_run_shows_the_flags_in_the_commands_and_runs_nothing(tmp_path, caps
     assert verify.main(argv) == 0
     out = capsys.readouterr().out
     commands = [shlex.split(x) for x in out.splitlines() if x.startswith("/opt/py/bin/python3")]
-    assert len(commands) == 2 * 4  # two models x four TE FP8 recipes
+    assert len(commands) == 2 * 4 + 1  # two models x four TE FP8 recipes, and the headline's second FP8 run
     assert all(c[:4] == ["/opt/py/bin/python3", "-m", "llama_fp8", "train"] for c in commands)
-    cells = [parse_args(train_argv(c)) for c in commands[:8]]
+    cells = [parse_args(train_argv(c)) for c in commands]
+    assert [c.seed for c in cells] == [1234, 1235] + [1234] * 7
     assert {(c.model, c.fp8_recipe) for c in cells} == {(m, r) for m in ("llama3.2-1b", "tiny")
                                                          for r in ("delayed", "current", "block", "mxfp8")}
     assert all((c.max_steps, c.logging_freq, c.device) == (40, 2, "cpu") for c in cells)
@@ -206,3 +213,49 @@ def test_a_real_cpu_cell_is_recorded_once(tmp_path, capsys):
     capsys.readouterr()
     assert verify.main(argv) == 0
     assert "0 of 1 selected units to run" in capsys.readouterr().out and len(runs.load(results)) == 2
+
+
+def test_a_rehearsal_runs_cpu_twins_and_keeps_its_records_out_of_the_repository(tmp_path, capsys, monkeypatch,
+                                                                                    fake_gpu):
+    """--rehearse: a training cell runs as its CPU twin (tiny, HF model, eager, torchao FP8 emulated: TE needs
+    CUDA), the estimate runs the cell's real configuration as on the node, and the records go to the work dir."""
+    argv = ["--plan", "first", "--rehearse", "--dry-run", "--work", str(tmp_path / "w")]
+    assert verify.main(argv) == 0
+    out = capsys.readouterr().out
+    lines = [shlex.split(x) for x in out.splitlines() if " -m llama_fp8 " in x]
+    trains = [parse_args(train_argv(c)) for c in lines if "train" in c]
+    assert [(c.model, c.model_impl, c.fp8, c.compile, c.device) for c in trains[:2]] == [
+        ("tiny", "hf", False, False, "cpu"), ("tiny", "hf", True, False, "cpu")]
+    assert trains[1].fp8_backend == "torchao" and trains[2].seed == 1235
+    estimates = [c for c in lines if "estimate" in c]
+    flags = estimates[0][estimates[0].index("estimate") + 1:]
+    assert flags[flags.index("--model") + 1] == "llama3.2-1b" and flags[flags.index("--device") + 1] == "cuda"
+    assert flags[flags.index("--model_impl") + 1] == "te" and "--json" in flags
+    calls = []
+    for step in units.STEPS:
+        monkeypatch.setitem(verify.RUNNERS, step, lambda ctx, unit: calls.append(ctx.opts.device) or {"status": "passed"})
+    assert verify.main(["--plan", "first", "--rehearse", "--work", str(tmp_path / "w"), "--match", "memory/*"]) == 0
+    assert calls == ["cpu"] and [r["unit"] for r in runs.load(tmp_path / "w" / "rehearsal.jsonl")] == [
+        "versions", "memory/terms"]
+
+
+def test_merge_from_carries_the_repositorys_records_into_the_nodes_file(tmp_path, monkeypatch, fake_gpu):
+    """visit.sh runs verify with the node's own results file and --merge-from the repository's: what the repository
+    holds (an earlier visit, taken back) is not run again, and a second command on the same node, whose
+    repository copy lacks the first command's records, finds them in the node's file."""
+    calls = []
+    for step in units.STEPS:
+        monkeypatch.setitem(verify.RUNNERS, step, lambda ctx, unit: calls.append(unit.id) or {"status": "passed"})
+    repo_file, node_file = tmp_path / "repo.jsonl", tmp_path / "node" / "results.jsonl"
+    runs.Store(repo_file).append({"key": KEY, "gpu": H100["gpu"], "unit": "memory/terms", "kind": "memory",
+                                  "status": "passed"})
+    argv = ["--plan", "first", "--results", str(node_file), "--merge-from", str(repo_file), "--work",
+            str(tmp_path / "w"), "--match", "memory/*", "--match", "estimate/*"]
+    assert verify.main(argv) == 0
+    assert calls == ["estimate/llama3.2-1b/synthetic/te-bf16", "estimate/llama3.2-1b/synthetic/te-fp8-current"]
+    mirror = tmp_path / "out2"
+    assert verify.main(argv + ["--mirror", str(mirror)]) == 0 and len(calls) == 2  # the second command: nothing again
+    assert (mirror / "results.jsonl").read_text() == node_file.read_text()  # its output folder holds every record
+    units_in_node = [r["unit"] for r in runs.load(node_file)]
+    assert units_in_node.count("memory/terms") == 1 and len(units_in_node) == 4  # merged once, + versions, 2 estimates
+    assert verify.main([*argv[:4], "--merge-from", str(tmp_path / "missing.jsonl"), *argv[6:]]) == 0  # no file: fine

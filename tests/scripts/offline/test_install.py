@@ -5,6 +5,7 @@ nothing tries the network. The real pip installs the wheels every time."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -164,6 +165,22 @@ def test_no_build_stops_with_exit_3_when_te_does_not_import(tmp_path, capfd, gua
     assert code == install.EXIT_NO_TE and "--no-build" in err
     assert "undefined symbol" in out and out.count("== versions") == 1  # the block is printed anyway
     assert not (tmp_path / "build.jsonl").exists()
+
+
+def test_a_missing_python_module_is_named_and_not_compiled_for(tmp_path, capfd, guarded, monkeypatch):
+    """TE's import fails because a pure-Python module it imports is not on the node (TE 2.20 imports onnxscript at
+    import time, and the kit does not carry it): compiling TE's extension cannot help, so install names the module
+    and stops with exit 3 at once instead of spending the compile's minutes (a visit's whole command)."""
+    env = fakes.toolchain(tmp_path)  # a compile would be possible (and would "succeed")
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"] + ":" + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("CUDA_HOME", env["CUDA_HOME"])
+    monkeypatch.setattr(install, "IMPORT_CHECK", "import torch\nimport onnxscript_not_on_this_node")
+    kit = fakes.kit(tmp_path / "kit", prebuilt_for=fakes.torch_version(), build_log=tmp_path / "build.jsonl")
+    code, out, err = run_main([kit, tmp_path / "site"], capfd)
+    assert code == install.EXIT_NO_TE, out + err
+    assert "onnxscript_not_on_this_node" in err and "carry its wheel in the kit" in err
+    assert not (tmp_path / "build.jsonl").exists() and "compiling" not in out  # no compile was started
+    assert out.count("== versions") == 1
 
 
 def test_dry_run_prints_the_install_and_compile_commands_and_changes_nothing(tmp_path, capfd, monkeypatch):

@@ -1,0 +1,167 @@
+"""What one GPU's memory holds besides a training step's tensors, stage by stage: the terms ``llama_fp8
+estimate`` adds to its tracked peak (``llama_fp8.estimate.terms``), measured on the node so they can be
+calibrated from the record.
+
+    python scripts/gpu/memprobe.py [--size N]
+
+Prints one JSON object (the last line of its output). Stages, each with the device's used memory (``total -
+free`` from ``torch.cuda.mem_get_info``: every process and the driver), PyTorch's reserved and allocated bytes
+and nvidia-smi's used MiB:
+
+- ``before CUDA``: nvidia-smi only (reading the device through torch would create the context);
+- ``context``: after ``torch.cuda.init()`` and a one-element tensor: used - reserved is the CUDA context and the
+  driver's reserve (the estimate's "CUDA context and driver reserve");
+- ``cublas``: after one BF16 N x N matmul: allocated - the three tensors is cuBLAS's workspace (PyTorch hands
+  it out of its own allocator), also measured as what ``torch._C._cuda_clearCublasWorkspaces()`` gives back;
+  the growth outside the allocator is the GEMM library's code loaded into the context (lazy loading);
+- ``te``: after one ``te.Linear`` forward+backward under FP8 current scaling (when TE imports and the GPU has
+  FP8): TE's workspaces (in the allocator) and its kernels' code (outside);
+- ``nccl``: after a one-rank NCCL process group and one all-reduce: what one communicator costs outside the
+  allocator on one rank. A single GPU cannot show the buffers NCCL opens per peer (channels x protocols, NVLS on
+  NVSwitch nodes): those need 2 or more GPUs (tests/estimate/test_estimate_gpu.py's NCCL test).
+
+Without CUDA it prints ``{"cuda": false, ...}`` and exits 0. Standard library and torch only (TE optional).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+ENV_NAMES = ("CUDA_MODULE_LOADING", "CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "PYTORCH_CUDA_ALLOC_CONF",
+             "NCCL_BUFFSIZE", "NCCL_NVLS_ENABLE", "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN")
+
+
+def smi_used_mib() -> int | None:
+    """nvidia-smi's used MiB of the first visible GPU, or None without nvidia-smi."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    index = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    try:
+        out = subprocess.run([exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i",
+                              index if index.isdigit() else "0"], capture_output=True, text=True, timeout=30,
+                             check=True).stdout
+        return int(out.split()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def reading(torch, name: str, **extra) -> dict:
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return {"stage": name, "device_used": total - free, "device_total": total,
+            "reserved": torch.cuda.memory_reserved(), "allocated": torch.cuda.memory_allocated(),
+            "smi_used_mib": smi_used_mib(), **extra}
+
+
+def outside(r: dict) -> int:
+    """Bytes in use on the device that PyTorch's allocator does not hold."""
+    return r["device_used"] - r["reserved"]
+
+
+def cublas_stage(torch, size: int) -> dict:
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    c = a @ b
+    tensors = 3 * a.numel() * a.element_size()
+    r = reading(torch, "cublas", workspace_in_allocator=None)
+    r["workspace_in_allocator"] = r["allocated"] - tensors
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        before = torch.cuda.memory_allocated()
+        clear()
+        r["workspace_cleared"] = before - torch.cuda.memory_allocated()
+    del a, b, c
+    return r
+
+
+def te_stage(torch, size: int) -> dict:
+    """One te.Linear forward+backward under FP8 current scaling; {"stage": "te", "skipped": why} without TE/FP8."""
+    try:
+        import transformer_engine.pytorch as te
+        from transformer_engine.common.recipe import Float8CurrentScaling
+    except ImportError as e:
+        return {"stage": "te", "skipped": f"transformer_engine does not import: {e}"}
+    if torch.cuda.get_device_capability() < (8, 9):
+        return {"stage": "te", "skipped": "this GPU has no FP8"}
+    new = hasattr(te, "autocast")
+    context = (te.autocast if new else te.fp8_autocast)(
+        **{"enabled": True, "recipe" if new else "fp8_recipe": Float8CurrentScaling()})
+    layer = te.Linear(size, size, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(size, size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with context:
+        y = layer(x)
+    y.float().square().mean().backward()
+    return reading(torch, "te")
+
+
+def nccl_stage(torch) -> dict:
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        return {"stage": "nccl", "skipped": "this torch has no NCCL"}
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        t = torch.ones(1 << 20, device="cuda")
+        dist.all_reduce(t)
+        r = reading(torch, "nccl", nccl=".".join(map(str, torch.cuda.nccl.version())))
+    finally:
+        dist.destroy_process_group()
+    return r
+
+
+def probe(size: int) -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"cuda": False, "message": "no CUDA device: nothing measured", "torch": torch.__version__}
+    out = {"cuda": True, "torch": torch.__version__, "cuda_version": torch.version.cuda, "gpu":
+           torch.cuda.get_device_name(), "env": {k: os.environ[k] for k in ENV_NAMES if k in os.environ}}
+    stages = [{"stage": "before CUDA", "smi_used_mib": smi_used_mib()}]
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")
+    stages.append(reading(torch, "context"))
+    stages.append(cublas_stage(torch, size))
+    stages.append(te_stage(torch, size))
+    stages.append(nccl_stage(torch))
+    out["stages"] = stages
+    out["terms"] = terms(stages)
+    return out
+
+
+def terms(stages: list[dict]) -> dict:
+    """The estimate's terms as measured (bytes): context + driver reserve, cuBLAS workspace, what the GEMM
+    libraries' code, TE and one NCCL communicator add outside the allocator."""
+    by = {s["stage"]: s for s in stages if "device_used" in s}
+    out = {}
+    if "context" in by:
+        out["context_and_driver"] = outside(by["context"])
+    if "cublas" in by:
+        out["cublas_workspace"] = by["cublas"]["workspace_in_allocator"]
+        out["cublas_code_outside"] = outside(by["cublas"]) - outside(by["context"])
+    last = by.get("cublas")
+    if "te" in by and last is not None:
+        out["te_outside"] = outside(by["te"]) - outside(last)
+        last = by["te"]
+    if "nccl" in by and last is not None:
+        out["nccl_one_rank_outside"] = outside(by["nccl"]) - outside(last)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", type=int, default=4096, help="the matmul's and te.Linear's N (default 4096)")
+    args = p.parse_args(argv)
+    if args.size < 16 or args.size % 16:
+        p.error(f"--size {args.size}: must be a multiple of 16 (FP8 GEMMs need it), at least 16")
+    print(json.dumps(probe(args.size), sort_keys=True), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
