@@ -73,9 +73,9 @@ def tensor_stats(t: torch.Tensor, spec: CastSpec) -> dict:
             "snr_db": (10 * math.log10(signal / noise) if noise > 0 else None) if signal > 0 else None}
 
 
-# Block size, the scale format's smallest value (E8M0: 2^-127; E4M3: 2^-9), the element format's largest (E4M3: 448,
-# E2M1: 6)
-BLOCKS = {"mxfp8": (32, 2.0 ** -127, 448.0), "nvfp4": (16, 2.0 ** -9, 6.0)}
+# Block size, the smallest block scale the quantizer stores (E8M0: 2^-127; torchao clamps NVFP4's E4M3 block scales
+# to E4M3's smallest normal, 2^-6), the element format's largest value (E4M3: 448, E2M1: 6)
+BLOCKS = {"mxfp8": (32, 2.0 ** -127, 448.0), "nvfp4": (16, torch.finfo(torch.float8_e4m3fn).tiny, 6.0)}
 
 
 def block_quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
