@@ -128,8 +128,8 @@ def test_torchao_nvfp4_rules_on_blackwell_name_every_layer_that_breaks_them(gpu)
 
 def test_te_rules_are_checked_on_te_s_own_fused_layers():
     """The TE model multiplies by a fused QKV and a fused gate/up: the rule holds on those shapes."""
-    assert TE.gemm_shapes(cfg_for())[0] == ("layer.self_attention.layernorm_qkv", 128, 128 + 2 * 64)
-    with pytest.raises(ConfigError, match=r"model\.layers\.0\.layer\.layernorm_mlp\.fc2 \(and 3 more blocks\) is 88 "
+    assert TE.gemm_shapes(cfg_for())[0] == ("te_layer.self_attention.layernorm_qkv", 128, 128 + 2 * 64)
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.te_layer\.layernorm_mlp\.fc2 \(and 3 more blocks\) is 88 "
                                           r"-> 128: in and out features must be multiples of 16"):
         precision.check_flags(cfg_for("--model_impl", "te", "--fp8", "1", "--fp8_recipe", "nvfp4",
                                       "--intermediate_size", "88"), TE, models.implementations())

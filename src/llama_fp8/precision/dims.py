@@ -27,7 +27,7 @@ def problems(cfg, recipe: Recipe, shapes: list[tuple[str, int, int]], patterns: 
         bad: dict[tuple[str, int, int], list[int]] = {}
         for i in range(cfg.num_layers):
             for name, n_in, n_out in shapes:
-                if exclude.match(f"{BLOCKS}.{i}.{name}", patterns):
+                if _excluded(f"{BLOCKS}.{i}.{name}", patterns):
                     continue
                 if (n_in // tp) % d.features or (n_out // tp) % d.features:
                     bad.setdefault((name, n_in, n_out), []).append(i)
@@ -51,6 +51,12 @@ def problems(cfg, recipe: Recipe, shapes: list[tuple[str, int, int]], patterns: 
                 out.append(f"--fp8_all_gather 1 shards {BLOCKS}.*.{name} ({n_out} rows) over {shards} ranks: rows "
                            f"per shard must be multiples of {d.shard_rows}")
     return out
+
+
+def _excluded(name: str, patterns: tuple[str, ...]) -> bool:
+    """The layer, or a module that holds it (TE's LayerNormMLP holds fc1 and fc2), matches a --fp8_exclude glob."""
+    parts = name.split(".")
+    return any(exclude.match(".".join(parts[:i]), patterns) for i in range(len(parts), 2, -1))
 
 
 def check(cfg, recipe: Recipe, shapes: list[tuple[str, int, int]], patterns: tuple[str, ...],

@@ -55,8 +55,8 @@ class TEImpl(ModelImpl):
         """TE's fused GEMMs: one QKV (``fuse_qkv_params``) and one fc1 of gate and up (model.py)."""
         head_dim = cfg.hidden_width // cfg.num_heads
         h, q, kv, ffn = cfg.hidden_width, cfg.num_heads * head_dim, cfg.num_key_value_heads * head_dim, cfg.intermediate_size
-        return [("layer.self_attention.layernorm_qkv", h, q + 2 * kv), ("layer.self_attention.proj", q, h),
-                ("layer.layernorm_mlp.fc1", h, 2 * ffn), ("layer.layernorm_mlp.fc2", ffn, h)]
+        return [("te_layer.self_attention.layernorm_qkv", h, q + 2 * kv), ("te_layer.self_attention.proj", q, h),
+                ("te_layer.layernorm_mlp.fc1", h, 2 * ffn), ("te_layer.layernorm_mlp.fc2", ffn, h)]
 
     def check(self, cfg, device: torch.device) -> None:
         super().check(cfg, device)
