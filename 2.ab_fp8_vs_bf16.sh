@@ -61,7 +61,7 @@ mkdir -p logs "$AB_DIR"
     done
     ARMS_ARG=()
     [[ "$AB_ARMS" == bf16,fp8 ]] || ARMS_ARG=(--arms "$AB_ARMS")
-    printf '%q ' "$REPO_DIR/2.ab_fp8_vs_bf16.sh" ${ARMS_ARG[@]+"${ARMS_ARG[@]}"} --repeats "$AB_REPEATS" "$@"
+    printf '%q ' "$REPO_DIR/2.ab_fp8_vs_bf16.sh" --repeats "$AB_REPEATS" ${ARMS_ARG[@]+"${ARMS_ARG[@]}"} "$@"
     printf '\n'
 } >"$AB_DIR/ab_command.sh"
 

@@ -118,15 +118,16 @@ _TORCHAO_SRC = "torchao/float8/config.py (Float8LinearRecipeName), torchao/float
 _TE_SRC = ("TE transformer_engine/common/recipe/__init__.py (recipe classes per release), "
            "transformer_engine/pytorch/quantization.py check_*_support (hardware), NVIDIA/TransformerEngine#2245 "
            "(FP8 parameters under FSDP2)")
-_TORCHAO_MX_SRC = ("torchao 0.18 prototype/moe_training/mxfp8_linear.py (MXFP8Linear, KernelPreference.EMULATED, "
-                   "1x32 blocks of float8_e4m3fn with E8M0 scales, all three GEMMs), prototype/moe_training/tensor.py "
-                   "(its FSDP2 hooks all-gather the high-precision weight)")
-_TORCHAO_NVFP4_SRC = ("torchao 0.18 prototype/moe_training/nvfp4_training (NVFP4Linear: Triton kernels only "
+_TORCHAO_MX_SRC = ("torchao 0.18 torchao/prototype/moe_training/mxfp8_linear.py (MXFP8Linear, "
+                   "KernelPreference.EMULATED, 1x32 blocks of float8_e4m3fn with E8M0 scales, all three GEMMs), "
+                   "torchao/prototype/moe_training/tensor.py (its FSDP2 hooks all-gather the high-precision weight)")
+_TORCHAO_NVFP4_SRC = ("torchao 0.18 torchao/prototype/moe_training/nvfp4_training (NVFP4Linear: Triton kernels only "
                       "(KernelPreference.TRITON), M, K, N divisible by 128, SM100, torch >= 2.10 with Triton)")
 _TE_NVFP4_SRC = ("TE transformer_engine/common/recipe/__init__.py NVFP4BlockScaling (first in v2.8), "
-                 "pytorch/quantization.py _compute_nvfp4_support (compute capability >= 10.0), "
-                 "pytorch/tensor/nvfp4_tensor.py (is_quantizable: 16-element blocks; fsdp_pre_all_gather since v2.15, "
-                 "NVIDIA/TransformerEngine#2797), pytorch/constants.py NVFP4_BLOCK_SCALING_SIZE")
+                 "transformer_engine/pytorch/quantization.py _compute_nvfp4_support (compute capability >= 10.0), "
+                 "transformer_engine/pytorch/tensor/nvfp4_tensor.py (is_quantizable: 16-element blocks; "
+                 "fsdp_pre_all_gather since v2.15, NVIDIA/TransformerEngine#2797), "
+                 "transformer_engine/pytorch/constants.py NVFP4_BLOCK_SCALING_SIZE")
 _TE_MX_DIMS = Dims(features=32, tokens=32, shard_rows=32,
                    why="TE MXFP8Quantizer.is_quantizable: last dim and the product of the others divisible by 32")
 # TE versions: the first TE release that ships each recipe class; 2.0 is also the oldest TE whose APIs we use

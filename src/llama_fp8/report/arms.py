@@ -18,7 +18,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from llama_fp8.report import plots, repeats, settings
+from llama_fp8.report import plots, repeats, settings, stats
 from llama_fp8.report.runs import CompareError, Run, load_run
 
 MAX_ARMS = 8
@@ -68,9 +68,7 @@ def compare_arms(args: argparse.Namespace, compare_pairs) -> dict[str, Any]:
     report = out / "report.md"
     report.write_text(render(summary, args))
     summary["report"] = report
-    from llama_fp8.report.compare import _json_safe
-
-    (out / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2) + "\n")
+    (out / "summary.json").write_text(json.dumps(stats.json_safe(summary), indent=2) + "\n")
     return summary
 
 

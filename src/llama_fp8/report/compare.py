@@ -123,15 +123,7 @@ def data_check(a: Run, b: Run) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- report
-def _json_safe(obj: Any) -> Any:
-    """NaN/inf -> None and Paths -> str, so summary.json is strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return str(obj) if isinstance(obj, Path) else obj
+_json_safe = stats.json_safe  # summary.json is strict JSON
 
 
 def default_out_dir(a: Run, b: Run, arg_a: str, arg_b: str) -> Path:

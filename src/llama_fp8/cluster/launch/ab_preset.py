@@ -15,15 +15,15 @@ import sys
 
 import torch
 
-from llama_fp8.cluster.launch.schedule import BASELINE, Arm
-
 
 def _named(flag: str, train_args: list[str]) -> bool:
     return any(a == flag or a.startswith(f"{flag}=") for a in train_args)
 
 
-def arm_flags(arms: list[str], train_args: list[str], device: torch.device | None = None) -> dict[str, list[str]]:
-    """{arm: the preset's extra training flags} (module docstring); ValueError for training flags that do not parse."""
+def arm_flags(arms: dict[str, list[str] | None], train_args: list[str], device: torch.device | None = None
+              ) -> dict[str, list[str]]:
+    """{arm: the preset's extra training flags} (module docstring) for ``arms`` ({name: the arm's own flags besides
+    --fp8=1, None for the BF16 baseline}); ValueError for training flags that do not parse."""
     from llama_fp8 import config, models, precision
     from llama_fp8.errors import ConfigError
 
@@ -31,10 +31,10 @@ def arm_flags(arms: list[str], train_args: list[str], device: torch.device | Non
     capability = precision.capability_of(device)
     chosen = {}
     try:
-        for name in arms:
-            if name == BASELINE:
+        for name, own in arms.items():
+            if own is None:
                 continue
-            cfg = config.parse_args([*train_args, "--fp8=1", *Arm(1, name, 0, name).flags()])
+            cfg = config.parse_args([*train_args, "--fp8=1", *own])
             impl = models.resolve(cfg.model_impl, device)
             backend, recipe, _ = precision.choose(cfg, impl, models.implementations(), capability)
             chosen[name] = (cfg, impl, backend, recipe)

@@ -124,7 +124,8 @@ def main(argv: list[str]) -> int:
         if args.preset and not args.compare:
             from llama_fp8.cluster.launch import ab_preset
 
-            extra = ab_preset.arm_flags(list(dict.fromkeys(r.name for r in runs)), train_args)
+            own = {r.name: None if r.name == BASELINE else r.flags() for r in runs}
+            extra = ab_preset.arm_flags(own, train_args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

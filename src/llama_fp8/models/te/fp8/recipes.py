@@ -153,7 +153,7 @@ def recipe_spec(recipe: str, amax_history_len: int, amax_compute_algo: str) -> t
     if recipe == "mxfp8":
         return "MXFP8BlockScaling", {}  # TE default: E4M3, 1x32 blocks with E8M0 scales
     if recipe == "nvfp4":
-        # TE defaults (recipe/__init__.py): E2M1 values, E4M3 scales per 16 (16x16 blocks for weights), random
+        # TE defaults (transformer_engine/common/recipe/__init__.py): E2M1 values, E4M3 scales per 16 (16x16 blocks for weights), random
         # Hadamard transforms and stochastic rounding of gradients, as NVIDIA's NVFP4 pretraining recipe
         return "NVFP4BlockScaling", {}
     return "Float8BlockScaling", {}  # TE default: E4M3, 1x128 activations, 128x128 weights
