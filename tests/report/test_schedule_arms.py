@@ -9,10 +9,10 @@ import subprocess
 import sys
 
 import pytest
+from test_schedule import FAKE_JOB_LIB, FAKE_SRUN
 
 from helpers import REPO
 from llama_fp8.cluster.launch import ab_preset, schedule
-from test_schedule import FAKE_JOB_LIB, FAKE_SRUN
 
 
 def test_more_arms_interleave_reversed_per_repeat_with_one_seed_and_their_recipe():

@@ -147,12 +147,16 @@ RECIPES: tuple[Recipe, ...] = (
     # SM100. Not torchao's auto on Blackwell: tensorwise keeps FP8 all-gather, which torchao's MX path does not have.
     Recipe("mxfp8", TORCHAO, "E8M0 scale per 32 values (MXFP8, Blackwell; emulated elsewhere)",
            min_capability=(10, 0), min_library="0.18", emulated_on_cpu=True, needs_compile=True, format="mxfp8",
+           quantizes="the three GEMMs of every decoder linear: input and weight, output gradient and weight, input "
+                     "and output gradient, each in 1x32 blocks along the GEMM's reduction dimension",
            dims=Dims(features=32, tokens=32, why="torchao MXTensor.to_mx: 32-element blocks along each GEMM's "
                                                  "reduction dimension (features forward, tokens for the weight "
                                                  "gradient)"),
            prototype=True, source=_TORCHAO_MX_SRC),
     Recipe("nvfp4", TORCHAO, "E4M3 scale per 16 FP4 values + one FP32 scale per tensor, random Hadamard transform, "
            "stochastic rounding of gradients (NVFP4)", min_capability=(10, 0), min_library="0.18", min_torch="2.10",
+           quantizes="the three GEMMs of every decoder linear: inputs and gradients in 1x16 blocks after a 16-point "
+                     "random Hadamard transform (gradients stochastically rounded), weights in 2-D blocks",
            needs_compile=True, bf16_only=True, format="nvfp4",
            dims=Dims(features=128, tokens=128, sequence=128,
                      why="torchao nvfp4_mm_triton: M, K and N divisible by 128 (M read as the input's second-to-last "
@@ -179,6 +183,8 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe("nvfp4", TE, "E4M3 scale per 16 FP4 values (16x16 blocks for weights) + one FP32 scale per tensor, "
            "random Hadamard transform, stochastic rounding of gradients (NVFP4)", min_capability=(10, 0),
            min_library="2.8", fp8_all_gather_since="2.15", bf16_only=True, format="nvfp4",
+           quantizes="the GEMMs of every TE layer: weights in 16x16 blocks, inputs and gradients in 1x16 blocks, a "
+                     "random Hadamard transform for the weight-gradient GEMM, gradients stochastically rounded",
            dims=Dims(features=16, tokens=16, shard_rows=16,
                      why="TE NVFP4Quantizer.is_quantizable and NVFP4Tensor.fsdp_pre_all_gather: 16-element blocks "
                          "(NVFP4_BLOCK_SCALING_SIZE)"),
@@ -319,12 +325,12 @@ GPU_COLUMNS = (("CPU", None), ("Ada/Hopper (8.9/9.0)", (9, 0)), ("Blackwell (10.
 def formats_table_markdown() -> str:
     """docs/fp8.md's table of formats x implementations x GPUs: what runs where and under which rules."""
     head = " | ".join(name for name, _ in GPU_COLUMNS)
-    rows = [f"| format | `--fp8_backend` `--fp8_recipe` | {head} | dimension rules | FP8 all-gather | checkpoint |",
-            "|" + "---|" * (5 + len(GPU_COLUMNS))]
+    rows = [f"| format | `--fp8_backend` `--fp8_recipe` | {head} | what it quantizes | dimension rules | FP8 all-gather | "
+            "checkpoint |", "|" + "---|" * (6 + len(GPU_COLUMNS))]
     for fmt in FORMATS:
         for r in (x for x in RECIPES if x.format == fmt):
             runs = " | ".join(where_it_runs(r, cap) for _, cap in GPU_COLUMNS)
             gather = f"{library_of(r.backend)} >= {r.fp8_all_gather_since}" if r.fp8_all_gather_since else "no (BF16)"
-            rows.append(f"| {fmt} | `{r.backend}` `{r.name}` | {runs} | {dims_text(r) or '-'} | {gather} | "
-                        f"{r.checkpoint} |")
+            rows.append(f"| {fmt} | `{r.backend}` `{r.name}` | {runs} | {r.quantizes} | {dims_text(r) or '-'} | "
+                        f"{gather} | {r.checkpoint} |")
     return "\n".join(rows)
