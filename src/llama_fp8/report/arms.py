@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,8 @@ def compare_arms(args: argparse.Namespace, compare_pairs) -> dict[str, Any]:
     """Every candidate's two-arm report (``compare_pairs(namespace)``, compare.compare) in ``vs_<arm>/``, then this
     page. Returns the summary (also written as summary.json)."""
     grouped = groups(args)
-    out = Path(args.out) if args.out else Path(grouped[0][0]).resolve().parent / "compare_arms"
+    parents = [str(Path(p).resolve().parent) for g in grouped for p in g]
+    out = Path(args.out) if args.out else Path(os.path.commonpath(parents)) / "compare_arms"
     out.mkdir(parents=True, exist_ok=True)
     names = [arm_name(p) for p in grouped[0]]
     rows, subs = [], []
@@ -111,12 +113,12 @@ def render(summary: dict[str, Any], args: argparse.Namespace) -> str:
              "MFU vs its format's peak | compile | FP8 all-gather | AC | notes |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.3g} % ({r['mfu_key'].removeprefix('mfu_vs_')})"
-        notes = [x for x in (r["bf16_tail"], "emulated: speed not meaningful" if r["emulated"] else None) if x]
-        notes += ["**eager**: " + n.split(": ", 1)[-1].split(" - ")[0] for n in r["notes"]]
+        notes = [x for x in (r["bf16_tail"], "emulated: speed not meaningful" if r["emulated"] else None,
+                             "**warned at start** (below)" if r["notes"] else None) if x]
         link = f"[{r['arm']}]({r['report']}/report.md)" if r.get("report") else r["arm"]
         lines.append(f"| {link} | {r['label']} | {r['speedup_text']} | {r['gap_text']} | {r['verdict']} | {mfu} | "
-                     f"{settings._flag(r['compile'])} | {settings._flag(r['all_gather'])} | "
-                     f"{settings._flag(r['activation_checkpointing'])} | {'; '.join(notes) or '-'} |")
+                     f"{settings.flag(r['compile'])} | {settings.flag(r['all_gather'])} | "
+                     f"{settings.flag(r['activation_checkpointing'])} | {'; '.join(notes) or '-'} |")
     warned = [(r["arm"], n) for r in rows for n in r["notes"]]
     if warned:
         lines += ["", "Warned at start:", ""] + [f"- {arm}: {n}" for arm, n in warned]
@@ -144,6 +146,8 @@ def plot_arms(rows: list[dict[str, Any]], runs: list[Run], path: Path) -> Path:
         if ci:
             bar.errorbar(x, value, yerr=[[value - low], [high - value]], color="black", capsize=4)
         bar.text(x, value, f"{value:.3g}\n{r['verdict']}", ha="center", va="bottom", fontsize=8)
+    tops = [r["interval"]["high"] if r.get("interval") else (r["speedup"] or 0.0) for r in rows]
+    bar.set_ylim(0, max(tops + [1.0]) * 1.2)  # room for the labels above the bars
     bar.axhline(1.0, color="black", lw=0.6)
     bar.set_xticks(list(xs), [r["arm"] for r in rows], rotation=20)
     bar.set_ylabel("speed-up vs BF16 (samples/s)")

@@ -46,15 +46,16 @@ def settings(run: Run) -> dict[str, Any]:
             "notes": list(prec.get("notes") or []), "reason": prec.get("reason") or None}
 
 
-def _flag(value: Any) -> str:
+def flag(value: Any) -> str:
+    """A setting as the report prints it: on, off, its value, or n/a when not recorded."""
     return "n/a" if value is None else ("on" if value is True or value in (1, "1", "true") else
                                         "off" if value is False or value in (0, "0", "false") else str(value))
 
 
 def line(s: dict[str, Any]) -> str:
     """``compile on, FP8 all-gather off, activation checkpointing none`` (+ the BF16 tail, emulation)."""
-    parts = [f"compile {_flag(s['compile'])}", f"FP8 all-gather {_flag(s['all_gather'])}",
-             f"activation checkpointing {_flag(s['activation_checkpointing'])}"]
+    parts = [f"compile {flag(s['compile'])}", f"FP8 all-gather {flag(s['all_gather'])}",
+             f"activation checkpointing {flag(s['activation_checkpointing'])}"]
     if s["bf16_tail"]:
         parts.append(s["bf16_tail"])
     if s["emulated"]:
