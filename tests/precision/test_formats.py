@@ -70,10 +70,12 @@ def test_te_nvfp4_needs_blackwell_and_te_2_8():
     te_recipes.check_recipe_supported("nvfp4", (12, 0), "12.8", "2.20.2")  # no upper bound in TE's NVFP4 check
 
 
-def test_te_nvfp4_weights_all_gather_in_fp4_from_te_2_15():
-    with pytest.raises(ValueError, match=r"nvfp4 under FSDP2 need Transformer Engine >= 2\.15 .*found 2\.14\.1"):
-        te_recipes.check_combination("nvfp4", compile=False, fp8_params=True, te_version="2.14.1")
-    te_recipes.check_combination("nvfp4", compile=True, fp8_params=True, te_version="2.15.0")
+def test_te_nvfp4_weights_all_gather_in_fp4_from_te_2_17():
+    """TE 2.15 has NVFP4's FSDP2 hooks, but its own test of FP4-initialized TransformerLayers and DCP loading of
+    NVFP4 weights pass from 2.17 (NVIDIA/TransformerEngine#2974)."""
+    with pytest.raises(ValueError, match=r"nvfp4 under FSDP2 need Transformer Engine >= 2\.17 .*found 2\.16\.1"):
+        te_recipes.check_combination("nvfp4", compile=False, fp8_params=True, te_version="2.16.1")
+    te_recipes.check_combination("nvfp4", compile=True, fp8_params=True, te_version="2.17.0")
     assert te_recipes.recipe_spec("nvfp4", 1024, "max") == ("NVFP4BlockScaling", {})
 
 

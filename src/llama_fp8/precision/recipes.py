@@ -132,8 +132,10 @@ _TE_MX_DIMS = Dims(features=32, tokens=32, shard_rows=32,
                    why="TE MXFP8Quantizer.is_quantizable: last dim and the product of the others divisible by 32")
 # TE versions: the first TE release that ships each recipe class; 2.0 is also the oldest TE whose APIs we use
 # as written. FP8 parameters (quantized_model_init) under FSDP2 need TE's QuantizedTensor to implement
-# fsdp_pre_all_gather / fsdp_post_all_gather: TE 2.10 for Float8Tensor (delayed, current) and MXFP8Tensor, 2.15 for
-# NVFP4Tensor. Float8BlockwiseQTensor (block) has them since 2.14, but TE's own FSDP2 tests mark block + FP8 weights
+# fsdp_pre_all_gather / fsdp_post_all_gather: TE 2.10 for Float8Tensor (delayed, current) and MXFP8Tensor. NVFP4Tensor
+# has them since 2.15, but TE's own FSDP2 test marked NVFP4 + FP4-initialized TransformerLayers failing until 2.17,
+# whose #2974 also fixed DCP loading of MXFP8/NVFP4 weights under FSDP2 (a resume): 2.17 for NVFP4 here.
+# Float8BlockwiseQTensor (block) has them since 2.14, but TE's own FSDP2 tests mark block + FP8 weights
 # as failing (TransformerEngine/tests/pytorch/distributed/run_fsdp2_model.py), so the TE path refuses it: no FP8
 # all-gather for block here. Recipe names are unique within a backend; mxfp8 and nvfp4 exist in both, so that an
 # arm named by its format runs with whichever backend the model implementation has.
@@ -182,7 +184,7 @@ RECIPES: tuple[Recipe, ...] = (
            min_cuda=(((99, 0), "12.9"),), min_library="2.3", source=_TE_SRC),
     Recipe("nvfp4", TE, "E4M3 scale per 16 FP4 values (16x16 blocks for weights) + one FP32 scale per tensor, "
            "random Hadamard transform, stochastic rounding of gradients (NVFP4)", min_capability=(10, 0),
-           min_library="2.8", fp8_all_gather_since="2.15", bf16_only=True, format="nvfp4",
+           min_library="2.8", fp8_all_gather_since="2.17", bf16_only=True, format="nvfp4",
            quantizes="the GEMMs of every TE layer: weights in 16x16 blocks, inputs and gradients in 1x16 blocks, a "
                      "random Hadamard transform for the weight-gradient GEMM, gradients stochastically rounded",
            dims=Dims(features=16, tokens=16, shard_rows=16,
