@@ -1,34 +1,49 @@
 #!/bin/bash
-# A/B: the same training run with --fp8=1 and --fp8=0, then the report (bf16 = A, the baseline; fp8 = B).
+# A/B: the same training run with --fp8=1 and --fp8=0, then the report (bf16 = A, the baseline; fp8 = B); or one job
+# comparing every precision a GPU offers, each arm against BF16.
 #   ./2.ab_fp8_vs_bf16.sh --model llama3.1-8b --max_steps 200
 #   SBATCH_ARGS="--nodes=4 --partition=p5" IMAGE=$PWD/llama-fp8.sqsh ./2.ab_fp8_vs_bf16.sh --model llama2-7b
 #   ./2.ab_fp8_vs_bf16.sh --repeats 3 --model llama3.1-8b --max_steps 200    # 3 pairs: noise band + intervals
-# A leading --repeats R (or AB_REPEATS=R; default 1) runs R pairs in the same allocation, interleaved with the
-# order alternating per pair, pair i with seed s_i = base + i - 1 (the last --seed given, else the default) for
-# both arms. The other arguments go to every training run (`llama_fp8 train` flags); --fp8, --seed (R > 1) and
-# --run_dir are set here. The exact command is kept in AB_DIR/ab_command.sh for `compare --repro`.
+#   ./2.ab_fp8_vs_bf16.sh --arms bf16,fp8,mxfp8,nvfp4 --repeats 2 --model llama3.1-8b   # Blackwell: every format
+# A leading --repeats R (or AB_REPEATS=R; default 1) runs R repeats in the same allocation, interleaved with the
+# order reversed per repeat, repeat i with seed s_i = base + i - 1 (the last --seed given, else the default) for
+# every arm. A leading --arms LIST (or AB_ARMS; default bf16,fp8) names the arms: bf16 (the baseline), fp8 (--fp8 1,
+# the recipe the flags or auto pick) and --fp8_recipe names (mxfp8, nvfp4, tensorwise, current, ...). The other
+# arguments go to every training run (`llama_fp8 train` flags); --fp8, the arm's recipe, --seed (R > 1) and --run_dir
+# are set here. The exact command is kept in AB_DIR/ab_command.sh for `compare --repro`.
 # AB_MODE:
 #   same (default)  one job: both arms back to back in ONE allocation on the same nodes, one preflight, then the
 #                   report (scripts/slurm/ab_job.sbatch). Node quality, network placement and image cannot differ
 #                   between the arms, so the speed ratio measures FP8 and nothing else.
-#   two-jobs        two independent training jobs (1.train_llama.sbatch) and a report job after both: for runs
-#                   too long for one allocation. The report says "not the same hardware" when they differ.
+#   two-jobs        one independent training job per arm (1.train_llama.sbatch) and a report job after them: for
+#                   runs too long for one allocation (one repeat, no preset). The report says "not the same hardware"
+#                   when they differ.
 # Environment: SBATCH_ARGS (extra sbatch options for every job, the report job included, e.g. partition and
-# account), AB_DIR (default runs/ab_<date-time>), AB_ORDER (same mode: "bf16 fp8" or "fp8 bf16"), plus
+# account), AB_DIR (default runs/ab_<date-time>), AB_ORDER (same mode: the arms' run order, e.g. "fp8 bf16"),
+# AB_PRESET (same mode: ab, the default, compiles every arm alike where a backend needs it and turns FP8 all-gather
+# on where a recipe allows it; none leaves the flags as given), plus
 # everything 1.train_llama.sbatch reads (IMAGE, VENV, CONTAINER_MOUNTS, ...). With --mlflow_tracking_uri among the
 # train arguments the report is also logged to MLflow (`llama_fp8 publish`: the A/B a parent run, the arms children).
 set -euo pipefail
 
 export REPO_DIR=${REPO_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}  # read by the batch scripts
-export AB_REPEATS=${AB_REPEATS:-1}
-if [[ "${1:-}" == --repeats ]]; then
-    AB_REPEATS=${2:-}
-    shift 2 || true
-elif [[ "${1:-}" == --repeats=* ]]; then
-    AB_REPEATS=${1#--repeats=}
-    shift
-fi
+export AB_REPEATS=${AB_REPEATS:-1} AB_ARMS=${AB_ARMS:-bf16,fp8}
+while [[ "${1:-}" == --repeats* || "${1:-}" == --arms* ]]; do  # the A/B's own options come first, in any order
+    case "$1" in
+        --repeats) AB_REPEATS=${2:-}; shift 2 || shift ;;
+        --repeats=*) AB_REPEATS=${1#--repeats=}; shift ;;
+        --arms) AB_ARMS=${2:-}; shift 2 || shift ;;
+        --arms=*) AB_ARMS=${1#--arms=}; shift ;;
+        *) break ;;
+    esac
+done
 [[ "$AB_REPEATS" =~ ^[1-9][0-9]?$|^100$ ]] || { echo "error: --repeats '$AB_REPEATS': a number of pairs from 1 to 100" >&2; exit 2; }
+# The names are checked by the schedule in the job (it knows the recipes); here their shape and the baseline.
+if [[ ! "$AB_ARMS" =~ ^[a-z0-9_]+(,[a-z0-9_]+)+$ || ",$AB_ARMS," != *,bf16,* ]]; then
+    echo "error: --arms '$AB_ARMS': comma-separated arms with bf16 (the baseline) among them, e.g. bf16,fp8,mxfp8" >&2
+    exit 2
+fi
+read -r -a ARM_LIST <<<"${AB_ARMS//,/ }"
 export AB_DIR
 AB_DIR=$(realpath -m "${AB_DIR:-runs/ab_$(date +%Y%m%d-%H%M%S)}")
 AB_MODE=${AB_MODE:-same}
@@ -41,18 +56,20 @@ fi
 mkdir -p logs "$AB_DIR"
 {  # the exact command, for `python -m llama_fp8 compare --repro` (it prints a script that re-runs the A/B)
     printf 'cd %q\n' "$PWD"
-    for var in SBATCH_ARGS IMAGE AB_MODE AB_ORDER CONTAINER_MOUNTS VENV; do
+    for var in SBATCH_ARGS IMAGE AB_MODE AB_ORDER AB_PRESET CONTAINER_MOUNTS VENV; do
         if [[ -n "${!var:-}" ]]; then printf '%s=%q ' "$var" "${!var}"; fi
     done
-    printf '%q ' "$REPO_DIR/2.ab_fp8_vs_bf16.sh" --repeats "$AB_REPEATS" "$@"
+    ARMS_ARG=()
+    [[ "$AB_ARMS" == bf16,fp8 ]] || ARMS_ARG=(--arms "$AB_ARMS")
+    printf '%q ' "$REPO_DIR/2.ab_fp8_vs_bf16.sh" --repeats "$AB_REPEATS" ${ARMS_ARG[@]+"${ARMS_ARG[@]}"} "$@"
     printf '\n'
 } >"$AB_DIR/ab_command.sh"
 
 if [[ "$AB_MODE" == same ]]; then
     JOB=$(sbatch --parsable ${EXTRA[@]+"${EXTRA[@]}"} "$REPO_DIR/scripts/slurm/ab_job.sbatch" "$@")
     cat <<EOF
-ab job:     $JOB   log logs/llama-fp8-ab_$JOB.out   (both arms on the same nodes, ${AB_ORDER:-bf16 fp8})
-pairs:      $AB_REPEATS (run dirs: $AB_DIR/bf16 $AB_DIR/fp8 for one pair, else $AB_DIR/pair<i>/<arm>)
+ab job:     $JOB   log logs/llama-fp8-ab_$JOB.out   (every arm on the same nodes, ${AB_ORDER:-${AB_ARMS//,/ }})
+pairs:      $AB_REPEATS (run dirs: $AB_DIR/bf16 $AB_DIR/fp8 for one pair of bf16,fp8, else $AB_DIR/pair<i>/<arm>)
 report:     $AB_DIR/report/ (written by the same job)
 watch:      squeue -j $JOB
 EOF
@@ -61,14 +78,26 @@ fi
 [[ "$AB_MODE" == two-jobs ]] || { echo "error: AB_MODE=$AB_MODE: use same or two-jobs" >&2; exit 2; }
 ((AB_REPEATS == 1)) || { echo "error: --repeats $AB_REPEATS needs AB_MODE=same (pairs in one allocation)" >&2; exit 2; }
 
-submit_run() {  # submit_run NAME FP8 TRAIN_ARGS... -> prints the job id
-    local name=$1 fp8=$2
-    shift 2
+submit_run() {  # submit_run NAME TRAIN_ARGS... -> prints the job id (an arm other than bf16/fp8 names its recipe)
+    local name=$1 flags=()
+    shift
+    case "$name" in
+        bf16) flags=(--fp8=0) ;;
+        fp8) flags=(--fp8=1) ;;
+        *) flags=(--fp8_recipe="$name" --fp8=1) ;;
+    esac
     sbatch --parsable --job-name="llama-fp8-$name" ${EXTRA[@]+"${EXTRA[@]}"} "$REPO_DIR/1.train_llama.sbatch" \
-        "$@" --fp8="$fp8" --run_dir="$AB_DIR/$name"
+        "$@" "${flags[@]}" --run_dir="$AB_DIR/$name"
 }
-FP8_JOB=$(submit_run fp8 1 "$@")
-BF16_JOB=$(submit_run bf16 0 "$@")
+JOBS=() DIRS=("$AB_DIR/bf16")
+for arm in "${ARM_LIST[@]}"; do
+    [[ "$arm" == bf16 ]] || DIRS+=("$AB_DIR/$arm")
+done
+for arm in "${ARM_LIST[@]}"; do
+    JOBS+=("$(submit_run "$arm" "$@")")
+done
+COMPARE_ARMS=()
+((${#ARM_LIST[@]} == 2)) || COMPARE_ARMS=(--arms "${#ARM_LIST[@]}")
 
 # The report job: afterany (also report a failed run); SBATCH_ARGS first (partition, account, ...), then one
 # task on one node, which win over any --nodes/--ntasks in SBATCH_ARGS.
@@ -78,16 +107,20 @@ if [[ -n "${IMAGE:-}" ]]; then
 else
     RUN=(env PYTHONPATH="$REPO_DIR/src" "${VENV:-$REPO_DIR/.venv}/bin/python")
 fi
-WRAP=$(printf '%q ' "${RUN[@]}" -m llama_fp8 compare "$AB_DIR/bf16" "$AB_DIR/fp8" --out "$AB_DIR/report")
+WRAP=$(printf '%q ' "${RUN[@]}" -m llama_fp8 compare "${DIRS[@]}" ${COMPARE_ARMS[@]+"${COMPARE_ARMS[@]}"} \
+    --out "$AB_DIR/report")
 if [[ " $* " == *" --mlflow_tracking_uri"* ]]; then  # the report as an MLflow run too (docs/metrics.md)
     WRAP+="&& { $(printf '%q ' "${RUN[@]}" -m llama_fp8 publish "$AB_DIR/report")|| echo 'warning: llama_fp8 publish could not log the report to MLflow' >&2; }"
 fi
+AFTER=$(IFS=:; echo "${JOBS[*]}")
 REPORT_JOB=$(sbatch --parsable ${EXTRA[@]+"${EXTRA[@]}"} --job-name=llama-fp8-report --nodes=1 --ntasks=1 \
-    --output=logs/%x_%j.out --dependency="afterany:$FP8_JOB:$BF16_JOB" --wrap="$WRAP")
+    --output=logs/%x_%j.out --dependency="afterany:$AFTER" --wrap="$WRAP")
 
+for i in "${!ARM_LIST[@]}"; do
+    printf '%-11s %s   log logs/llama-fp8-%s_%s.out   run dir %s\n' "${ARM_LIST[$i]} job:" "${JOBS[$i]}" \
+        "${ARM_LIST[$i]}" "${JOBS[$i]}" "$AB_DIR/${ARM_LIST[$i]}"
+done
 cat <<EOF
-fp8 job:    $FP8_JOB   log logs/llama-fp8-fp8_$FP8_JOB.out    run dir $AB_DIR/fp8
-bf16 job:   $BF16_JOB   log logs/llama-fp8-bf16_$BF16_JOB.out   run dir $AB_DIR/bf16
-report job: $REPORT_JOB   (after both) -> $AB_DIR/report/
-watch: squeue -j $FP8_JOB,$BF16_JOB,$REPORT_JOB
+report job: $REPORT_JOB   (after every arm) -> $AB_DIR/report/
+watch: squeue -j ${AFTER//:/,},$REPORT_JOB
 EOF

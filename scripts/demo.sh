@@ -2,7 +2,8 @@
 # `make demo`: a CPU A/B of the tiny preset, 2 ranks under torchrun: R pairs (DEMO_REPEATS or --repeats R,
 # default 2) of --fp8=0 and --fp8=1 (torchao FP8, emulated on CPU), interleaved with the order alternating,
 # pair i with seed 1234+i-1 for both arms; then the compare report of all pairs (speed-up intervals, the
-# BF16-vs-BF16 noise band, the verdict).
+# BF16-vs-BF16 noise band, the verdict). DEMO_ARMS (default bf16,fp8) runs more arms the same way, each against
+# BF16: DEMO_ARMS=bf16,tensorwise,mxfp8 compares torchao's FP8 and its MXFP8 (both emulated on CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPEATS=${DEMO_REPEATS:-2}
@@ -19,7 +20,7 @@ OUT=${DEMO_DIR:-runs/demo-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 {  # the exact command, for `python -m llama_fp8 compare --repro` (it prints a script that re-runs the A/B)
   printf 'cd %q\n' "$PWD"
-  for var in DEMO_STEPS DEMO_NPROC DEMO_DATA DEMO_EXTRA VENV; do
+  for var in DEMO_STEPS DEMO_NPROC DEMO_DATA DEMO_EXTRA DEMO_ARMS VENV; do
     if [ -n "${!var:-}" ]; then printf '%s=%q ' "$var" "${!var}"; fi
   done
   printf '%q ' bash scripts/demo.sh --repeats "$REPEATS"
@@ -32,7 +33,7 @@ DATA=${DEMO_DATA:-runs/demo_data}
 echo "== preparing the demo corpus and tokenizer in $DATA"
 "$PY" -m llama_fp8.data.demo "$DATA" >/dev/null
 
-# Training settings shared by both halves of the A/B pair: only --fp8 differs.
+# Training settings shared by every arm: only the precision differs.
 common=(--model tiny --device cpu --max_steps "$STEPS" --logging_freq 5 --seed 1234
         --dataset "$DATA/corpus" --tokenizer "$DATA/tokenizer" --num_workers 0
         --validation_freq 25 --validation_batches 4)
@@ -44,21 +45,26 @@ fi
 # The run order (alternating per pair) and seeds come from the same schedule as the Slurm A/B job.
 # torch.distributed.run through this venv's python (what `torchrun` is), never a script whose #! may name
 # another interpreter (a copied venv keeps its old path there).
-schedule=$("$PY" -m llama_fp8.cluster.launch.schedule --repeats "$REPEATS" -- "${common[@]}")
-while read -r subdir fp8 seed <&3; do  # fd 3: the launcher cannot take the schedule from stdin
-  echo "== training tiny on CPU with $NPROC ranks, --fp8=$fp8 --seed $seed -> $OUT/$subdir"
+ARMS=${DEMO_ARMS:-bf16,fp8}
+schedule=$("$PY" -m llama_fp8.cluster.launch.schedule --repeats "$REPEATS" --arms "$ARMS" -- "${common[@]}")
+while read -r subdir fp8 seed extra <&3; do  # fd 3: the launcher cannot take the schedule from stdin
+  read -r -a flags <<<"$extra"  # an arm's own flags (its --fp8_recipe); none for bf16 and fp8
+  echo "== training tiny on CPU with $NPROC ranks, ${flags[*]+${flags[*]} }--fp8=$fp8 --seed $seed -> $OUT/$subdir"
   mkdir -p "$OUT/$subdir"
   "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m llama_fp8 train "${common[@]}" \
-    --fp8 "$fp8" --seed "$seed" --run_dir "$OUT/$subdir" 2>"$OUT/$subdir.stderr" | tee "$OUT/$subdir.log" \
-    | grep -E '^Batch' | tail -n 3
+    ${flags[@]+"${flags[@]}"} --fp8 "$fp8" --seed "$seed" --run_dir "$OUT/$subdir" 2>"$OUT/$subdir.stderr" \
+    | tee "$OUT/$subdir.log" | grep -E '^Batch' | tail -n 3
 done 3<<<"$schedule"
 
 echo
 echo "== last lines"
-while read -r subdir _ _; do
+while read -r subdir _; do
   echo "$subdir: $(grep -E '^Batch' "$OUT/$subdir.log" | tail -n 1)"
   echo "      metrics: $OUT/$subdir/metrics.jsonl  config: $OUT/$subdir/config.yaml"
 done <<<"$schedule"
-read -r -a runs <<<"$("$PY" -m llama_fp8.cluster.launch.schedule --repeats "$REPEATS" --compare)"
+read -r -a runs <<<"$("$PY" -m llama_fp8.cluster.launch.schedule --repeats "$REPEATS" --arms "$ARMS" --compare)"
+read -r -a arm_list <<<"${ARMS//,/ }"
+per_repeat=()
+((${#arm_list[@]} == 2)) || per_repeat=(--arms "${#arm_list[@]}")
 echo
-"$PY" -m llama_fp8 compare ${runs[@]+"${runs[@]/#/$OUT/}"} --out "$OUT/report"
+"$PY" -m llama_fp8 compare ${runs[@]+"${runs[@]/#/$OUT/}"} ${per_repeat[@]+"${per_repeat[@]}"} --out "$OUT/report"

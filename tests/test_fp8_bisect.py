@@ -72,3 +72,33 @@ def test_bad_config_is_a_one_line_error(tmp_path, capsys):
     bad.write_text("model: tiny\nno_such_key: 1\n")
     assert fp8_bisect.main(["--config", str(bad), "--steps", "1", "--out", str(tmp_path / "o")]) == 2
     assert "no_such_key" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bisection_works_for_a_block_format(tmp_path, monkeypatch, capsys):
+    """torchao's emulated MXFP8 with a planted fault in block 2 of 4: the probes keep the run's recipe (every probe's
+    config.yaml says mxfp8) and find block 2."""
+    torch.set_num_threads(1)
+    base = tmp_path / "base.yaml"
+    base.write_text("model: tiny\ndevice: cpu\nmodel_impl: hf\nfp8_backend: torchao\nfp8_recipe: mxfp8\n"
+                    "max_context_width: 32\ntrain_batch_size: 2\nval_batch_size: 1\n")
+    convert = AO.TorchaoFp8.convert
+
+    def corrupted(self, model):
+        model = convert(self, model)
+        for name, m in model.named_modules():
+            if type(m).__name__ == "MXFP8Linear" and name.startswith("model.layers.2."):
+                m.register_forward_hook(lambda mod, args, out: out * math.inf)
+        return model
+
+    monkeypatch.setattr(AO.TorchaoFp8, "convert", corrupted)
+    out = tmp_path / "bisect"
+    assert fp8_bisect.main(["--config", str(base), "--steps", "2", "--tolerance_pct", "2", "--out", str(out)]) == 0
+    assert "--fp8_exclude model.layers.2.*" in capsys.readouterr().out
+    result = json.loads((out / "bisect.json").read_text())
+    assert result["excluded_layers"] == [2]
+    import yaml
+
+    probes = sorted(p for p in out.iterdir() if p.name.startswith("fp8-"))
+    assert probes and all(yaml.safe_load((p / "config.yaml").read_text())["resolved"]["precision"]["recipe"] == "mxfp8"
+                          for p in probes)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from llama_fp8.errors import AgreedError, ConfigError
 from llama_fp8.parallel import DistEnv, ParallelDims
 from llama_fp8.precision import PrecisionChoice
 from llama_fp8.telemetry import goodput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,18 @@ def make_plan(cfg: TrainConfig, env: DistEnv) -> RunPlan:
     plan = checkpoint.check_resume(cfg, env, plan)  # every rank: writable, sound (or the previous one), fits
     if env.is_main:
         write_config(cfg, plan)
+        announce(plan.precision)
     return plan
+
+
+def announce(choice: PrecisionChoice) -> None:
+    """The precision decision and why, and what the run should know about it: once, on rank 0 (config.yaml keeps
+    the same under ``resolved.precision``)."""
+    if choice.backend == "none":
+        return
+    log.info("precision %s: %s%s", choice.name, choice.reason, f"; {choice.bf16_tail}" if choice.bf16_tail else "")
+    for note in choice.notes:
+        log.warning("%s", note)
 
 
 def decide_setup(cfg: TrainConfig, env: DistEnv, impl: models.ModelImpl | None = None, memory_only: bool = False):

@@ -4,7 +4,10 @@ verdict is a tag (``verdict``), its speed-up and loss gaps are metrics. Each arm
 training opened (``--mlflow_tracking_uri``; its id is in the run folder's mlflow_run.json), else one made here from the
 run folder (config.yaml's params, metrics.jsonl's scalars) or log. Children are tagged with their role
 (``ab_role``: baseline or candidate), their pair and the A/B's verdict, so that "which FP8 runs passed last month" is
-one query (docs/metrics.md). The report folder remembers its parent run: publishing again updates it.
+one query (docs/metrics.md). The report folder remembers its parent run: publishing again updates it. A report of
+more than two arms (``compare --arms N``) publishes the same way: one parent, one child per run of every arm, each
+child also tagged with its arm (``ab_arm``) and that arm's own loss verdict (``ab_arm_verdict``); the parent gets
+each candidate's speed-up (``speedup_<arm>``).
 
 The tracking URI: ``--mlflow_tracking_uri``, else ``MLFLOW_TRACKING_URI``, else the one the arms trained with.
 ``report/`` stays a reader of run folders; this command only reads what it wrote and the arms' folders.
@@ -63,13 +66,24 @@ def read_summary(report_dir: Path) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise PublishError(f"{report_dir / 'summary.json'}: not JSON ({e})") from None
     runs = summary.get("repro", {}).get("runs") if isinstance(summary, dict) else None
-    if summary.get("verdict") not in ("PASS", "FAIL") or not isinstance(runs, list) or len(runs) % 2 or not runs:
+    n = per_repeat(summary) if isinstance(summary, dict) else 0
+    if summary.get("verdict") not in ("PASS", "FAIL") or not isinstance(runs, list) or not n or len(runs) % n \
+            or not runs:
         raise PublishError(f"{report_dir / 'summary.json'}: no verdict or no runs: not written by llama-fp8 compare")
     return summary
 
 
+def per_repeat(summary: dict[str, Any]) -> int:
+    """Runs per repeat: 2 for an A/B pair, ``arms_per_repeat`` for a report of more arms (0: not a valid count)."""
+    n = summary.get("arms_per_repeat", 2)
+    return n if isinstance(n, int) and not isinstance(n, bool) and 2 <= n <= 8 else 0
+
+
 def arms(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each run of the report, baseline and candidate of each pair in order: its source, run folder and config."""
+    """Each run of the report, per repeat the baseline then the candidates, in order: its source, run folder, config,
+    role and arm."""
+    n = per_repeat(summary)
+    verdicts = {r.get("arm"): r.get("verdict") for r in summary.get("arms") or [] if isinstance(r, dict)}
     out = []
     for i, info in enumerate(summary["repro"]["runs"]):
         source = Path(str(info.get("source")))
@@ -78,8 +92,10 @@ def arms(summary: dict[str, Any]) -> list[dict[str, Any]]:
         if folder is not None and (folder / "config.yaml").is_file():
             loaded = yaml.safe_load(_read(folder / "config.yaml", MAX_CONFIG_BYTES, "run's config.yaml"))
             config = loaded if isinstance(loaded, dict) else {}
+        arm = folder.name if folder is not None else source.stem
         out.append({"name": str(info.get("run") or source.name), "source": source, "folder": folder,
-                    "config": config, "role": ROLES[i % 2], "pair": i // 2 + 1})
+                    "config": config, "role": ROLES[min(i % n, 1)], "pair": i // n + 1, "arm": arm,
+                    "arm_verdict": verdicts.get(arm) if n > 2 else None})
     return out
 
 
@@ -101,6 +117,11 @@ def _parent_numbers(summary: dict[str, Any]) -> tuple[dict[str, float], dict[str
     params = {"loss_tolerance_pct": summary.get("loss_tolerance_pct"), "pairs": ab.get("pairs"),
               "seeds": ab.get("seeds"), "baseline": summary.get("run_a", {}).get("label"),
               "candidate": summary.get("run_b", {}).get("label")}
+    rows = [r for r in summary.get("arms") or [] if isinstance(r, dict) and isinstance(r.get("arm"), str)]
+    if rows:  # more than two arms: each candidate's speed-up, the arms and the repeats
+        metrics.update({f"speedup_{r['arm']}": r.get("speedup") for r in rows[1:]}, pairs=summary.get("repeats"))
+        params.update(baseline=rows[0].get("label"), candidate=None, pairs=summary.get("repeats"),
+                      arms=",".join(r["arm"] for r in rows))
     return ({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
             {k: v if isinstance(v, str) else json.dumps(v) for k, v in params.items() if v is not None})
 
@@ -169,8 +190,10 @@ def publish(args: argparse.Namespace) -> dict[str, Any]:
     children = []
     for arm in runs:
         child = _child(client, uri, experiment, parent, name, arm)
-        for key, value in {MLFLOW_PARENT_RUN_ID: parent, "ab_role": arm["role"], "ab_pair": str(arm["pair"]),
-                           "ab_verdict": verdict}.items():
+        tags = {MLFLOW_PARENT_RUN_ID: parent, "ab_role": arm["role"], "ab_pair": str(arm["pair"]), "ab_verdict": verdict}
+        if arm["arm_verdict"] is not None or per_repeat(summary) > 2:
+            tags.update(ab_arm=arm["arm"], ab_arm_verdict=str(arm["arm_verdict"] or "baseline"))
+        for key, value in tags.items():
             client.set_tag(child, key, value)
         children.append({"run": arm["name"], "role": arm["role"], "run_id": child})
     client.set_terminated(parent, status="FINISHED")

@@ -109,7 +109,7 @@ def test_named_modules_and_commands_exist():
 
 
 def test_train_flags_in_launchers_exist(capsys):
-    """Flags after `1.train_llama.sbatch`, `2.ab_fp8_vs_bf16.sh` (but its leading `--repeats R`) or
+    """Flags after `1.train_llama.sbatch`, `2.ab_fp8_vs_bf16.sh` (but its leading `--repeats R` / `--arms LIST`) or
     `llama_fp8 train` are train flags."""
     accepted = help_text("train", capsys)
     bad, checked = [], set()
@@ -117,8 +117,8 @@ def test_train_flags_in_launchers_exist(capsys):
         for line in logical_lines(path):
             for match in TRAIN_ENTRY.finditer(line):
                 rest = line[match.end():]
-                if match.group(0).startswith("2.ab_fp8_vs_bf16.sh"):  # its own leading option, then train flags
-                    rest = re.sub(r"^\s*--repeats(?:=|\s+)\S+", "", rest)
+                if match.group(0).startswith("2.ab_fp8_vs_bf16.sh"):  # its own leading options, then train flags
+                    rest = re.sub(r"^(?:\s*--(?:repeats|arms)(?:=|\s+)\S+)+", "", rest)
                 used = flags(rest)
                 checked.update(used)
                 bad += [f"{path.name}: --{f}" for f in used if f"--{f}" not in accepted]

@@ -102,16 +102,22 @@ def test_the_batch_script_estimates_after_preflight_and_before_training():
     assert re.search(r"^lf_preflight\(\) \{.*?^\}\n\n# ---- estimate.*?^lf_estimate\(\) \{", lib, re.S | re.M)
 
 
-def test_the_ab_job_estimates_both_arms_after_preflight_and_before_the_first_run(tmp_path):
+def test_the_ab_job_estimates_every_arm_after_preflight_and_before_the_first_run(tmp_path):
+    """Each arm's first run is estimated with its own flags (a recipe arm's recipe), once, whatever the repeats."""
     lines = [ln.strip() for ln in (REPO / "scripts/slurm/ab_job.sbatch").read_text().splitlines()]
     order = [next(i for i, ln in enumerate(lines) if ln.startswith(step)) for step in
-             ('lf_preflight "$@"', "for fp8 in 1 0; do lf_estimate", 'lf_train "$@"')]
+             ('lf_preflight "$@"', 'lf_estimate "$@"', 'lf_train "$@"')]
     assert order == sorted(order)
-    loop = lines[order[1]].split("  #")[0]
-    r = run_lib(tmp_path, loop.replace('"$@"', TINY), srun="return 0")  # the line as the job runs it
-    assert r.returncode == 0 and [c.split(" estimate ")[1].split()[-1] for c in srun_calls(tmp_path)] == [
-        "--fp8=1", "--fp8=0"]
-    r = run_lib(tmp_path, loop.replace('"$@"', TINY), srun='[[ "$*" == *--fp8=0* ]] && return 4; return 0')
+    start = max(i for i in range(order[1]) if lines[i].startswith("while read"))
+    end = next(i for i in range(order[1], len(lines)) if lines[i].startswith("done"))
+    loop = "\n".join(lines[start:end + 1]).replace('"$@"', TINY)  # the loop as the job runs it
+    schedule = "schedule=$'pair1/bf16 0 5\\npair1/mxfp8 1 5 --fp8_recipe=mxfp8\\npair2/mxfp8 1 6 --fp8_recipe=mxfp8\\n" \
+               "pair2/bf16 0 6'\n"
+    r = run_lib(tmp_path, schedule + loop, srun="cat >/dev/null; return 0")  # srun eats stdin: the loop must not care
+    assert r.returncode == 0, r.stderr
+    assert [c.split(" estimate ")[1].split()[-2:] for c in srun_calls(tmp_path)] == [
+        [TINY.split()[-1], "--fp8=0"], ["--fp8_recipe=mxfp8", "--fp8=1"]]
+    r = run_lib(tmp_path, schedule + loop, srun='[[ "$*" == *--fp8=0* ]] && return 4; return 0')
     assert r.returncode != 0 and "TRAINING-WOULD-START" not in r.stdout  # one arm that does not fit stops the job
 
 

@@ -178,10 +178,10 @@ def test_the_recipe_table_is_static_data():
                {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not {m for m in imported if m and m.startswith("llama_fp8")}, imported
     assert {(r.backend, r.name) for r in recipes.RECIPES} == {
-        ("torchao", "tensorwise"), ("torchao", "rowwise"), ("te", "delayed"), ("te", "current"), ("te", "mxfp8"),
-        ("te", "block")}
+        ("torchao", "tensorwise"), ("torchao", "rowwise"), ("torchao", "mxfp8"), ("torchao", "nvfp4"),
+        ("te", "delayed"), ("te", "current"), ("te", "mxfp8"), ("te", "block"), ("te", "nvfp4")}
     assert config.build_parser()._option_string_actions["--fp8_recipe"].metavar == \
-        "{auto,tensorwise,rowwise,delayed,current,mxfp8,block}"
+        "{auto,tensorwise,rowwise,mxfp8,nvfp4,delayed,current,block}"  # a format's name once, for both backends
 
 
 def test_auto_recipe_is_decided_by_the_table_for_every_caller(monkeypatch):
@@ -217,9 +217,9 @@ def test_the_recipe_is_decided_in_one_function_that_config_validation_and_the_re
     what the flags settle instead of deciding again, so the two cannot disagree."""
     asked, decide = [], precision._choose_recipe
 
-    def spy(backend, recipe, compile):
+    def spy(backend, recipe, compile, capability=None):
         asked.append((backend, recipe, compile))
-        return decide(backend, recipe, compile)
+        return decide(backend, recipe, compile, capability)
 
     monkeypatch.setattr(precision, "_choose_recipe", spy)
     cfg = cfg_for("--fp8", "1", "--fp8_backend", "torchao", "--compile", "1")

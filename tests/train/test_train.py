@@ -122,7 +122,9 @@ def test_fp8_run_is_labelled_and_uses_float8(tiny_args, monkeypatch):
     assert rc == 0 and meta["precision"] == "fp8-torchao-rowwise" and meta["fp8_emulated"] is True
     resolved = yaml.safe_load((d / "config.yaml").read_text())["resolved"]["precision"]
     assert resolved == {"name": "fp8-torchao-rowwise", "backend": "torchao", "recipe": "rowwise", "emulated": True,
-                        "all_gather": False, "exclude": [], "verify": "error", "stats_every": 0}
+                        "all_gather": False, "exclude": [], "verify": "error", "stats_every": 0, "format": "fp8",
+                        "reason": "backend torchao: the first of --model_impl hf; recipe rowwise: asked (--fp8_recipe)",
+                        "bf16_tail": "", "notes": []}
 
 
 def test_grad_clip_limits_the_update(tmp_path, tiny_args):

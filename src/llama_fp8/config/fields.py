@@ -88,12 +88,13 @@ class TrainConfig:
                     group="precision")
     fp8: bool = _f(False, "1: FP8 linear layers (backend from --fp8_backend); 0: off", group="precision")
     fp8_backend: str = _f("auto", _backend_help, choices=("auto", *recipes.backends()), group="precision")
-    fp8_recipe: str = _f("auto", recipes.recipe_help, choices=("auto", *(r.name for r in recipes.all_recipes())),
+    fp8_recipe: str = _f("auto", recipes.recipe_help, choices=("auto", *recipes.names()),
                          group="precision")
     fp8_all_gather: bool = _f(False, "1: all-gather FSDP parameters in FP8 (torchao tensorwise; TE: FP8 "
                               "parameters) - half the all-gather bytes of BF16", group="precision")
     fp8_exclude: str | None = _f(None, "comma-separated globs on module names kept in high precision with --fp8 1 "
-                                 "(e.g. model.layers.0.*,model.layers.31.*); a glob matching no layer is an error",
+                                 "(e.g. model.layers.0.*,model.layers.31.*; a glob matching no layer is an error), "
+                                 "or a BF16 tail: last:15% (the last 15 % of decoder blocks, and the output layer) or last:4",
                                  group="precision")
     fp8_verify: str = _f("error", "after the warm-up step, check FP8 is really on (layers, FLOP share, all-gather "
                          "dtypes, GEMM kernels): error stops the run naming what is off, warn logs it",

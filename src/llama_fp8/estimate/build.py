@@ -116,6 +116,23 @@ def choose_impl(cfg, target: models.ModelImpl, here: torch.device = CPU) -> tupl
                       f"activations, so treat the numbers as an approximation")
 
 
+def stand_in_recipe(cfg, impl: models.ModelImpl) -> tuple[str, str | None]:
+    """The recipe a stand-in runs for the job's: the same format where the stand-in's FP8 backend has it and emulates
+    it on CPU (an MXFP8 job through torchao's emulated MXFP8: its quantized copies and float32 temporaries, which a
+    GPU kernel does not make, so an upper bound of the transients), else its default, said in a note."""
+    if not cfg.fp8 or cfg.fp8_recipe == "auto":
+        return "auto", None
+    from llama_fp8.precision import recipes
+
+    backend = impl.fp8_backends()[0].name if impl.fp8_backends() else None
+    rows = {r.name: r for r in recipes.rows_of(backend)} if backend else {}
+    if cfg.fp8_recipe in rows and rows[cfg.fp8_recipe].emulated_on_cpu:
+        return cfg.fp8_recipe, (f"--fp8_recipe {cfg.fp8_recipe} estimated through {backend}'s emulated "
+                                f"{cfg.fp8_recipe} (its CPU path: an upper bound of the quantization transients)")
+    return "auto", (f"--fp8_recipe {cfg.fp8_recipe} has no CPU path on the stand-in: its layers estimated as "
+                    f"{recipes.default_for(backend).name} ({backend}) ones" if backend else None)
+
+
 def decide(cfg, env: parallel.DistEnv) -> Decision:
     """Every decision for a run on ``env.device`` (the CPU for an estimate; a GPU for the GPU test's real run), or
     a ConfigError naming the flag (as ``train`` would, or why it cannot be estimated)."""
@@ -138,7 +155,9 @@ def decide(cfg, env: parallel.DistEnv) -> Decision:
     stand_in = None
     if why is not None:
         stand_in = f"{assumed}. {why}" if assumed else why
-        cfg = dataclasses.replace(cfg, fp8_backend="auto", fp8_recipe="auto")
+        recipe, note = stand_in_recipe(cfg, impl)
+        cfg = dataclasses.replace(cfg, fp8_backend="auto", fp8_recipe=recipe)
+        notes += [note] if note else []
     cfg = dataclasses.replace(cfg, model_impl=impl.name)
     try:
         impl, choice, dims = plan.decide_setup(cfg, env, impl=impl, memory_only=True)
@@ -147,6 +166,9 @@ def decide(cfg, env: parallel.DistEnv) -> Decision:
             raise
         raise ConfigError(f"cannot be estimated through the stand-in --model_impl {impl.name} for --model_impl "
                           f"{target.name}: {e}") from None
+    if choice.backend != "none" and choice.format not in ("", "fp8") and choice.emulated and stand_in is None:
+        notes.append(f"{choice.name} estimated through its emulated CPU path (its quantized copies and float32 "
+                     f"temporaries, which a GPU kernel does not make: an upper bound of the transients)")
     if choice.backend != "none" and dims.tp > 1:
         notes.append("tensor-parallel collectives counted in BF16: FP8 ones (torchao's FP8 styles need NCCL)")
     return Decision(cfg, impl, dims, choice, stand_in, tuple(notes), target)

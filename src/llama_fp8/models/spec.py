@@ -63,6 +63,14 @@ class ModelImpl:
         """FP8 backends that work with this implementation, the default (``--fp8_backend auto``) first."""
         return ()
 
+    def gemm_shapes(self, cfg) -> list[tuple[str, int, int]]:
+        """(name inside a decoder block, in features, out features) of each linear a block multiplies by, as this
+        implementation builds it: what a block format's dimension rules are checked on (``precision/dims.py``)."""
+        head_dim = cfg.hidden_width // cfg.num_heads
+        h, q, kv, ffn = cfg.hidden_width, cfg.num_heads * head_dim, cfg.num_key_value_heads * head_dim, cfg.intermediate_size
+        return [("self_attn.q_proj", h, q), ("self_attn.k_proj", h, kv), ("self_attn.v_proj", h, kv),
+                ("self_attn.o_proj", q, h), ("mlp.gate_proj", h, ffn), ("mlp.up_proj", h, ffn), ("mlp.down_proj", ffn, h)]
+
     def check(self, cfg, device: torch.device) -> None:
         """Refuse (ConfigError naming the flag) what this implementation cannot do, before anything is built. The
         one place that refuses a parallelism or an activation checkpointing an implementation lacks (its

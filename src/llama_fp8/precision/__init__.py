@@ -34,6 +34,17 @@ class PrecisionChoice:
     exclude: tuple[str, ...] = ()  # --fp8_exclude: module-name globs kept in high precision (precision/exclude.py)
     verify: str = "error"  # --fp8_verify: stop (error) or warn when FP8 is asked and not on (precision/verify.py)
     stats_every: int = 0  # --fp8_stats: per-layer FP8 numerics every N steps (precision/fp8_stats.py)
+    format: str = ""  # the GEMMs' number format (recipes.FORMATS; "" without FP8): which peak MFU is measured against
+    reason: str = ""  # why this backend and recipe: asked by a flag, or what auto saw
+    bf16_tail: str = ""  # --fp8_exclude last:...: the decoder blocks kept in BF16, in words
+    notes: tuple[str, ...] = ()  # what the run should know at start (printed once, kept in config.yaml)
+
+
+EAGER_NOTE = ("--fp8_recipe {recipe} ({backend}) runs eager (--compile 0): torchao's low-precision layers then run "
+              "their casts, scales and matmuls as separate kernels and are slower than BF16 - measured on an H100 "
+              "(pytorch/ao#2262): a step took 0.184 s with float8 eager against 0.130 s in BF16 eager, and torchtitan "
+              "needs torch.compile for its published speed-ups (pytorch/torchtitan#1191). Use --compile 1 (every arm "
+              "of an A/B alike)")
 
 
 class Runtime(Protocol):
@@ -110,26 +121,55 @@ def resolve(cfg, impl, device: torch.device | None, world_size: int = 1, others:
     plain = "bf16" if cfg.bf16 else "fp32"
     if not cfg.fp8:
         return PrecisionChoice(name=plain, backend="none")
-    backend, recipe = _choose(cfg, impl, others)
+    backend, recipe, reason = _choose(cfg, impl, others, capability_of(device))
     emulated = False
     if device is not None:
         emulated = backend.check(cfg, recipe, device, world_size)
+    _check_table_rules(cfg, recipe, impl, world_size)
     check_library(backend, recipe, cfg.fp8_all_gather)
     from llama_fp8.precision import exclude
 
+    notes = (EAGER_NOTE.format(recipe=recipe.name, backend=backend.name),) if (
+        recipe.needs_compile and not cfg.compile and not emulated and device is not None) else ()
+    tail = exclude.tail_text(exclude.tail_layers(cfg.fp8_exclude, cfg.num_layers), cfg.num_layers)
     return PrecisionChoice(name=f"fp8-{backend.name}-{recipe.name}", backend=backend.name, recipe=recipe.name,
-                           emulated=emulated, all_gather=cfg.fp8_all_gather, exclude=exclude.parse(cfg.fp8_exclude),
-                           verify=cfg.fp8_verify, stats_every=cfg.fp8_stats)
+                           emulated=emulated, all_gather=cfg.fp8_all_gather,
+                           exclude=exclude.parse(cfg.fp8_exclude, cfg.num_layers), verify=cfg.fp8_verify,
+                           stats_every=cfg.fp8_stats, format=recipe.format, reason=reason, bf16_tail=tail, notes=notes)
+
+
+def capability_of(device: torch.device | None) -> tuple[int, int] | None:
+    """The GPU's compute capability (None: no GPU, or a decision made away from it)."""
+    if device is None or device.type != "cuda":
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
 
 
 def check_flags(cfg, impl, others: tuple = ()) -> None:
     """The precision refusals ``resolve`` makes that need neither the FP8 library nor the GPU: the backend and the
-    recipe for ``impl``, and what the backend refuses in the flags alone. For a decision made away from the
-    training node (``llama_fp8 estimate`` on a login node without Transformer Engine)."""
+    recipe for ``impl``, the recipe's dimension rules, and what the backend refuses in the flags alone. For a
+    decision made away from the training node (``llama_fp8 estimate`` on a login node without Transformer Engine)."""
     if not cfg.fp8:
         return
-    backend, recipe = _choose(cfg, impl, others)
+    backend, recipe, _ = _choose(cfg, impl, others)
     backend.check_flags(cfg, recipe)
+    _check_table_rules(cfg, recipe, impl)
+
+
+def choose(cfg, impl, others: tuple = (), capability: tuple[int, int] | None = None) -> tuple[Fp8Backend, Recipe, str]:
+    """(the FP8 backend, its recipe, why) that ``--fp8 1`` runs with ``impl`` on a GPU of ``capability``: the
+    decision ``resolve`` makes, without its checks (the A/B preset asks it, ``cluster/launch/schedule.py``)."""
+    return _choose(cfg, impl, others, capability)
+
+
+def _check_table_rules(cfg, recipe: Recipe, impl, world_size: int | None = None) -> None:
+    """What the recipe table says a recipe needs of the flags, whatever the backend: BF16 compute, its dimension
+    rules on this implementation's shapes (the --fp8_exclude layers left out)."""
+    from llama_fp8.precision import dims, exclude
+
+    if recipe.bf16_only and not cfg.bf16:
+        raise ConfigError(f"--fp8_recipe {recipe.name} ({recipe.backend}) quantizes from BF16 inputs only; use --bf16 1")
+    dims.check(cfg, recipe, impl.gemm_shapes(cfg), exclude.parse(cfg.fp8_exclude, cfg.num_layers), world_size)
 
 
 def check_asked(cfg) -> None:
@@ -140,22 +180,26 @@ def check_asked(cfg) -> None:
         _choose_recipe(cfg.fp8_backend, cfg.fp8_recipe, cfg.compile)
 
 
-def _choose(cfg, impl, others: tuple) -> tuple[Fp8Backend, Recipe]:
+def _choose(cfg, impl, others: tuple, capability: tuple[int, int] | None = None) -> tuple[Fp8Backend, Recipe, str]:
     backend = _backend(cfg, impl, others)
-    return backend, _choose_recipe(backend.name, cfg.fp8_recipe, cfg.compile)
+    recipe, why = _choose_recipe(backend.name, cfg.fp8_recipe, cfg.compile, capability)
+    how = "asked (--fp8_backend)" if cfg.fp8_backend != "auto" else f"the first of --model_impl {impl.name}"
+    return backend, recipe, f"backend {backend.name}: {how}; recipe {recipe.name}: {why}"
 
 
-def _choose_recipe(backend: str, asked: str, compile: bool) -> Recipe:
-    """The recipe decision: ``--fp8_recipe`` for ``--fp8_backend backend``. ``auto`` is the table's default;
-    a named recipe must belong to the backend. Needs no implementation and no library."""
+def _choose_recipe(backend: str, asked: str, compile: bool, capability: tuple[int, int] | None = None
+                   ) -> tuple[Recipe, str]:
+    """The recipe decision, and why: ``--fp8_recipe`` for ``--fp8_backend backend``. ``auto`` is the table's choice
+    for a GPU of ``capability`` (``recipes.auto_choice``); a named recipe must belong to the backend. Needs no
+    implementation and no library."""
     if asked == "auto":
-        return recipe_table.default_for(backend, compile)
-    recipe = recipe_table.get(asked)
-    if recipe.backend != backend:
-        mine = ", ".join(r.name for r in recipe_table.rows_of(backend))
-        raise ConfigError(f"--fp8_recipe {asked} is a recipe of --fp8_backend {recipe.backend}; with "
-                          f"--fp8_backend {backend} use one of {mine}")
-    return recipe
+        return recipe_table.auto_choice(backend, compile, capability)
+    mine = {r.name: r for r in recipe_table.rows_of(backend)}
+    if asked not in mine:
+        owners = [r.backend for r in recipe_table.all_recipes() if r.name == asked]
+        raise ConfigError(f"--fp8_recipe {asked} is a recipe of --fp8_backend {' and '.join(owners)}; with "
+                          f"--fp8_backend {backend} use one of {', '.join(mine)}")
+    return mine[asked], "asked (--fp8_recipe)"
 
 
 def check_library(backend: Fp8Backend, recipe: Recipe, all_gather: bool) -> str:
@@ -194,7 +238,8 @@ def _backend(cfg, impl, others: tuple) -> Fp8Backend:
 def fp8_collectives(choice: PrecisionChoice) -> bool:
     """Whether tensor parallelism may all-gather and reduce-scatter in FP8: a recipe with FP8 tensor-parallel
     layers, on real FP8 hardware (emulation runs on CPU, whose gloo has no float8 type)."""
-    return choice.backend != "none" and not choice.emulated and recipe_table.get(choice.recipe).tensor_parallel
+    return (choice.backend != "none" and not choice.emulated
+            and recipe_table.get(choice.recipe, choice.backend).tensor_parallel)
 
 
 def build(choice: PrecisionChoice, impl, cfg, run_dir: Path | None = None) -> Runtime:

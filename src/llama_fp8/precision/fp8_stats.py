@@ -9,6 +9,15 @@ scale, power-of-2 rounding): Float8Linear's own math is not touched. One record 
 goes to ``{run_dir}/fp8_stats.jsonl`` (rank 0's view); a summary per step goes to metrics.jsonl (and so to
 TensorBoard / wandb when they are on). Transformer Engine path: ``models/te/fp8/stats.py`` makes the
 same records from TE's debug API.
+
+Block formats (torchao's MXFP8 and NVFP4 layers): each tensor is quantized with torchao's own quantizer (MXFP8:
+``MXTensor.to_mx``, 1x32 blocks of E4M3 with E8M0 scales, RCEIL; NVFP4: ``NVFP4Tensor.to_nvfp4``, 1x16 blocks of
+E2M1 with E4M3 scales under one per-tensor scale, without the Hadamard transform and the 2-D weight blocks that
+torchao's NVFP4 training adds) along its last dimension, as the forward and input-gradient GEMMs see it; the record
+adds, per block scale, the share of non-zero blocks whose scale sits at the scale format's smallest value
+(``scale_underflow``: the block's small values flush to zero) or could not grow to the block's amax
+(``scale_overflow``: the block saturates). ``saturation`` is the share of elements above their block's largest value (MXFP8; None for NVFP4, whose
+two-level scale is made from the block's own amax).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ class CastSpec:
     dtype: torch.dtype
     rowwise: bool = False
     pow2: bool = False
+    block: str = ""  # "mxfp8" or "nvfp4": torchao's block quantizer (block_stats) instead of a tensor or row scale
 
 
 def quantize(t: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -48,6 +58,8 @@ def quantize(t: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.Tenso
 
 def tensor_stats(t: torch.Tensor, spec: CastSpec) -> dict:
     """amax, scale (the smallest row scale when rowwise), underflow share, saturation share, SNR dB."""
+    if spec.block:
+        return block_stats(t, spec.block)
     fmax = torch.finfo(spec.dtype).max
     x = t.detach().float()
     amax, scale, scaled = quantize(x, spec)
@@ -59,6 +71,60 @@ def tensor_stats(t: torch.Tensor, spec: CastSpec) -> dict:
             "underflow": int((nonzero & (deq == 0)).sum()) / n_nonzero if n_nonzero else 0.0,
             "saturation": int((scaled.abs() >= fmax).sum()) / x.numel() if x.numel() else 0.0,
             "snr_db": (10 * math.log10(signal / noise) if noise > 0 else None) if signal > 0 else None}
+
+
+# Block size, the smallest block scale the quantizer stores (E8M0: 2^-127; torchao clamps NVFP4's E4M3 block scales
+# to E4M3's smallest normal, 2^-6), the element format's largest value (E4M3: 448, E2M1: 6)
+BLOCKS = {"mxfp8": (32, 2.0 ** -127, 448.0), "nvfp4": (16, torch.finfo(torch.float8_e4m3fn).tiny, 6.0)}
+
+
+def block_quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dequantized x, each block's stored scale as float32, each block's element scale) by torchao's quantizer;
+    ``x`` is 2-D float32 with its last dimension a multiple of the block."""
+    if fmt == "mxfp8":
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+        q = MXTensor.to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)
+        scale = q.scale.float().reshape(x.shape[0], -1)
+        return q.dequantize(torch.float32), scale, scale
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
+    tensor_scale = per_tensor_amax_to_scale(x.abs().amax())
+    q = NVFP4Tensor.to_nvfp4(x, per_tensor_scale=tensor_scale)
+    scale = q.scale.float().reshape(x.shape[0], -1)
+    return q.dequantize(torch.float32), scale, scale * tensor_scale
+
+
+def block_stats(t: torch.Tensor, fmt: str) -> dict:
+    """The tensor's statistics in a block format, with the per-block-scale shares (module docstring)."""
+    size, smallest, elem_max = BLOCKS[fmt]
+    x = t.detach().float().reshape(-1, t.shape[-1]).contiguous()
+    deq, stored, elem_scale = block_quantize(x, fmt)
+    blocks = x.reshape(x.shape[0], -1, size)
+    live = blocks.abs().amax(dim=-1) > 0  # (rows, blocks): blocks with a non-zero value
+    n_live = int(live.sum())
+    nonzero = x != 0
+    n_nonzero = int(nonzero.sum())
+    signal, noise = float((x * x).sum()), float(((x - deq) ** 2).sum())
+    above = blocks.abs() > (elem_max * elem_scale).unsqueeze(-1) * (1 + 1e-6)  # beyond the block's largest value
+    over = int(above.sum()) if fmt == "mxfp8" else None
+    return {"amax": float(x.abs().max()) if x.numel() else 0.0,
+            "scale": float(elem_scale[live].min()) if n_live else None,
+            "underflow": int((nonzero & (deq == 0)).sum()) / n_nonzero if n_nonzero else 0.0,
+            "saturation": None if over is None else over / x.numel(),
+            "snr_db": (10 * math.log10(signal / noise) if noise > 0 else None) if signal > 0 else None,
+            "scale_underflow": int((live & (stored <= smallest)).sum()) / n_live if n_live else 0.0,
+            "scale_overflow": int((live & above.any(dim=-1)).sum()) / n_live if n_live else 0.0}
+
+
+def block_specs(module: nn.Module) -> dict[str, CastSpec]:
+    """The casts of a torchao block-format layer (torchao_mx.py): the same block format for every tensor."""
+    from llama_fp8.precision import torchao_mx
+
+    fmt = torchao_mx.cast_of(module)
+    dtype = torch.float8_e4m3fn if fmt == "mxfp8" else torch.float4_e2m1fn_x2
+    return {role: CastSpec(dtype, block=fmt) for role in ROLES}
 
 
 def torchao_specs(module: nn.Module) -> dict[str, CastSpec]:
@@ -89,9 +155,11 @@ class TorchaoStats:
         self._handles = []
 
     def attach(self, model: nn.Module) -> None:
+        from llama_fp8.precision import torchao_mx
+
         for name, module in model.named_modules():
-            if type(module).__name__ == "Float8Linear":
-                specs = torchao_specs(module)
+            if type(module).__name__ == "Float8Linear" or torchao_mx.is_block_linear(module):
+                specs = torchao_specs(module) if type(module).__name__ == "Float8Linear" else block_specs(module)
                 self._handles.append(module.register_forward_hook(self._forward_hook(name, specs)))
 
     def _forward_hook(self, name: str, specs: dict[str, CastSpec]):
@@ -110,8 +178,9 @@ class TorchaoStats:
             return
         self._seen.add((layer, role))
         with torch.no_grad():
-            self.records.append({"step": self.step, "layer": layer, "tensor": role,
-                                 "dtype": str(spec.dtype).removeprefix("torch."), **tensor_stats(_plain(t), spec)})
+            dtype = spec.block or str(spec.dtype).removeprefix("torch.")
+            self.records.append({"step": self.step, "layer": layer, "tensor": role, "dtype": dtype,
+                                 **tensor_stats(_plain(t), spec)})
 
     def before_step(self, step: int) -> None:
         """Arm the hooks when ``step`` is a logged one."""
@@ -136,6 +205,10 @@ def summary(records: list[dict], step: int) -> dict:
         snrs = [r["snr_db"] for r in mine if r["snr_db"] is not None]
         if snrs:
             rec[f"{role}_snr_db_min"] = min(snrs)
+        for key in ("scale_underflow", "scale_overflow"):  # block formats: per block scale
+            shares = [r[key] for r in mine if r.get(key) is not None]
+            if shares:
+                rec[f"{role}_{key}_max"] = max(shares)
     return rec
 
 

@@ -123,15 +123,7 @@ def data_check(a: Run, b: Run) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- report
-def _json_safe(obj: Any) -> Any:
-    """NaN/inf -> None and Paths -> str, so summary.json is strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return str(obj) if isinstance(obj, Path) else obj
+_json_safe = stats.json_safe  # summary.json is strict JSON
 
 
 def default_out_dir(a: Run, b: Run, arg_a: str, arg_b: str) -> Path:
@@ -172,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup_steps_excluded", type=_nonneg_int, default=None,
                    help="leave steps <= N out of the medians (default: 10%% of the last step, "
                         "at least the first logged window)")
+    p.add_argument("--arms", type=_nonneg_int, default=2,
+                   help="runs per repeat: the baseline then N-1 candidates, each compared with the baseline of its "
+                        "repeat (default 2: RUN_A RUN_B pairs); N > 2 writes one table and one plot of every arm "
+                        "and each candidate's own report in vs_<arm>/")
     p.add_argument("--repro", action="store_true",
                    help="print a bash script that re-runs this A/B (recorded commit, launcher command or each "
                         "run's training command) instead of writing the report")
@@ -264,8 +260,13 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
 
 def repro_script(args: argparse.Namespace) -> str:
     """``--repro``: the re-run script of the runs given (nothing is written)."""
-    pairs = _pairs(args)
-    rest = [f"--loss_tolerance={args.loss_tolerance:g}"]
+    if args.arms != 2:
+        from llama_fp8.report import arms
+
+        pairs = [tuple(load_run(p, f"run {p}") for p in g) for g in arms.groups(args)]
+    else:
+        pairs = _pairs(args)
+    rest = [f"--loss_tolerance={args.loss_tolerance:g}"] + ([f"--arms={args.arms}"] if args.arms != 2 else [])
     if args.warmup_steps_excluded is not None:
         rest.append(f"--warmup_steps_excluded={args.warmup_steps_excluded}")
     try:
@@ -297,10 +298,22 @@ def main(argv: list[str]) -> int:
         if args.repro:
             print(repro_script(args), end="")
             return 0
-        summary = compare(args)
+        if args.arms != 2:
+            from llama_fp8.report import arms
+
+            summary = arms.compare_arms(args, compare)
+        else:
+            summary = compare(args)
     except (CompareError, OSError) as e:
         print(f"compare: error: {e}", file=sys.stderr)
         return 2
+    if args.arms != 2:
+        print(f"report: {summary['report']}")
+        print(f"plot (arms): {summary['plots']['arms']}")
+        for row in summary["arms"][1:]:
+            print(f"{row['arm']}: speed-up {row['speedup_text']}; loss {row['verdict']} ({row['gap_text']})")
+        print(f"verdict: {summary['verdict_line']}")
+        return 0
     print(f"report: {summary['report']}")
     print(f"summary: {summary['report'].parent / 'summary.json'}")
     for name, path in summary["plots"].items():

@@ -107,8 +107,12 @@ def _mfu_lines(run: Run) -> list[str]:
 
 
 def run_section(run: Run, tag: str, out: Path) -> list[str]:
+    from llama_fp8.report import settings
+
     folder = run_dir(run)
-    lines = [f"### {tag}: {run.label}", ""] + _mfu_lines(run)
+    ran = settings.settings(run)
+    lines = [f"### {tag}: {run.label}", ""] + _mfu_lines(run) + [f"- as run: {settings.line(ran)}"]
+    lines += [f"- warned at start: {note}" for note in ran["notes"]]
     if folder is None:
         return lines + ["- (a log file: no FP8 records)", ""]
     checks = [r for r in _jsonl(folder / "metrics.jsonl") if r.get("type") == "fp8_check"]

@@ -82,3 +82,17 @@ def ratio_ci(pairs: Sequence[tuple[Sequence[float], Sequence[float]]], *, seed: 
     low, high = np.exp(np.quantile(reps, [alpha, 1 - alpha]))
     return RatioCI(point, float(low), float(high), len(inv),
                    tuple(n for a, b in arms for n in (len(a), len(b))))
+
+
+def json_safe(obj):
+    """NaN/inf -> None and Paths -> str, so summary.json is strict JSON."""
+    from pathlib import Path
+
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return str(obj) if isinstance(obj, Path) else obj
+

@@ -68,6 +68,8 @@ class StepMeter:
     peak_bf16: float | None
     peak_fp8: float | None
     is_fp8: bool
+    peak_fp4: float | None = None
+    format: str = ""  # the GEMMs' number format (precision.PrecisionChoice.format): nvfp4 adds MFU vs the FP4 peak
 
     def __post_init__(self) -> None:
         self._loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
@@ -104,6 +106,7 @@ class StepMeter:
             "mfu_vs_bf16_peak": tflops / self.peak_bf16 if self.peak_bf16 else None,
             "mfu_vs_fp8_peak": tflops / self.peak_fp8 if (self.peak_fp8 and self.is_fp8) else None,
             "is_fp8": self.is_fp8,
+            **({"mfu_vs_fp4_peak": tflops / self.peak_fp4 if self.peak_fp4 else None} if self.format == "nvfp4" else {}),
             "mem_peak_gib": memory_gib(self.device),
             **cuda_memory_extras(self.device),
             "data_wait_frac": min(self._data_wait / elapsed, 1.0),
@@ -125,6 +128,8 @@ def format_line(rec: dict) -> str:
     mfu = f"MFU(bf16 peak): {_num(rec.get('mfu_vs_bf16_peak'), '.3f')}"
     if rec.get("is_fp8"):
         mfu += f", MFU(fp8 peak): {_num(rec.get('mfu_vs_fp8_peak'), '.3f')}"
+    if "mfu_vs_fp4_peak" in rec:
+        mfu += f", MFU(fp4 peak): {_num(rec.get('mfu_vs_fp4_peak'), '.3f')}"
     return (f"Batch {rec['step']} Loss: {rec['loss']:.5f}, Speed: {rec['samples_per_sec']:.2f} samples/sec, "
             f"lr: {rec['lr']:.6f}, tokens/s/device: {rec['tokens_per_sec_per_device']:.1f}, "
             f"TFLOPS/device: {_num(rec['tflops_per_device'], '.3f')}, {mfu}, "

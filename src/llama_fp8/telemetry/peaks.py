@@ -2,7 +2,8 @@
 
 The convention, stated once: MFU is always reported against the GPU's **dense BF16** peak (log label
 ``MFU(bf16 peak)``, record key ``mfu_vs_bf16_peak``); FP8 runs are also reported against the **dense FP8**
-peak (``MFU(fp8 peak)``, ``mfu_vs_fp8_peak``). "Dense" means without 2:4 structured sparsity: NVIDIA's
+peak (``MFU(fp8 peak)``, ``mfu_vs_fp8_peak``; MXFP8 runs at the FP8 rate), and NVFP4 runs against the **dense FP4**
+peak too (``MFU(fp4 peak)``, ``mfu_vs_fp4_peak``). "Dense" means without 2:4 structured sparsity: NVIDIA's
 datasheets print the sparsity figure (twice the dense one) with a footnote, so every figure below is the
 datasheet's sparsity figure halved, or its dense figure where it prints one.
 
@@ -25,8 +26,9 @@ class Peak:
     sku: str
     pattern: str  # regex, matched against the whole device name without the "NVIDIA " prefix
     bf16: float  # dense BF16 tensor-core TFLOPS
-    fp8: float | None  # dense FP8 tensor-core TFLOPS; None: no FP8 tensor cores
+    fp8: float | None  # dense FP8 tensor-core TFLOPS (MXFP8 runs at the same rate); None: no FP8 tensor cores
     source: str  # the NVIDIA document the figures come from
+    fp4: float | None = None  # dense FP4 (NVFP4) tensor-core TFLOPS; None: no FP4 tensor cores, or no figure
 
 
 _H100 = "NVIDIA H100 Tensor Core GPU datasheet"
@@ -44,9 +46,13 @@ PEAKS: tuple[Peak, ...] = (
     Peak("GH200", r"GH200( \d+GB?)?( HBM3e?)?", 989.4, 1978.9,
          "NVIDIA GH200 Grace Hopper Superchip datasheet (1,979 / 3,958 with sparsity)"),
     Peak("B200", r"B200( \S+)*", 2250.0, 4500.0,
-         "NVIDIA HGX B200 / DGX B200 datasheet, per GPU (4.5 / 9 PFLOPS with sparsity)"),
+         "NVIDIA HGX B200 / DGX B200 datasheet, per GPU (BF16 / FP8 / FP4: 4.5 / 9 / 18 PFLOPS with sparsity)",
+         fp4=9000.0),
     Peak("GB200", r"GB200( \S+)*", 2500.0, 5000.0,
-         "NVIDIA GB200 NVL72 datasheet, per Blackwell GPU (5 / 10 PFLOPS with sparsity)"),
+         "NVIDIA GB200 NVL72 datasheet, per Blackwell GPU (BF16 / FP8 / FP4: 5 / 10 / 20 PFLOPS with sparsity)",
+         fp4=10000.0),
+    # Blackwell Ultra's dense FP4 figures differ between the documents found (13.5, 14 and 15 PFLOPS per GPU): no
+    # FP4 peak until one datasheet settles it (MFU vs the FP4 peak is then n/a; --peak_tflops gives one).
     Peak("B300", r"B300( \S+)*", 2250.0, 4500.0,
          "NVIDIA HGX B300 datasheet, per GPU (4.5 / 9 PFLOPS with sparsity)"),
     Peak("GB300", r"GB300( \S+)*", 2500.0, 5000.0,
@@ -89,9 +95,21 @@ def resolve(device_name: str | None, override: float | None) -> tuple[float | No
     return peak.bf16, peak.fp8, f"{peak.sku}: {peak.source}"
 
 
+def fp4_peak(device_name: str | None, override: float | None) -> float | None:
+    """The dense FP4 peak NVFP4 runs are measured against: the SKU's, or with ``override`` (--peak_tflops, the dense
+    BF16 peak) four times that, as on B200 and GB200; None on CPU, an unknown GPU or one without an FP4 figure."""
+    if override:
+        return 4.0 * override
+    if device_name is None:
+        return None
+    peak, _ = lookup(device_name)
+    return peak.fp4 if peak is not None else None
+
+
 def table_markdown() -> str:
     """docs/report.md's table of the peaks MFU is measured against."""
-    rows = ["| GPU SKU | dense BF16 TFLOPS | dense FP8 TFLOPS | source |", "|---|---|---|---|"]
+    rows = ["| GPU SKU | dense BF16 TFLOPS | dense FP8 TFLOPS | dense FP4 TFLOPS | source |", "|---|---|---|---|---|"]
     for p in PEAKS:
-        rows.append(f"| {p.sku} | {p.bf16:g} | {'-' if p.fp8 is None else f'{p.fp8:g}'} | {p.source} |")
+        rows.append(f"| {p.sku} | {p.bf16:g} | {'-' if p.fp8 is None else f'{p.fp8:g}'} | "
+                    f"{'-' if p.fp4 is None else f'{p.fp4:g}'} | {p.source} |")
     return "\n".join(rows)

@@ -112,8 +112,9 @@ def start_metrics(cfg: TrainConfig, plan: RunPlan, env: parallel.DistEnv, size: 
     device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     peak_bf16, peak_fp8, peak_source = peaks.resolve(device_name if env.device.type == "cuda" else None,
                                                      cfg.peak_tflops)
+    peak_fp4 = peaks.fp4_peak(device_name if env.device.type == "cuda" else None, cfg.peak_tflops)
     meter = metrics.StepMeter(env.device, env.world_size, plan.global_batch, cfg.max_context_width,
-                              size.flops_per_token, peak_bf16, peak_fp8, cfg.fp8)
+                              size.flops_per_token, peak_bf16, peak_fp8, cfg.fp8, peak_fp4, plan.precision.format)
     run_dir = Path(plan.run_dir)
     # attempts before this one (a resumed or restarted run's metrics.jsonl has their meta records): read before the
     # writer appends this attempt's
@@ -122,7 +123,8 @@ def start_metrics(cfg: TrainConfig, plan: RunPlan, env: parallel.DistEnv, size: 
     writer = outputs.open_writer(cfg, origin, {"asked": config_mod.asked(cfg), "resolved": plan.to_dict()})
     writer.write({"type": "meta", "precision": plan.precision.name, "model": cfg.model, "model_impl": plan.model_impl,
                   "world_size": env.world_size, "device": env.device.type, "device_name": device_name,
-                  "peak_tflops_bf16": peak_bf16, "peak_tflops_fp8": peak_fp8, "peak_source": peak_source,
+                  "peak_tflops_bf16": peak_bf16, "peak_tflops_fp8": peak_fp8, "peak_tflops_fp4": peak_fp4,
+                  "peak_source": peak_source, "precision_format": plan.precision.format,
                   "flops_convention": metrics.FLOPS_CONVENTION, "seq_len": cfg.max_context_width,
                   "global_batch_size": plan.global_batch,
                   "flops_per_token": size.flops_per_token, "num_params": size.num_params,

@@ -164,8 +164,8 @@ def test_the_te_runtime_writes_records_and_a_summary_on_rank_0(tmp_path):
 
 @pytest.mark.parametrize("extra, recipe, message", [
     (["--compile", "1"], "current", "--fp8_stats with --fp8_backend te and --compile 1: TE's per-layer"),
-    ([], "nvfp4", "--fp8_stats with --fp8_recipe nvfp4: Transformer Engine's debug API has FP8 statistics for "
-                  "--fp8_recipe delayed, current, mxfp8, block"),  # a recipe the table may gain later
+    ([], "nvfp4", "--fp8_stats with --fp8_recipe nvfp4 on --fp8_backend te: the statistics here read TE's LogFp8TensorStats, "
+                  "which covers --fp8_recipe delayed, current, mxfp8, block"),  # TE's NVFP4 has a feature of its own
 ])
 def test_what_te_statistics_cannot_do_is_refused(extra, recipe, message):
     import dataclasses

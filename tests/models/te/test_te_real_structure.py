@@ -149,6 +149,24 @@ def test_make_recipe_builds_each_te_recipe(name):
         assert (obj.amax_history_len, obj.amax_compute_algo) == (16, "most_recent")
 
 
+def test_the_nvfp4_recipe_object_is_te_s_pretraining_recipe():
+    """TE's defaults, as make_recipe builds it: E2M1 values; inputs with a random Hadamard transform and no stochastic
+    rounding; weights in 2-D (16x16) blocks; gradients transformed and stochastically rounded (TE's
+    common/recipe/__init__.py NVFP4BlockScaling.__post_init__); and the installed TE is new enough for the row."""
+    from transformer_engine.common import recipe as te_recipe
+
+    from llama_fp8.precision import recipes
+
+    obj = te_recipes.make_recipe("nvfp4")
+    assert type(obj) is te_recipe.NVFP4BlockScaling and obj.fp4_format == te_recipe.Format.E2M1
+    assert obj.fp4_quant_fwd_inp.random_hadamard_transform and not obj.fp4_quant_fwd_inp.stochastic_rounding
+    assert obj.fp4_quant_fwd_weight.fp4_2d_quantization and not obj.fp4_quant_fwd_weight.random_hadamard_transform
+    assert obj.fp4_quant_bwd_grad.random_hadamard_transform and obj.fp4_quant_bwd_grad.stochastic_rounding
+    row = recipes.get("nvfp4", "te")
+    assert not te_recipes.older(te_recipes.te_version(), row.min_library)
+    te_recipes.check_combination("nvfp4", compile=True, fp8_params=True, te_version=te_recipes.te_version())
+
+
 def test_installed_te_api_selection():
     assert te_recipes.select_autocast(te)[0] == "autocast"  # TE >= 2.9
     assert te_recipes.select_quantized_init(te) == "quantized_model_init"

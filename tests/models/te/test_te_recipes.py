@@ -79,6 +79,7 @@ def test_recipe_spec_plumbs_flags():
     assert recipe_spec("current", 1024, "max") == ("Float8CurrentScaling", {"fp8_format": "HYBRID"})
     assert recipe_spec("mxfp8", 1024, "max") == ("MXFP8BlockScaling", {})
     assert recipe_spec("block", 1024, "max") == ("Float8BlockScaling", {})
+    assert recipe_spec("nvfp4", 1024, "max") == ("NVFP4BlockScaling", {})  # TE's defaults: RHT, SR, 2-D weights
     with pytest.raises(ValueError, match="--fp8_amax_compute_algo 'mean' is not one of max, most_recent"):
         recipe_spec("delayed", 16, "mean")
     with pytest.raises(ValueError, match="--fp8_amax_history_len must be >= 1"):

@@ -1,13 +1,18 @@
 """The order of the runs of a repeated A/B, shared by the Slurm A/B job and the CPU demo.
 
-R pairs run interleaved in one allocation: pair i runs both arms with seed ``s_i = base + i - 1``, and
-the order alternates from pair to pair (bf16 fp8, fp8 bf16, bf16 fp8, ...), so slow drift of a shared
-node (thermals, a neighbour's job) lands on both arms instead of on whichever ran second.
+R repeats run interleaved in one allocation: repeat i runs every arm with seed ``s_i = base + i - 1``, and the
+order alternates from repeat to repeat (bf16 fp8, fp8 bf16, bf16 fp8, ...; with more arms the whole order is
+reversed), so slow drift of a shared node (thermals, a neighbour's job) lands on every arm instead of on whichever
+ran last. The arms: ``bf16`` (the baseline, always there), ``fp8`` (``--fp8 1``, the recipe the training flags or
+``auto`` pick), or a ``--fp8_recipe`` name (``mxfp8``, ``nvfp4``, ``tensorwise``, ...: ``--fp8 1`` with that recipe,
+on whichever FP8 backend the model implementation has). Each candidate is compared with the BF16 run of its repeat.
 
-    python -m llama_fp8.cluster.launch.schedule --repeats R [--order "bf16 fp8"] -- TRAIN_ARGS...
-prints one line per run, in run order: ``RUN_SUBDIR FP8 SEED`` (the shell loop reads it); with
-``--compare`` instead the run folders for ``llama_fp8 compare``, baseline first in each pair.
-One pair keeps the folders ``bf16`` and ``fp8``; R > 1 uses ``pair<i>/bf16`` and ``pair<i>/fp8``.
+    python -m llama_fp8.cluster.launch.schedule --repeats R [--arms bf16,fp8,mxfp8] [--order "bf16 fp8"]
+        [--preset ab] -- TRAIN_ARGS...
+prints one line per run, in run order: ``RUN_SUBDIR FP8 SEED [FLAGS...]`` (the shell loop reads it; FLAGS: the
+arm's own training flags, and with ``--preset ab`` the A/B settings of ``ab_preset.py``); with ``--compare`` instead
+the run folders for ``llama_fp8 compare``, per repeat the baseline first, then the candidates in arm order.
+Two arms over one repeat keep the folders ``bf16`` and ``fp8``; R > 1 uses ``pair<i>/<arm>``.
 The base seed is the last ``--seed`` in TRAIN_ARGS, else TrainConfig's default.
 """
 
@@ -19,19 +24,67 @@ import sys
 from dataclasses import dataclass
 
 ARMS = ("bf16", "fp8")
+BASELINE = "bf16"
 MAX_REPEATS = 100
+MAX_ARMS = 8
 
 
 @dataclass(frozen=True)
 class Arm:
-    pair: int   # 1-based
-    name: str   # bf16 | fp8
+    pair: int   # 1-based repeat
+    name: str   # bf16 | fp8 | a --fp8_recipe name
     seed: int
     subdir: str
 
     @property
     def fp8(self) -> int:
-        return int(self.name == "fp8")
+        return int(self.name != BASELINE)
+
+    def flags(self) -> list[str]:
+        """The arm's own training flags besides --fp8 (a recipe arm names its recipe)."""
+        return [] if self.name in ARMS else [f"--fp8_recipe={self.name}"]
+
+
+def arm_names() -> tuple[str, ...]:
+    from llama_fp8.precision import recipes
+
+    return (*ARMS, *recipes.names())
+
+
+def parse_arms(text: str) -> tuple[str, ...]:
+    """``bf16,fp8,mxfp8`` (commas or spaces) -> the arms, checked: known names, each once, bf16 among them."""
+    arms = tuple(a for a in text.replace(",", " ").split() if a)
+    known = arm_names()
+    unknown = [a for a in arms if a not in known]
+    if unknown:
+        raise ValueError(f"arms {', '.join(unknown)}: not an arm; arms are bf16, fp8 or a --fp8_recipe name "
+                         f"({', '.join(known)})")
+    if len(set(arms)) != len(arms) or BASELINE not in arms or not 2 <= len(arms) <= MAX_ARMS:
+        raise ValueError(f"arms {' '.join(arms)!r}: name {BASELINE} (the baseline) and 1 to {MAX_ARMS - 1} other "
+                         f"arms, each once, e.g. 'bf16,fp8,mxfp8'")
+    return arms
+
+
+def plan(repeats: int, order: tuple[str, ...] = ARMS, seed: int = 0) -> list[Arm]:
+    """Every run of the A/B in run order (module docstring); ``order``: the arms of repeat 1, in run order."""
+    if not 1 <= repeats <= MAX_REPEATS:
+        raise ValueError(f"--repeats {repeats}: must be between 1 and {MAX_REPEATS}")
+    if len(order) == 2 and (len(set(order)) < 2 or BASELINE not in order):
+        raise ValueError(f"order {' '.join(order)!r}: name the arms fp8 and bf16 once each, e.g. 'bf16 fp8'")
+    order = parse_arms(" ".join(order))
+    flat = repeats == 1 and sorted(order) == sorted(ARMS)  # the old layout: bf16/ and fp8/
+    runs = []
+    for i in range(1, repeats + 1):
+        for name in (order if i % 2 else order[::-1]):
+            runs.append(Arm(i, name, seed + i - 1, name if flat else f"pair{i}/{name}"))
+    return runs
+
+
+def compare_dirs(runs: list[Arm]) -> list[str]:
+    """Run folders for ``compare``: per repeat the baseline (bf16), then the candidates in arm order."""
+    by = {(r.pair, r.name): r.subdir for r in runs}
+    candidates = list(dict.fromkeys(r.name for r in runs if r.name != BASELINE))
+    return [by[(p, name)] for p in sorted({r.pair for r in runs}) for name in (BASELINE, *candidates)]
 
 
 def base_seed(train_args: list[str]) -> int:
@@ -50,36 +103,29 @@ def base_seed(train_args: list[str]) -> int:
     return int(seed)
 
 
-def plan(repeats: int, order: tuple[str, str] = ARMS, seed: int = 0) -> list[Arm]:
-    """Every run of the A/B in run order (module docstring)."""
-    if not 1 <= repeats <= MAX_REPEATS:
-        raise ValueError(f"--repeats {repeats}: must be between 1 and {MAX_REPEATS}")
-    if sorted(order) != sorted(ARMS):
-        raise ValueError(f"order {' '.join(order)!r}: name the arms fp8 and bf16 once each, e.g. 'bf16 fp8'")
-    runs = []
-    for i in range(1, repeats + 1):
-        first_second = order if i % 2 else order[::-1]
-        for name in first_second:
-            runs.append(Arm(i, name, seed + i - 1, name if repeats == 1 else f"pair{i}/{name}"))
-    return runs
-
-
-def compare_dirs(runs: list[Arm]) -> list[str]:
-    """Run folders for ``compare``: per pair the baseline (bf16) then the candidate (fp8)."""
-    by = {(r.pair, r.name): r.subdir for r in runs}
-    return [by[(p, name)] for p in sorted({r.pair for r in runs}) for name in ARMS]
-
-
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m llama_fp8.cluster.launch.schedule", allow_abbrev=False)
-    p.add_argument("--repeats", type=int, default=1, help="pairs of runs (default 1)")
-    p.add_argument("--order", default="bf16 fp8", help="the arms of pair 1, in run order")
+    p.add_argument("--repeats", type=int, default=1, help="repeats of every arm (default 1)")
+    p.add_argument("--arms", default=None, help="the arms, comma-separated (default bf16,fp8)")
+    p.add_argument("--order", default=None, help="the arms of repeat 1, in run order (default: --arms' order)")
+    p.add_argument("--preset", choices=("ab",), default=None, help="ab: add the A/B job's settings to each arm "
+                   "(compile every arm alike where a backend needs it, FP8 all-gather where a recipe allows it)")
     p.add_argument("--compare", action="store_true", help="print the run folders for compare instead")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the training flags (for --seed)")
     args = p.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     try:
-        runs = plan(args.repeats, tuple(args.order.split()), base_seed(train_args))
+        arms = parse_arms(args.arms) if args.arms else ARMS
+        order = tuple(args.order.split()) if args.order else arms
+        if args.order and args.arms and sorted(order) != sorted(arms):
+            raise ValueError(f"--order {args.order!r}: name the arms of --arms {args.arms} once each")
+        runs = plan(args.repeats, order, base_seed(train_args))
+        extra = {}
+        if args.preset and not args.compare:
+            from llama_fp8.cluster.launch import ab_preset
+
+            own = {r.name: None if r.name == BASELINE else r.flags() for r in runs}
+            extra = ab_preset.arm_flags(own, train_args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -87,7 +133,7 @@ def main(argv: list[str]) -> int:
         print(" ".join(compare_dirs(runs)))
     else:
         for r in runs:
-            print(r.subdir, r.fp8, r.seed)
+            print(" ".join([r.subdir, str(r.fp8), str(r.seed), *r.flags(), *extra.get(r.name, [])]))
     return 0
 
 

@@ -51,6 +51,13 @@ class TEImpl(ModelImpl):
 
         return (TE,)
 
+    def gemm_shapes(self, cfg) -> list[tuple[str, int, int]]:
+        """TE's fused GEMMs: one QKV (``fuse_qkv_params``) and one fc1 of gate and up (model.py)."""
+        head_dim = cfg.hidden_width // cfg.num_heads
+        h, q, kv, ffn = cfg.hidden_width, cfg.num_heads * head_dim, cfg.num_key_value_heads * head_dim, cfg.intermediate_size
+        return [("te_layer.self_attention.layernorm_qkv", h, q + 2 * kv), ("te_layer.self_attention.proj", q, h),
+                ("te_layer.layernorm_mlp.fc1", h, 2 * ffn), ("te_layer.layernorm_mlp.fc2", ffn, h)]
+
     def check(self, cfg, device: torch.device) -> None:
         super().check(cfg, device)
         if cfg.cp_size > 1:

@@ -90,8 +90,10 @@ def check_stats(cfg, recipe: Recipe) -> None:
 def check_stats_flags(cfg, recipe: Recipe) -> None:
     """--fp8_stats' refusals of the flags alone (the recipe, --compile)."""
     if recipe.name not in fp8_stats.HYBRID:
-        raise ConfigError(f"--fp8_stats with --fp8_recipe {recipe.name}: Transformer Engine's debug API has FP8 "
-                          f"statistics for --fp8_recipe {', '.join(fp8_stats.HYBRID)}; use one of them or --fp8_stats 0")
+        # TE 2.20 logs NVFP4 through a feature of its own (LogNvfp4TensorStats) that this path does not read yet
+        raise ConfigError(f"--fp8_stats with --fp8_recipe {recipe.name} on --fp8_backend te: the statistics here read TE's "
+                          f"LogFp8TensorStats, which covers --fp8_recipe {', '.join(fp8_stats.HYBRID)}; use one of "
+                          f"them, --fp8_backend torchao (its NVFP4 statistics), or --fp8_stats 0")
     if cfg.compile:
         # On logged steps TE's debug path leaves the compiled graph (te.Linear falls back to eager); how that
         # interacts with our compiled blocks is not verified, so it is not offered.

@@ -6,7 +6,7 @@ capabilities and fake TE modules (tests/models/te/). The recipes' requirements a
 FP8 recipe table (``precision/recipes.py``, which holds them as data).
 
 Every TE name used here was checked in TE's sources (NVIDIA/TransformerEngine tags v2.0 ... v2.18
-and main 2.20.0.dev0): ``transformer_engine/pytorch/quantization.py`` (fp8.py before 2.9),
+and main 2.20.0.dev0; NVFP4BlockScaling from v2.8): ``transformer_engine/pytorch/quantization.py`` (fp8.py before 2.9),
 ``transformer_engine/common/recipe/__init__.py``, ``transformer_engine/pytorch/__init__.py``.
 """
 
@@ -94,8 +94,10 @@ def check_recipe_supported(
         )
     problem = r.hardware_problem(tuple(capability), cuda_version)
     if problem:
+        would = (" (Blackwell: B200, GB200; TE has no emulation of it)" if r.min_capability >= (10, 0)
+                 and tuple(capability) < r.min_capability else "")
         raise ValueError(
-            f"--fp8_recipe {recipe} {problem}; this GPU is SM {capability[0]}.{capability[1]} "
+            f"--fp8_recipe {recipe} {problem}{would}; this GPU is SM {capability[0]}.{capability[1]} "
             f"with CUDA {cuda_version or 'unknown'}"
         )
     if te_version is not None and older(te_version, r.min_library):
@@ -150,6 +152,10 @@ def recipe_spec(recipe: str, amax_history_len: int, amax_compute_algo: str) -> t
         return "Float8CurrentScaling", {"fp8_format": "HYBRID"}
     if recipe == "mxfp8":
         return "MXFP8BlockScaling", {}  # TE default: E4M3, 1x32 blocks with E8M0 scales
+    if recipe == "nvfp4":
+        # TE defaults (transformer_engine/common/recipe/__init__.py): E2M1 values, E4M3 scales per 16 (16x16 blocks for weights), random
+        # Hadamard transforms and stochastic rounding of gradients, as NVIDIA's NVFP4 pretraining recipe
+        return "NVFP4BlockScaling", {}
     return "Float8BlockScaling", {}  # TE default: E4M3, 1x128 activations, 128x128 weights
 
 
