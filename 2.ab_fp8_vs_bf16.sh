@@ -79,7 +79,7 @@ fi
 ((AB_REPEATS == 1)) || { echo "error: --repeats $AB_REPEATS needs AB_MODE=same (pairs in one allocation)" >&2; exit 2; }
 
 submit_run() {  # submit_run NAME TRAIN_ARGS... -> prints the job id (an arm other than bf16/fp8 names its recipe)
-    local name=$1 flags=()
+    local name=$1 flags
     shift
     case "$name" in
         bf16) flags=(--fp8=0) ;;
@@ -112,7 +112,7 @@ WRAP=$(printf '%q ' "${RUN[@]}" -m llama_fp8 compare "${DIRS[@]}" ${COMPARE_ARMS
 if [[ " $* " == *" --mlflow_tracking_uri"* ]]; then  # the report as an MLflow run too (docs/metrics.md)
     WRAP+="&& { $(printf '%q ' "${RUN[@]}" -m llama_fp8 publish "$AB_DIR/report")|| echo 'warning: llama_fp8 publish could not log the report to MLflow' >&2; }"
 fi
-AFTER=$(IFS=:; echo "${JOBS[*]}")
+AFTER=$(IFS=:; echo ${JOBS[*]+"${JOBS[*]}"})
 REPORT_JOB=$(sbatch --parsable ${EXTRA[@]+"${EXTRA[@]}"} --job-name=llama-fp8-report --nodes=1 --ntasks=1 \
     --output=logs/%x_%j.out --dependency="afterany:$AFTER" --wrap="$WRAP")
 

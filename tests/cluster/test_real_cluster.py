@@ -67,14 +67,16 @@ def test_sbatch_two_nodes_rendezvous(job_env, tmp_path):
 
 def fake_package(root: Path) -> Path:
     """A repo whose `train` asks for a requeue (exit 85) on the first attempt and succeeds after it;
-    the launcher modules (__main__, cluster/, config/, the FP8 recipe table it reads and the progress-file format
-    in telemetry/) are the real ones."""
+    the launcher modules (__main__, cluster/, config/, faults/, the FP8 recipe table it reads and the progress-file
+    format in telemetry/) are the real ones."""
     pkg = root / "src" / "llama_fp8"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    for name in ("__main__.py", "cluster", "config", "errors.py", "configs", "precision", "telemetry"):
+    for name in ("__main__.py", "cluster", "config", "errors.py", "configs", "precision", "telemetry", "faults"):
         (pkg / name).symlink_to(REPO / "src" / "llama_fp8" / name)
-    (pkg / "train.py").write_text(
+    (pkg / "train").mkdir()  # `llama-fp8 train` runs llama_fp8.train.cli
+    (pkg / "train" / "__init__.py").write_text("")
+    (pkg / "train" / "cli.py").write_text(
         "import os\n"
         "def main(argv):\n"
         "    restarts = os.environ.get('SLURM_RESTART_COUNT', '0')\n"
