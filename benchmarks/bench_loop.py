@@ -137,12 +137,15 @@ def build_bare(cfg, ours: nn.Module, device: torch.device):
 
 @torch.no_grad()
 def copy_state(src: nn.Module, dst: nn.Module) -> None:
-    """Copy parameters (local shards: same mesh, same dim-0 sharding) and buffers by name."""
-    src_params = dict(src.named_parameters())
+    """Copy parameters (local shards: same mesh, same dim-0 sharding) and buffers by name (ours' without the
+    activation checkpoint wrapper's prefix)."""
+    from llama_fp8.models.common import canonical_name
+
+    src_params = {canonical_name(n): p for n, p in src.named_parameters()}
     for name, p in dst.named_parameters():
         q = src_params[name]
         (p.to_local() if hasattr(p, "to_local") else p).copy_(q.to_local() if hasattr(q, "to_local") else q)
-    src_bufs = dict(src.named_buffers())
+    src_bufs = {canonical_name(n): b for n, b in src.named_buffers()}
     for name, b in dst.named_buffers():
         b.copy_(src_bufs[name])
 

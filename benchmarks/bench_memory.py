@@ -27,10 +27,27 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--presets", default="llama3.1-8b:1,llama3.1-70b:8", help="preset:nodes, comma-separated")
     p.add_argument("--modes", default="none,full,selective", help="activation checkpointing modes, comma-separated")
     p.add_argument("--gpu", default="H100", help="the GPU of the verdict")
+    p.add_argument("--keeps", default="", help="instead of the modes: selective checkpointing keeping these matmul "
+                   "outputs (parallel/activation_checkpointing.py MATMULS), sets separated by ';', e.g. "
+                   "'q,k,v,o,gate,up,down;q,v,gate'")
     return p.parse_args(argv)
 
 
 def measure(preset: str, nodes: int, mode: str, gpu: str) -> dict:
+    """One estimate; ``mode`` is an activation checkpointing mode or ``keep:<matmuls>`` (selective, keeping those)."""
+    from llama_fp8.parallel import activation_checkpointing
+
+    if not mode.startswith("keep:"):
+        return _measure(preset, nodes, mode, gpu)
+    keeps = activation_checkpointing.SELECTIVE_KEEPS
+    activation_checkpointing.SELECTIVE_KEEPS = tuple(mode[5:].split(","))
+    try:
+        return _measure(preset, nodes, "selective", gpu) | {"keeps": mode[5:].split(",")}
+    finally:
+        activation_checkpointing.SELECTIVE_KEEPS = keeps
+
+
+def _measure(preset: str, nodes: int, mode: str, gpu: str) -> dict:
     from llama_fp8 import config
     from llama_fp8.estimate import assess
     from llama_fp8.estimate.flags import EstimateOptions
@@ -55,16 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     rows, t0 = [], time.perf_counter()
     for spec in args.presets.split(","):
         preset, nodes = spec.split(":")
-        for mode in args.modes.split(","):
+        modes = [f"keep:{k}" for k in args.keeps.split(";")] if args.keeps else args.modes.split(",")
+        for mode in modes:
             rows.append(measure(preset, int(nodes), mode, args.gpu))
             print(f"[{time.perf_counter() - t0:5.0f} s] {preset} {mode}: {rows[-1]['tracked_gib']} GiB",
                   file=sys.stderr, flush=True)
     print(f"per-GPU memory of a training step, {args.gpu} x 8 per node, the Hugging Face model, BF16, FSDP; package "
           f"{os.path.dirname(package)}; {', '.join(f'{k} {v}' for k, v in report.versions().items())}")
-    print(f"{'preset':14s} {'nodes':>5s} {'mode':10s} {'tracked':>8s} {'needed':>8s} {'margin':>7s}  verdict       "
-          f"the peak is in")
+    print(f"{'preset':14s} {'nodes':>5s} {'mode (keeps)':30s} {'tracked':>8s} {'needed':>8s} {'margin':>7s}  verdict  "
+          f"     the peak is in")
     for r in rows:
-        print(f"{r['preset']:14s} {r['nodes']:5d} {r['mode']:10s} {r['tracked_gib']:8.2f} {r['needed_gib']:8.2f} "
+        mode = r["mode"] + (f" ({','.join(r['keeps'])})" if "keeps" in r else "")
+        print(f"{r['preset']:14s} {r['nodes']:5d} {mode:30s} {r['tracked_gib']:8.2f} {r['needed_gib']:8.2f} "
               f"{r['margin_gib']:7.2f}  {r['verdict']:13s} {r['peak_at']}")
     print(json.dumps({"bench": "memory", "gpu": args.gpu, "rows": rows}), flush=True)
     return 0

@@ -108,11 +108,11 @@ def test_same_seed_same_losses_other_seed_differs(tmp_path, tiny_args):
 
 
 def test_bf16_flag_sets_compute_dtype(tiny_args, monkeypatch):
-    from llama_fp8.models.hf import model as hf_model
+    from llama_fp8.parallel import loss
 
     seen = []
-    real = hf_model.output_cross_entropy
-    monkeypatch.setattr(hf_model, "output_cross_entropy",
+    real = loss.output_cross_entropy
+    monkeypatch.setattr(loss, "output_cross_entropy",
                         lambda hidden, weight, labels: (seen.append(weight.dtype), real(hidden, weight, labels))[1])
     run(tiny_args, "--max_steps", "1", "--bf16", "1")
     run([*tiny_args[:-1], tiny_args[-1] + "32"], "--max_steps", "1", "--bf16", "0")
