@@ -4,14 +4,16 @@ compiles its loss), and the chunked loss of parallel/loss.py (``output_cross_ent
 gradients made in forward). Each runs in a fresh process: hidden states (tokens x hidden) and an output weight
 (vocabulary x hidden), forward and backward; reported are the growth of the process's peak RSS over that step (after
 a warm-up step, which also compiles), the median time of a step, and the loss and gradients against the whole-logits
-loss's. Prints a table, then one JSON line ``{"bench": "loss", ...}``.
+loss's. Prints a table, then one JSON line ``{"bench": "loss", ...}`` (its ``ratio``: the chunked loss's peak RSS
+growth over the whole logits').
 
 The Transformer Engine model's head is the same ``nn.Linear`` (its loss is this function too), so its numbers are
 these; TE's own layers do not run on CPU.
 
 Linux only (the peak RSS is reset after the warm-up through /proc/self/clear_refs).
 
-Run: ``python benchmarks/bench_loss.py [--tokens 2048 --hidden 256 --vocab 32000 --dtype fp32 --steps 3]``
+Run: ``python benchmarks/bench_loss.py [--tokens 8192 --hidden 128 --vocab 32000 --dtype fp32 --steps 2]`` (FP32 logits of
+1,000 MiB: four chunks of the chunked loss)
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ VARIANTS = ("whole", "compiled", "chunked")
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=2048, help="tokens (rows of the hidden states)")
-    p.add_argument("--hidden", type=int, default=256, help="hidden size")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens (rows of the hidden states)")
+    p.add_argument("--hidden", type=int, default=128, help="hidden size")
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32",
                    help="hidden states and weight (BF16 matmuls are slow on most CPUs)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per variant")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per variant")
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # one variant, in a child process
     return p.parse_args(argv)
 
@@ -121,10 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         r["loss_diff"] = abs(r["loss"] - ref["loss"])
         r["grad_hidden_distance"] = distance(r["grad_hidden"], ref["grad_hidden"])
         r["grad_weight_norm_ratio"] = r["grad_weight_norm"] / ref["grad_weight_norm"]
+    for v in VARIANTS:
+        r = rows[v]
         print(f"{v:9s} {r['peak_rss_growth_mib']:19.0f} {r['step_s']:8.3f} {r['warmup_s']:9.1f} {r['loss_diff']:10.2e} "
               f"{r['grad_hidden_distance']:9.2e} {r['grad_weight_norm_ratio']:17.6f}")
         del r["grad_hidden"]
-    print(json.dumps({"bench": "loss", "tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab,
+    ratio = rows["chunked"]["peak_rss_growth_mib"] / max(rows["whole"]["peak_rss_growth_mib"], 1e-9)
+    print(json.dumps({"bench": "loss", "ratio": round(ratio, 4), "tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab,
                       "dtype": args.dtype, "steps": args.steps, "cpus": os.cpu_count(),
                       "load_avg_1min": round(os.getloadavg()[0], 2), "logits_fp32_mib": round(logits_mib),
                       "rows": {v: {k: (round(x, 6) if isinstance(x, float) else x) for k, x in r.items()}

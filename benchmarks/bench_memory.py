@@ -3,7 +3,8 @@ equals a real CPU run's to the byte: tests/estimate/test_equality.py): Llama 3.1
 8 H100s at their 8192-token sequence, 2 sequences per GPU, the Hugging Face model, BF16, FSDP over all GPUs.
 
 For each: the tracked peak and where it is, its split by kind, what the GPU terms add, the allocator margin and the
-verdict against an H100 80GB. Prints a table, then one JSON line ``{"bench": "memory", ...}``. The numbers of another
+verdict against an H100 80GB. Prints a table, then one JSON line ``{"bench": "memory", ...}`` (its ``ratio``: the
+first preset's tracked peak in the last mode measured over the first, selective over none by default). The numbers of another
 version of the package (a baseline) come from running this script with that version first on PYTHONPATH.
 
 Run: ``nice python benchmarks/bench_memory.py [--presets llama3.1-8b:1,llama3.1-70b:8] [--modes none,full,selective]``
@@ -85,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         mode = r["mode"] + (f" ({','.join(r['keeps'])})" if "keeps" in r else "")
         print(f"{r['preset']:14s} {r['nodes']:5d} {mode:30s} {r['tracked_gib']:8.2f} {r['needed_gib']:8.2f} "
               f"{r['margin_gib']:7.2f}  {r['verdict']:13s} {r['peak_at']}")
-    print(json.dumps({"bench": "memory", "gpu": args.gpu, "rows": rows}), flush=True)
+    first = {r["mode"]: r["tracked_gib"] for r in rows if r["preset"] == rows[0]["preset"]}
+    # the headline: what the last mode measured holds against the first (selective against none by default)
+    ratio = round(rows[len(first) - 1]["tracked_gib"] / max(rows[0]["tracked_gib"], 1e-9), 4)
+    print(json.dumps({"bench": "memory", "gpu": args.gpu, "ratio": ratio, "rows": rows}), flush=True)
     return 0
 
 

@@ -164,9 +164,9 @@ MARGIN_WHY = (f"allocator margin: {ALLOCATOR_MARGIN:.0%} of the tracked peak, to
               "allocator reserves more than it hands out (blocks rounded to 512 B, 2 MiB and larger segments, "
               "fragmentation; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces it), and an out-of-memory "
               "error is about reserved memory, not allocated. Published peaks, reserved over allocated: 1.27 "
-              "(meta-llama/llama-cookbook#41: 19.36 over 15.22 GB, FSDP on 4 x A100), 1.12-1.24 for torchtitan's "
-              "H100 tables (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md) over this estimate of the "
-              "same configurations (docs/estimate.md)")
+              "(meta-llama/llama-cookbook#41: 19.36 over 15.22 GB, FSDP on 4 x A100), 1.12-1.17 for torchtitan's "
+              "H100 tables (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md) over this estimate's "
+              "needed memory of the same programs (tests/estimate/published.py)")
 
 
 def size_text(b: float) -> str:
