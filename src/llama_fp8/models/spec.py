@@ -106,8 +106,8 @@ class ModelImpl:
     def loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
         """The mean cross entropy of the model's next-token predictions against ``targets`` (B, T) (aligned with
         the inputs, -100 ignored), with autograd. By default from the whole logits (``parallel/loss.py``
-        ``cross_entropy``); an implementation whose forward computes it without them (``output_cross_entropy``,
-        inside the forward so that FSDP2 holds the output weight gathered) overrides this."""
+        ``cross_entropy``); the built-in implementations override it: their LM head (``parallel/loss.py``
+        ``OutputHead``, an FSDP2 unit of its own) computes it in its forward without them."""
         from llama_fp8.parallel.loss import cross_entropy
 
         return cross_entropy(model(**inputs).logits, targets)

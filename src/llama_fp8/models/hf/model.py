@@ -1,8 +1,7 @@
-"""``transformers.LlamaForCausalLM`` with one addition: given ``targets``, its forward returns the training loss
-computed from the final hidden states a chunk of tokens at a time by its LM head (``parallel/loss.py``
-``OutputHead``), never the whole logits.
-Without ``targets`` it is Hugging Face's forward, unchanged; the modules, parameter names and checkpoints are
-Hugging Face's."""
+"""``transformers.LlamaForCausalLM`` with one addition: given ``targets``, its forward returns the training loss,
+which its LM head (``parallel/loss.py`` ``OutputHead``) computes from the final hidden states a chunk of tokens at
+a time, never the whole logits. Without ``targets`` it is Hugging Face's forward, unchanged; the modules, parameter
+names and checkpoints are Hugging Face's."""
 
 from __future__ import annotations
 
