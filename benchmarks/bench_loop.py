@@ -49,6 +49,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num_layers", type=int, default=None, help="override the preset's layer count")
     p.add_argument("--bf16", type=int, choices=(0, 1), default=1,
                    help="1: BF16 params for compute, FP32 reduction (MixedPrecisionPolicy); 0: FP32")
+    p.add_argument("--activation_checkpointing", choices=("none", "full", "selective"), default="none",
+                   help="ours' mode (the bare loop never checkpoints: its time is the yardstick of every mode)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
     p.add_argument("--rounds", type=int, default=8, help="alternating rounds (ours/bare order flips each round)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant before the first round")
@@ -75,6 +77,7 @@ def train_flags(args: argparse.Namespace) -> list[str]:
              "--model", args.preset, "--device", "cpu", "--max_context_width", str(args.seq_len),
              "--train_batch_size", str(args.batch_size), "--bf16", str(args.bf16), "--fp8", "0",
              "--model_impl", "hf", "--seed", "0", "--warmup", "0", "--lr_decay_style", "constant",
+             "--activation_checkpointing", args.activation_checkpointing,
              "--max_steps", str(args.warmup + args.steps * args.rounds)]
     if args.num_layers:
         flags += ["--num_layers", str(args.num_layers)]
@@ -134,12 +137,15 @@ def build_bare(cfg, ours: nn.Module, device: torch.device):
 
 @torch.no_grad()
 def copy_state(src: nn.Module, dst: nn.Module) -> None:
-    """Copy parameters (local shards: same mesh, same dim-0 sharding) and buffers by name."""
-    src_params = dict(src.named_parameters())
+    """Copy parameters (local shards: same mesh, same dim-0 sharding) and buffers by name (ours' without the
+    activation checkpoint wrapper's prefix)."""
+    from llama_fp8.models.common import canonical_name
+
+    src_params = {canonical_name(n): p for n, p in src.named_parameters()}
     for name, p in dst.named_parameters():
         q = src_params[name]
         (p.to_local() if hasattr(p, "to_local") else p).copy_(q.to_local() if hasattr(q, "to_local") else q)
-    src_bufs = dict(src.named_buffers())
+    src_bufs = {canonical_name(n): b for n, b in src.named_buffers()}
     for name, b in dst.named_buffers():
         b.copy_(src_bufs[name])
 
@@ -207,7 +213,7 @@ def report(args, cfg, world: int, s: dict, first_loss: dict[str, float]) -> None
     load = os.getloadavg()[0]
     precision = "bf16" if args.bf16 else "fp32"
     print(f"loop overhead: preset {args.preset} ({cfg.num_layers} layers, hidden {cfg.hidden_width}), T={args.seq_len}, "
-          f"B={args.batch_size}/rank, {world} ranks (gloo, CPU, {os.environ.get('OMP_NUM_THREADS', '?')} threads/rank), "
+          f"B={args.batch_size}/rank, activation checkpointing {args.activation_checkpointing} (ours), {world} ranks (gloo, CPU, {os.environ.get('OMP_NUM_THREADS', '?')} threads/rank), "
           f"{precision}, {args.rounds} alternating rounds x {args.steps} steps, {os.cpu_count()} CPUs, "
           f"load avg {load:.2f}")
     print(f"first-step loss (same weights, same batch): ours {first_loss['ours']:.5f}, bare {first_loss['bare']:.5f}")
@@ -222,6 +228,7 @@ def report(args, cfg, world: int, s: dict, first_loss: dict[str, float]) -> None
     print(json.dumps({
         "bench": "loop", "preset": args.preset, "num_layers": cfg.num_layers, "seq_len": args.seq_len,
         "batch_size_per_rank": args.batch_size, "world_size": world, "precision": precision,
+        "activation_checkpointing": args.activation_checkpointing,
         "rounds": args.rounds, "steps_per_round": args.steps, "cpus": os.cpu_count(),
         "load_avg_1min": round(load, 2), "ours_median_s": round(s["median"]["ours"], 5),
         "bare_median_s": round(s["median"]["bare"], 5), "ratio": round(s["ratio"], 4),

@@ -110,3 +110,22 @@ def test_bench_fp8_stats_prints_table_and_ratios():
     assert rec["ratio_n1"] - 1 == pytest.approx(rec["stats_pass_s"] / rec["plain_step_s"], rel=1e-2, abs=2e-3)
     assert rec["ratio_n50"] - 1 == pytest.approx((rec["ratio_n1"] - 1) / 50, abs=2e-4)
     assert rec["window_ratio_n50"] > 0 and rec["window_ratio_n1"] > 0
+
+
+def test_bench_memory_prints_table_and_ratio():
+    out, rec = run_bench("bench_memory.py", "--presets", "tiny:1", "--modes", "none,selective")
+    assert [r[2] for r in table_rows(out, "tiny")] == ["none", "selective"], out
+    assert rec["bench"] == "memory" and [r["mode"] for r in rec["rows"]] == ["none", "selective"]
+    assert rec["ratio"] == round(rec["rows"][1]["tracked_gib"] / rec["rows"][0]["tracked_gib"], 4)
+    out, rec = run_bench("bench_memory.py", "--presets", "tiny:1", "--keeps", "q,k,v,o,gate,up,down;q")
+    assert [r["keeps"] for r in rec["rows"]] == [["q", "k", "v", "o", "gate", "up", "down"], ["q"]], rec
+
+
+def test_bench_loss_prints_table_and_ratio():
+    out, rec = run_bench("bench_loss.py", "--tokens", "512", "--hidden", "32", "--vocab", "4096", "--steps", "1")
+    assert [r[0] for r in table_rows(out, "whole") + table_rows(out, "compiled") + table_rows(out, "chunked")] == [
+        "whole", "compiled", "chunked"], out
+    # the same loss three ways (the chunked one's first chunk is all 512 rows: one chunk, the same numbers)
+    assert all(r["loss_diff"] < 1e-5 for r in rec["rows"].values()), rec
+    assert rec["ratio"] == round(rec["rows"]["chunked"]["peak_rss_growth_mib"] /
+                                 rec["rows"]["whole"]["peak_rss_growth_mib"], 4), rec

@@ -10,7 +10,10 @@ on the CPU with fake tensors. Stated and checked:
   the estimate's allocator-side terms (cuBLAS workspace, FP8 operand copies) claim to cover, within 5 % of the peak;
 - ``torch.cuda.max_memory_reserved()`` stays below the tracked peak + those terms + the allocator margin (the
   verdict's assumption);
-- the CUDA context and driver reserve (total - free - reserved after the step) is within 2x of its term;
+- the CUDA context (total - free - reserved after the step; the total as PyTorch sees it, without the driver's own
+  reserve) is within 2x of its term;
+- the GPU's memory as PyTorch sees it is its row's in estimate/gpus.py (within 0.15 GiB: drivers differ), when the
+  GPU is one of the table's;
 - with 2 GPUs, the memory one NCCL communicator takes outside the allocator after a step's collectives is within
   4x of the NCCL term (its sources range from 0.5 to 1.6 GB; skipped with one GPU).
 
@@ -84,6 +87,18 @@ def test_estimate_against_max_memory_allocated_and_reserved(variant):
     assert real["reserved"] <= tracked + allocator_terms + est.verdict.margin, numbers
     assert terms.CONTEXT_BYTES / 2 <= real["outside_allocator"] <= 2 * terms.CONTEXT_BYTES, numbers
 
+
+
+def test_the_gpus_memory_as_pytorch_sees_it_is_its_rows():
+    from llama_fp8.estimate import gpus
+
+    props = torch.cuda.get_device_properties(0)
+    rows = {"H100 80GB HBM3": "H100", "H200": "H200", "A100-SXM4-80GB": "A100-80GB", "A100-SXM4-40GB": "A100-40GB"}
+    row = next((gpus.GPUS[r] for name, r in rows.items() if name in props.name), None)
+    if row is None:
+        pytest.skip(f"{props.name} is not a GPU of estimate/gpus.py")
+    print(f"{props.name}: total_memory {props.total_memory} bytes, the row's {row.memory_bytes}")
+    assert abs(props.total_memory - row.memory_bytes) <= 0.15 * 2**30, (props.name, props.total_memory)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs: a communicator between two ranks")

@@ -19,14 +19,16 @@ from llama_fp8.cluster.launch import submit
 TINY = "--model tiny --num_layers 2 --max_context_width 128 --train_batch_size 2"
 
 
-def run_lib(tmp_path, script: str, srun: str, smi_mib: str = "81559", **env: str) -> subprocess.CompletedProcess:
-    """Source job_lib.sh with ``srun`` and ``nvidia-smi`` replaced, set what lf_setup would, run ``script``."""
+def run_lib(tmp_path, script: str, srun: str, smi_mib: str = "81559, 551", smi: str | None = None,
+            **env: str) -> subprocess.CompletedProcess:
+    """Source job_lib.sh with ``srun`` and ``nvidia-smi`` replaced (``smi``: its body; by default it prints
+    ``smi_mib``), set what lf_setup would, run ``script``."""
     calls = tmp_path / "srun.calls"
     harness = f"""
 set -euo pipefail
 source {REPO}/scripts/slurm/job_lib.sh
 srun() {{ printf '%s\\n' "$*" >>{calls}; {srun}; }}
-nvidia-smi() {{ echo {smi_mib}; }}
+nvidia-smi() {{ {smi or f'echo "{smi_mib}"'}; }}
 SLURM_JOB_NUM_NODES=2 CPUS=2 NPROC_PER_NODE=8 DEVICE=cuda PY=({sys.executable}) CONTAINER_ARGS=()
 {script}
 echo TRAINING-WOULD-START
@@ -45,12 +47,16 @@ def test_the_estimate_step_gets_the_jobs_shape_and_the_gpus_memory(tmp_path):
     assert r.returncode == 0 and "TRAINING-WOULD-START" in r.stdout, r.stderr
     (call,) = srun_calls(tmp_path)
     assert call.startswith("--nodes=1 --ntasks=1 --cpus-per-task=2 --time=30 ")  # a hung estimate ends in 30 min
-    assert f"-m llama_fp8 estimate --nodes 2 --gpus_per_node 8 --gpu_memory_gib 79.6475 --suggest 0 {TINY}" in call
+    # nvidia-smi's memory.total less memory.reserved (the driver's): 81,559 - 551 MiB, what PyTorch sees on an H100
+    assert f"-m llama_fp8 estimate --nodes 2 --gpus_per_node 8 --gpu_memory_gib 79.1094 --suggest 0 {TINY}" in call
     assert "warning" not in r.stderr
+    old_driver = '[[ "$*" == *memory.reserved* ]] && { echo "not a valid field" >&2; return 2; }; echo 81559'
+    run_lib(tmp_path, f"lf_estimate {TINY}", srun="return 0", smi=old_driver)  # no memory.reserved field: the total
+    assert "--gpu_memory_gib 79.6475 " in srun_calls(tmp_path)[1]
 
 
 def test_without_nvidia_smis_memory_the_estimate_says_which_gpu_it_checks_against(tmp_path):
-    r = run_lib(tmp_path, f"lf_estimate {TINY}", srun="return 0", smi_mib="'N/A'")
+    r = run_lib(tmp_path, f"lf_estimate {TINY}", srun="return 0", smi_mib="N/A")
     (call,) = srun_calls(tmp_path)
     assert r.returncode == 0 and "--gpu_memory_gib" not in call
     assert "nvidia-smi reported no memory.total ('N/A'): checking against an H100's memory" in r.stderr
@@ -83,7 +89,7 @@ def test_it_can_be_switched_off_and_is_off_on_cpu(tmp_path, env, words):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("smi_mib", "starts"), [("81559", True), ("1024", False)])
+@pytest.mark.parametrize(("smi_mib", "starts"), [("81559, 551", True), ("1024, 0", False)])
 def test_the_real_estimate_decides(tmp_path, smi_mib, starts):
     """srun runs its command here: the real estimate of the tiny model, against 80 GB and against 1 GiB (less than
     the CUDA context term alone)."""

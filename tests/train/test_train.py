@@ -108,9 +108,12 @@ def test_same_seed_same_losses_other_seed_differs(tmp_path, tiny_args):
 
 
 def test_bf16_flag_sets_compute_dtype(tiny_args, monkeypatch):
+    from llama_fp8.parallel import loss
+
     seen = []
-    real = L.loss_fn
-    monkeypatch.setattr(L, "loss_fn", lambda logits, labels: (seen.append(logits.dtype), real(logits, labels))[1])
+    real = loss.output_cross_entropy
+    monkeypatch.setattr(loss, "output_cross_entropy",
+                        lambda hidden, weight, labels: (seen.append(weight.dtype), real(hidden, weight, labels))[1])
     run(tiny_args, "--max_steps", "1", "--bf16", "1")
     run([*tiny_args[:-1], tiny_args[-1] + "32"], "--max_steps", "1", "--bf16", "0")
     assert seen == [torch.bfloat16, torch.float32]

@@ -153,8 +153,9 @@ class TrainConfig:
                            "(Ulysses: heads across ranks; TE model), a2a+p2p (a2a within pairs, p2p between; TE model)",
                            choices=("p2p", "all_gather", "a2a", "a2a+p2p"), group="parallel")
     activation_checkpointing: str = _f("none", "recompute activations in backward: none, full (every decoder "
-                                       "block), or selective (HF model: keep matmul outputs, recompute the rest); "
-                                       "0 and 1 are read as none and full", choices=("none", "full", "selective"),
+                                       "block), or selective (HF model: keep attention's and the q, k, v, o, gate "
+                                       "matmuls' outputs, recompute the rest); 0 and 1 are read as none and full",
+                                       choices=("none", "full", "selective"),
                                        group="parallel", aliases={"0": "none", "1": "full"})
     compile: bool = _f(False, "1: torch.compile each decoder block (after activation checkpointing, before "
                        "fully_shard)", group="parallel")

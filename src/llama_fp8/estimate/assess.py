@@ -64,7 +64,8 @@ def estimate(cfg, opts: EstimateOptions, progress: run.Progress = lambda _: None
     env = build.env_for(opts.world_size, opts.gpus_per_node)
     with fake.process_group(opts.world_size):
         m = run.measure(cfg, env, fake_run=True, progress=progress)
-    found = terms.gpu_terms(m.collectives, m.group_ranks, m.fp8_operand_bytes, bool(cfg.compile))
+    found = terms.gpu_terms(m.collectives, m.group_ranks, m.fp8_operand_bytes, bool(cfg.compile), gpu,
+                            opts.gpus_per_node)
     return Estimate(cfg, opts, gpu, m, found, terms.verdict(m.peak_bytes, found, gpu),
                     timed(m.collectives, m.group_ranks, opts.gpus_per_node, gpu), seconds=time.perf_counter() - t0,
                     floor=terms.floor(m.at_optimizer or {}, found))

@@ -33,8 +33,9 @@ class EstimateOptions:
     nodes: int = _opt(1, "nodes the job gets")
     gpus_per_node: int = _opt(8, "GPUs (training processes) per node")
     gpu: str = _opt("H100", "GPU to check against: its memory and its NVLink/network bandwidths")
-    gpu_memory_gib: float | None = _opt(None, "memory per GPU in GiB, for a GPU not in the table (bandwidths stay "
-                                              "those of --gpu)")
+    gpu_memory_gib: float | None = _opt(None, "memory per GPU in GiB as PyTorch sees it (total_memory; nvidia-smi's "
+                                              "memory.total less memory.reserved), for a GPU not in the table "
+                                              "(bandwidths stay those of --gpu)")
     suggest: bool = _opt(True, "1: when it does not fit, estimate what would make it fit (each is one more "
                                "estimate)")
     json: bool = _opt(False, "print one JSON object (the same numbers) instead of the report")

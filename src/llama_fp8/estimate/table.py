@@ -21,7 +21,8 @@ import json
 import re
 from collections.abc import Callable
 
-REVISION = 2  # 2: the NCCL term per communicator and the world's communicator
+REVISION = 3  # 2: the NCCL term per communicator and the world's communicator; 3: the chunked loss, the selective policy,
+# the embedding and head sharded on their own, the GPUs' memory as PyTorch sees it, NVLS
 GPU = "H100"
 GPUS_PER_NODE = 8
 NODES = (1, 2, 4, 8, 16, 32, 64)
@@ -40,7 +41,8 @@ def _inputs() -> dict:
 
     return {"revision": REVISION, "gpu": dataclasses.asdict(gpus.GPUS[GPU]), "gpus_per_node": GPUS_PER_NODE,
             "nodes": NODES, "ac": AC_SEARCH,
-            "terms": [terms.CONTEXT_BYTES, terms.NCCL_PER_COMMUNICATOR, terms.CUBLAS_WORKSPACE, terms.ALLOCATOR_MARGIN],
+            "terms": [terms.CONTEXT_BYTES, terms.NCCL_PER_COMMUNICATOR, terms.NCCL_NVLS_PER_COMMUNICATOR,
+                      terms.CUBLAS_WORKSPACE, terms.ALLOCATOR_MARGIN],
             "presets": {name: dataclasses.asdict(config.parse_args(train_flags(name, AC_SEARCH[0])))
                         for name in config.available_presets()}}  # the other AC modes differ in that flag only
 

@@ -15,8 +15,9 @@ from llama_fp8.estimate.gpus import GIB, MIB, Gpu
 
 CONTEXT_BYTES = 1 * GIB
 NCCL_PER_COMMUNICATOR = 640 * MIB
+NCCL_NVLS_PER_COMMUNICATOR = 288 * MIB  # on an NVSwitch node (H100, H200), for a group with 2+ GPUs of it
 CUBLAS_WORKSPACE = 32 * MIB
-ALLOCATOR_MARGIN = 0.05  # of the tracked peak
+ALLOCATOR_MARGIN = 0.20  # of the tracked peak
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,17 @@ def communicators(collectives: list[dict], group_ranks: dict[str, list[int]]) ->
     return sorted(found)
 
 
+def nccl_bytes(comms: list[str], group_ranks: dict[str, list[int]], gpu: Gpu, gpus_per_node: int) -> int:
+    """NCCL's buffers on this rank: ``NCCL_PER_COMMUNICATOR`` for each communicator, and on a GPU with NVLS the NVLS
+    buffers of each communicator whose group has more than one GPU on this rank's node."""
+    total = 0
+    for dim in comms:
+        ranks = group_ranks.get(dim, [])
+        same_node = sum(1 for r in ranks if r // gpus_per_node == 0)  # rank 0's node
+        total += NCCL_PER_COMMUNICATOR + (NCCL_NVLS_PER_COMMUNICATOR if gpu.nvls and same_node > 1 else 0)
+    return total
+
+
 def _tp_local_shape(weight) -> list[int]:
     """A weight's shape on one tensor-parallel rank once FSDP2 has all-gathered it (its "tp" shard only)."""
     shape = list(weight.shape)
@@ -69,15 +81,16 @@ def fp8_operand_copies(model, tokens: int) -> int:
 
 
 SOURCES = {
-    "context": "outside PyTorch's allocator (not in max_memory_reserved); its size depends on the driver, the CUDA "
-               "version and lazy module loading (CUDA C++ Programming Guide, Lazy Loading); 1 GiB assumed",
+    "context": "outside PyTorch's allocator (not in max_memory_reserved) but within the memory it sees (the GPU's "
+               "row: the driver's own reserve is not counted there); its size depends on the driver, the CUDA version "
+               "and lazy module loading (CUDA C++ Programming Guide, Lazy Loading); 1 GiB assumed",
     "nccl": "per communicator, allocated by NCCL outside PyTorch's allocator: buffers per channel, peer connection and "
-            "protocol (SIMPLE's NCCL_BUFFSIZE, 4 MiB by default, LL, LL128) and, on NVSwitch nodes (H100, H200) for "
-            "groups of 3+ GPUs, NVLS buffers; it grows with the channels NCCL opens for the link's bandwidth. "
-            "Reported: 544 MB (2 GPUs) and 688 MB (4) per group on 4 x A100 NVLink (NVIDIA/nccl#964), about 1.6 GB "
-            "for one communicator (NVIDIA/nccl#864), NVLS 288 MiB per rank on 8 x H200 (vllm-project/vllm#9699; "
-            "NCCL_NVLS_ENABLE=0 saves it: NVIDIA/NeMo-Framework-Launcher#127). 640 MiB assumed (the A100 reports); "
-            "H100 nodes with NVLS likely need more",
+            "protocol (SIMPLE's NCCL_BUFFSIZE, 4 MiB by default, LL, LL128); it grows with the channels NCCL opens for "
+            "the link's bandwidth. Reported: 544 MB (2 GPUs) and 688 MB (4) per group on 4 x A100 NVLink "
+            "(NVIDIA/nccl#964), about 1.6 GB for one communicator (NVIDIA/nccl#864). 640 MiB per communicator, and on "
+            "NVSwitch nodes (H100, H200) 288 MiB more for the NVLS buffers of a group with 2+ GPUs of the node (288 MiB "
+            "per rank on 8 x H200: vllm-project/vllm#9699; NCCL_NVLS_ENABLE=0 saves it: "
+            "NVIDIA/NeMo-Framework-Launcher#127)",
     "cublas": "allocated through PyTorch's allocator by the GEMM library, not by an op the tracker sees; "
               "torch.backends.cuda.cublas_workspace_size() on the node gives it; 32 MiB assumed",
     "fp8": "the dispatch mode does not enter a tensor subclass's own dispatch: one-byte copies of both operands of the "
@@ -88,13 +101,14 @@ SOURCES = {
 }
 
 
-def gpu_terms(collectives: list[dict], group_ranks: dict[str, list[int]], fp8_copies: int, compiled: bool
-              ) -> list[Term]:
+def gpu_terms(collectives: list[dict], group_ranks: dict[str, list[int]], fp8_copies: int, compiled: bool,
+              gpu: Gpu, gpus_per_node: int) -> list[Term]:
+    """The terms of rank 0 of a job of ``gpus_per_node`` GPUs per node (``group_ranks``: its groups' ranks)."""
     comms = communicators(collectives, group_ranks)
     terms = [
-        Term("CUDA context and driver reserve", CONTEXT_BYTES, SOURCES["context"]),
-        Term(f"NCCL buffers ({', '.join(comms) or 'no communicator'})", NCCL_PER_COMMUNICATOR * len(comms),
-             SOURCES["nccl"]),
+        Term("CUDA context", CONTEXT_BYTES, SOURCES["context"]),
+        Term(f"NCCL buffers ({', '.join(comms) or 'no communicator'})",
+             nccl_bytes(comms, group_ranks, gpu, gpus_per_node), SOURCES["nccl"]),
         Term("cuBLAS workspace", CUBLAS_WORKSPACE, SOURCES["cublas"]),
     ]
     if fp8_copies:
@@ -120,9 +134,10 @@ def floor(at_optimizer: dict[str, int], terms: list[Term]) -> int:
 
 def terms_table_markdown() -> str:
     """docs/estimate.md's table of the terms (generated: reference.py), from the same sizes and sources."""
-    rows = [("CUDA context and driver reserve", f"{CONTEXT_BYTES / GIB:g} GiB", "context"),
-            ("NCCL buffers", f"{NCCL_PER_COMMUNICATOR / MIB:g} MiB per communicator: each mesh dimension with "
-                             "collectives, and the world's", "nccl"),
+    rows = [("CUDA context", f"{CONTEXT_BYTES / GIB:g} GiB", "context"),
+            ("NCCL buffers", f"{NCCL_PER_COMMUNICATOR / MIB:g} MiB per communicator (each mesh dimension with "
+                             f"collectives, and the world's), {NCCL_NVLS_PER_COMMUNICATOR / MIB:g} MiB more with NVLS",
+             "nccl"),
             ("cuBLAS workspace", f"{CUBLAS_WORKSPACE / MIB:g} MiB", "cublas"),
             ("FP8 matmul operand copies (torchao)", "tokens x (in + out) bytes of the largest FP8 linear", "fp8"),
             ("torch.compile (`--compile 1`)", "not added: stated", "compile")]
@@ -148,7 +163,10 @@ class Verdict:
 MARGIN_WHY = (f"allocator margin: {ALLOCATOR_MARGIN:.0%} of the tracked peak, to calibrate. PyTorch's caching "
               "allocator reserves more than it hands out (blocks rounded to 512 B, 2 MiB and larger segments, "
               "fragmentation; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces it), and an out-of-memory "
-              "error is about reserved memory, not allocated")
+              "error is about reserved memory, not allocated. Published peaks, reserved over allocated: 1.27 "
+              "(meta-llama/llama-cookbook#41: 19.36 over 15.22 GB, FSDP on 4 x A100), 1.12-1.17 for torchtitan's "
+              "H100 tables (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md) over this estimate's "
+              "needed memory of the same programs (tests/estimate/published.py)")
 
 
 def size_text(b: float) -> str:

@@ -8,7 +8,9 @@ implementation names; adding an implementation is one more subclass registered i
 
 Contract of a built model: ``model(input_ids=LongTensor (B, T))`` returns an object whose ``logits`` is
 (B, T, V); ``decoder_layers(model)`` is an ``nn.ModuleList`` whose entries may be replaced (by
-activation-checkpoint wrappers); ``model.get_input_embeddings()`` returns the token embedding.
+activation-checkpoint wrappers); ``model.get_input_embeddings()`` returns the token embedding. Training asks
+``loss(model, inputs, targets)``, which by default is the cross entropy of those logits; the built-in
+implementations compute it inside the model's forward from the hidden states, without the whole logits.
 
 Every ``cfg`` is a resolved ``llama_fp8.config.TrainConfig``, read by attribute and never imported (the
 config's parser asks this package's registry for ``--model_impl``'s choices; see ``models/common.py``).
@@ -109,6 +111,15 @@ class ModelImpl:
         """The forward's keyword inputs for a (B, T) batch of token ids."""
         return {"input_ids": input_ids}
 
+    def loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross entropy of the model's next-token predictions against ``targets`` (B, T) (aligned with
+        the inputs, -100 ignored), with autograd. By default from the whole logits (``parallel/loss.py``
+        ``cross_entropy``); the built-in implementations override it: their LM head (``parallel/loss.py``
+        ``OutputHead``, an FSDP2 unit of its own) computes it in its forward without them."""
+        from llama_fp8.parallel.loss import cross_entropy
+
+        return cross_entropy(model(**inputs).logits, targets)
+
     # --- build and initialize ----------------------------------------------------------------------
     def build(self, cfg) -> nn.Module:
         """The model on the current default device (the caller makes that ``meta``)."""
@@ -116,6 +127,15 @@ class ModelImpl:
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         return model.model.layers
+
+    def embedding(self, model: nn.Module) -> nn.Module | None:
+        """The token embedding (``parallelize`` shards it as an FSDP2 unit of its own unless the head shares it)."""
+        return model.get_input_embeddings()
+
+    def output_head(self, model: nn.Module) -> nn.Module | None:
+        """The LM head (a unit of its own likewise)."""
+        get = getattr(model, "get_output_embeddings", None)
+        return get() if get is not None else None
 
     def materialize(self, model: nn.Module, device: torch.device, cfg) -> None:
         """Allocate the (sharded) meta model's tensors on ``device`` (values are set by ``init_weights``)."""

@@ -2,7 +2,8 @@
 shards anything.
 
 (FP8 conversion on meta, done before) -> tensor parallelism -> context parallelism -> activation
-checkpointing -> torch.compile per block -> fully_shard per block -> fully_shard the root.
+checkpointing -> torch.compile per block -> fully_shard per block -> fully_shard the embedding and the LM head
+(each a unit of its own, unless they share their weight) -> fully_shard the root.
 
 TP first, so that FSDP2 shards the TP-local weights further (2-D DTensors); FSDP2 runs on the data-parallel
 part of the mesh only (never a mesh with tp in it). What differs per model implementation (its TP plan, its
@@ -13,6 +14,7 @@ DTensors) comes from the implementation object.
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 from torch import nn
@@ -59,5 +61,25 @@ def parallelize(model: nn.Module, impl, mesh, cfg, dims: ParallelDims | None = N
             # The last block is needed first in backward: resharding it after forward would only make
             # backward gather it straight back.
             fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **block)
+        shard_ends(model, impl, root)
         fully_shard(model, reshard_after_forward=False, **root)
     return context
+
+
+def shard_ends(model: nn.Module, impl, root: dict) -> None:
+    """The embedding and the LM head as FSDP2 units of their own (as torchtitan shards them), so that neither is
+    held unsharded through the blocks' backward, where the peak is, as the root's parameters are (it reshards at
+    the very end of backward): the embedding is resharded after its forward and gathered again when its gradient
+    arrives, last; the head keeps its weight from its forward (the loss) to its backward, which runs first, and
+    its gradient is reduce-scattered right after. A head that shares the embedding's weight stays with the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    embedding, head = impl.embedding(model), impl.output_head(model)
+    if embedding is None or head is None or embedding.weight is head.weight:
+        return
+    fully_shard(embedding, reshard_after_forward=True, **root)
+    fully_shard(head, reshard_after_forward=False, **root)
+    # nn.Embedding returns a view (its lookup reshaped), which FSDP2 warns about on every run: an in-place op on it
+    # would drop the hook that gathers the weight for backward. Neither model changes it in place (the blocks add
+    # their residuals out of place); the two-rank tests train the same as one rank.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")

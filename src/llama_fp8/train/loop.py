@@ -8,17 +8,10 @@ import time
 
 import torch
 from torch import nn
-from torch.nn import functional
 
 from llama_fp8 import data, faults, parallel
 from llama_fp8.telemetry.profiling import phase
 from llama_fp8.train.state import TrainState
-
-
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy; labels are already aligned with logits (B, T), -100 ignored. (Under
-    loss parallelism the logits are a DTensor sharded over the vocabulary and so is the computation.)"""
-    return functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -90,8 +83,10 @@ def train_step(s: TrainState, batches, step: int):
         with s.context.step(s.impl.model_inputs(input_ids), labels) as (inputs, labels):
             with phase("forward"):
                 with s.precision.autocast():  # forward only: TE wants backward outside its FP8 autocast
-                    logits = model(**inputs).logits  # (B, T, V); sharded over V (TP) or T (CP)
-                loss = guard.maybe_inject(loss_fn(logits, labels), step)
+                    # The mean cross entropy over this rank's tokens (a share of each sequence under CP), from
+                    # logits made a chunk at a time and dropped (parallel/loss.py); the same on a TP group's ranks.
+                    loss = s.impl.loss(model, inputs, labels)
+                loss = guard.maybe_inject(loss, step)
             with phase("backward"):
                 (loss / accum).backward()
         loss = local(loss.detach())
@@ -120,8 +115,7 @@ def validate(s: TrainState, step: int) -> tuple[dict, str]:
         ids, labels = batch["input_ids"].to(s.env.device), batch["labels"].to(s.env.device)
         with s.context.step(s.impl.model_inputs(ids), labels) as (inputs, labels):
             with s.precision.autocast():
-                logits = s.model(**inputs).logits
-            total += local(loss_fn(logits, labels))
+                total += local(s.impl.loss(s.model, inputs, labels))
     s.model.train()
     val_loss = parallel.all_reduce_mean(total / s.cfg.validation_batches).item()
     ppl = math.exp(min(val_loss, 50.0))

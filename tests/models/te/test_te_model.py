@@ -358,3 +358,34 @@ def test_fp8_amax_reduction_group_is_every_data_parallel_rank(gloo_one_rank, mon
     monkeypatch.setattr(te_recipes, "autocast", lambda enabled, recipe, group: seen.append((enabled, group)))
     te_precision.TEFp8("R", all_gather=False, stateful=False).autocast()
     assert seen == [(True, dist.group.WORLD)]
+
+
+def test_forward_with_targets_is_the_loss_of_the_logits_without_them(monkeypatch):
+    """``targets`` (aligned with the inputs): the chunked loss of parallel/loss.py, equal to the cross entropy of
+    the logits the forward returns without them, and the same gradients (FP32)."""
+    from llama_fp8.parallel.loss import cross_entropy
+
+    monkeypatch.setattr(
+        te_llama, "te_import", lambda: types.SimpleNamespace(TransformerLayer=FakeTransformerLayer)
+    )
+    torch.manual_seed(0)
+    model = te_llama.build_te_llama(tiny_config())
+    init_te_weights(model, std=0.02)
+    ids = torch.randint(0, 96, (2, 12))
+    targets = ids.roll(-1, 1)
+    targets[:, -1] = -100
+
+    def loss_and_grads(loss_of):
+        model.zero_grad()
+        loss = loss_of()
+        loss.backward()
+        return loss.item(), [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+    want = loss_and_grads(lambda: cross_entropy(model(ids).logits, targets))
+    out = model(ids, targets=targets)
+    assert out.logits is None
+    got = loss_and_grads(lambda: model(ids, targets=targets).loss)
+    assert abs(got[0] - want[0]) <= 1e-6 * want[0]
+    assert sum(g is not None for g in want[1]) >= 4  # the embedding, the stand-in's projections, norm and head
+    for g, w in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)

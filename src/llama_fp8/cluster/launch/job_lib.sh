@@ -207,7 +207,13 @@ lf_estimate() {  # lf_estimate TRAIN_ARGS...
         return 0
     fi
     local mib mem_args=() rc=0
-    mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1 | tr -d ' ') || true
+    # What PyTorch can allocate: the total less what the driver and firmware keep (551 MiB on an H100; estimate/gpus.py),
+    # or the total where the driver has no memory.reserved field
+    mib=$(nvidia-smi --query-gpu=memory.total,memory.reserved --format=csv,noheader,nounits 2>/dev/null | head -n 1 |
+        awk -F', *' '$1 ~ /^[0-9]+$/ && $2 ~ /^[0-9]+$/ { print $1 - $2 }') || true
+    if ! [[ "$mib" =~ ^[0-9]+$ ]]; then
+        mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1 | tr -d ' ') || true
+    fi
     if [[ "$mib" =~ ^[0-9]+$ ]]; then
         mem_args=(--gpu_memory_gib "$(awk -v m="$mib" 'BEGIN { print m / 1024 }')")
     else

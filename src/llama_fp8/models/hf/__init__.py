@@ -1,5 +1,6 @@
-"""The Hugging Face implementation: ``transformers.LlamaForCausalLM`` as it is. Its weights need no
-mapping (HF names are its names); RoPE tables are non-persistent buffers recomputed after ``to_empty``."""
+"""The Hugging Face implementation: ``transformers.LlamaForCausalLM``, with a forward that can return the training
+loss without the whole logits (``model.py``). Its weights need no mapping (HF names are its names); RoPE tables
+are non-persistent buffers recomputed after ``to_empty``."""
 
 from __future__ import annotations
 
@@ -63,11 +64,13 @@ class HFImpl(ModelImpl):
         return {"input_ids": input_ids, "position_ids": positions.contiguous()}
 
     def build(self, cfg) -> nn.Module:
-        from transformers import LlamaForCausalLM
-
         from llama_fp8.models.common import hf_config
+        from llama_fp8.models.hf.model import LlamaForTraining
 
-        return LlamaForCausalLM(hf_config(cfg))
+        return LlamaForTraining(hf_config(cfg))
+
+    def loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+        return model(**inputs, targets=targets).loss
 
     @torch.no_grad()
     def reset_buffers(self, model: nn.Module, device: torch.device) -> None:

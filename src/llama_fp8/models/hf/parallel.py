@@ -5,7 +5,8 @@ written for HF's module names): in each block q/k/v and gate/up are split by out
 (``ColwiseParallel``), o and down by input features (``RowwiseParallel``), their outputs reduce-scattered
 along the sequence, so norms and residuals run on 1/tp of the tokens (``SequenceParallel``). The embedding
 is split by vocabulary rows, the LM head by vocabulary columns, and its logits stay sharded for the loss
-(``loss_parallel``). HF's attention reshapes with ``view(..., -1, head_dim)``, so it runs unchanged on
+(``loss_parallel``); the training loss, computed by the head from its gathered input, combines the vocabulary
+slices itself (parallel/loss.py). HF's attention reshapes with ``view(..., -1, head_dim)``, so it runs unchanged on
 heads/tp local heads. The decoder layer calls its attention by keyword (``self_attn(hidden_states=...)``),
 hence the keyword input layouts.
 
@@ -49,7 +50,7 @@ def tensor_parallel_plan(model: nn.Module, fp8_collectives: bool) -> dict:
     plan = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "model.norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        "lm_head": head_parallel(),
     }
     for i in range(len(model.model.layers)):
         p = f"model.layers.{i}."
@@ -68,6 +69,23 @@ def tensor_parallel_plan(model: nn.Module, fp8_collectives: bool) -> dict:
             p + "mlp.down_proj": rowwise(output_layouts=Shard(1)),
         })
     return plan
+
+
+def head_parallel():
+    """The LM head split by vocabulary columns, its input gathered from the sequence shards and its logits left
+    sharded (``loss_parallel``), as torchtitan's plan; given targets it returns the loss (parallel/loss.py, which
+    combines the vocabulary slices itself), a plain tensor that passes through as it is."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    class HeadParallel(ColwiseParallel):
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+            if not isinstance(outputs, DTensor):  # the loss
+                return outputs
+            return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+    return HeadParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
 
 
 def causal_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,

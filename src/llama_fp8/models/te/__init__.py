@@ -78,6 +78,9 @@ class TEImpl(ModelImpl):
         except ImportError as e:
             raise ConfigError(f"--model_impl {self.name}: {e}") from None
 
+    def loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+        return model(**inputs, targets=targets).loss
+
     def materialize(self, model: nn.Module, device: torch.device, cfg) -> None:
         """FP8-weight modules (``--fp8_all_gather 1``) through TE's reset_parameters, the rest by to_empty."""
         from llama_fp8.models.te.fp8 import params as fp8_params

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from llama_fp8.models.te.fp8.recipes import te_import
+from llama_fp8.parallel.loss import OutputHead
 
 # --------------------------------------------------------------------------- rotary embeddings
 
@@ -99,9 +100,10 @@ class LlamaRotary(nn.Module):
 
 @dataclass
 class TECausalLMOutput:
-    """Subset of HF's CausalLMOutput: ``logits`` (B, T, V) and ``loss`` (when labels are given)."""
+    """Subset of HF's CausalLMOutput: ``logits`` (B, T, V; None when the forward had ``targets``) and ``loss``
+    (when labels or targets are given)."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     loss: torch.Tensor | None = None
 
 
@@ -143,7 +145,7 @@ class TELlamaModel(nn.Module):
 class TELlamaForCausalLM(nn.Module):
     """``model.model.{embed_tokens,layers,norm}`` + ``model.lm_head``, like LlamaForCausalLM."""
 
-    def __init__(self, config: Any, backbone: TELlamaModel, lm_head: nn.Linear):
+    def __init__(self, config: Any, backbone: TELlamaModel, lm_head: OutputHead):
         super().__init__()
         self.config, self.model, self.lm_head = config, backbone, lm_head
 
@@ -154,8 +156,14 @@ class TELlamaForCausalLM(nn.Module):
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> TECausalLMOutput:
-        logits = self.lm_head(self.model(input_ids))  # (B, T, V)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> TECausalLMOutput:
+        """``labels``: HF's convention (shifted here); ``targets``: aligned with ``input_ids`` already, the loss
+        computed without the whole logits (``parallel/loss.py``), and no logits returned."""
+        hidden = self.model(input_ids)  # (B, T, H)
+        if targets is not None:
+            return TECausalLMOutput(logits=None, loss=self.lm_head(hidden, targets=targets))
+        logits = self.lm_head(hidden)  # (B, T, V)
         loss = None if labels is None else causal_lm_loss(logits, labels)
         return TECausalLMOutput(logits=logits, loss=loss)
 
@@ -228,7 +236,7 @@ def build_te_llama(hf_config: Any) -> TELlamaForCausalLM:
     embed = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size, pad, device=device)
     norm = LlamaRMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps).to(device)
     rotary = LlamaRotary(head_dim_of(hf_config), theta, scaling)
-    lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False, device=device)
+    lm_head = OutputHead(hf_config.hidden_size, hf_config.vocab_size, bias=False, device=device)
     if getattr(hf_config, "tie_word_embeddings", False):
         lm_head.weight = embed.weight
     return TELlamaForCausalLM(hf_config, TELlamaModel(embed, layers, norm, rotary), lm_head)
