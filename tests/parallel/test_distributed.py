@@ -77,10 +77,14 @@ def test_a_startup_failure_on_one_rank_stops_every_rank(tmp_path):
     for s in seen:
         assert s["config_error_on_1"] == {"raised": "AgreedError",
                                           "message": "--dataset=/nope: missing (on rank 1 of 2)"}
-    # An unexpected failure keeps its own exception where it happened; the other rank is told.
+    # An unexpected failure keeps its own exception where it happened; the other rank is told, as a peer's failure
+    # (exit 75, restarted), not as a bad config (before: AgreedError, exit 2, the job ended for good).
     assert seen[0]["crash_on_0"] == {"raised": "RuntimeError", "message": "disk on fire"}
-    assert seen[1]["crash_on_0"] == {"raised": "AgreedError",
-                                     "message": "RuntimeError: disk on fire (on rank 0 of 2)"}
+    assert seen[1]["crash_on_0"] == {"raised": "AgreedTransient", "kind": "peer",
+                                     "message": "rank 0 failed at start-up (RuntimeError: disk on fire) (on rank 0 of 2)"}
+    assert seen[0]["eio_on_0"] == {"raised": "OSError", "message": "[Errno 5] Input/output error"}
+    assert seen[1]["eio_on_0"]["raised"] == "AgreedTransient" and seen[1]["eio_on_0"]["kind"] == "peer"
+    assert "an I/O error: OSError: [Errno 5] Input/output error" in seen[1]["eio_on_0"]["message"]
 
 
 def test_a_bad_data_config_exits_2_on_every_rank_with_one_message(tmp_path):

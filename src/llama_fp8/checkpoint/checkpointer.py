@@ -34,7 +34,7 @@ from llama_fp8.checkpoint.restore import (
     check_fits,
     read_rank_file,
 )
-from llama_fp8.errors import AgreedError, ConfigError
+from llama_fp8.errors import AgreedError, AgreedTransient, ConfigError
 
 log = logging.getLogger("llama_fp8.checkpoint")
 
@@ -42,6 +42,11 @@ log = logging.getLogger("llama_fp8.checkpoint")
 class CheckpointWriteError(AgreedError):
     """A save failed on at least one rank; every rank raises it together (rank 0 reports it). Nothing of
     that save was marked complete; the checkpoints saved before it are untouched."""
+
+
+class CheckpointTransientError(AgreedTransient):
+    """A save or load failed on some rank with an error of the file system's (EIO, ESTALE: ``faults.transient``);
+    every rank raises it together: the launcher restarts the workers, who resume from the latest complete one."""
 
 
 class Checkpointer:
@@ -66,13 +71,14 @@ class Checkpointer:
         self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ckpt-delete")  # retired checkpoints
         self._swept = False  # leftovers of an earlier attempt removed (by the first save of this run)
         self.last_complete: int | None = None  # the step of the latest checkpoint known complete (saved or loaded)
+        self._started = 0.0  # perf_counter at the start of the save being finalized (its manifest records the time)
 
     # --- save ----------------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, scheduler, loader, cfg, plan=None) -> None:
         """Write checkpoint ``step``; with async_save, returns once the state is staged in host memory."""
         self.wait()  # at most one save in flight: the previous one is finalized first
         final, tmp = self.dir / f"step_{step}", self.dir / f"step_{step}{L.TMP}"
-        t0 = time.perf_counter()
+        t0 = self._started = time.perf_counter()
         self._agree(step, lambda: self._prepare(tmp) if self.rank == 0 else None)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         self._agree(step, lambda: self._write_own(tmp, step, scheduler, loader, cfg, plan))
@@ -84,7 +90,7 @@ class Checkpointer:
                 written = dcp.save(state, storage_writer=writer, process_group=self._pg)
                 sums, error = self._my_sums(tmp, written, writer.digests), None
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported on every rank below
-                sums, error = None, _describe(e)
+                sums, error = None, (_describe(e), _kind(e))
             self._finalize(tmp, final, step, sums, error)
             log.info("checkpoint saved: %s (%.2f s)", final, time.perf_counter() - t0)
             return
@@ -94,7 +100,8 @@ class Checkpointer:
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - a staging error: agreed on in wait()
             fut = Future()
             fut.set_exception(e)
-        self._pending = (self._pool.submit(self._sums_after, fut, tmp, writer.digests), tmp, final, step)
+        self._pending = (self._pool.submit(self._sums_after, fut, tmp, writer.digests), tmp, final, step,
+                         self._started)
         log.info("checkpoint step_%d staged in %.2f s; writing in the background", step, time.perf_counter() - t0)
         faults.at("save.async_in_flight", step)
 
@@ -102,12 +109,12 @@ class Checkpointer:
         """Finish an async save in flight (every rank), then finalize it."""
         if self._pending is None:
             return
-        sums_future, tmp, final, step = self._pending
+        sums_future, tmp, final, step, self._started = self._pending
         self._pending = None
         try:
             sums, error = sums_future.result(), None
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported on every rank in _finalize
-            sums, error = None, _describe(e)
+            sums, error = None, (_describe(e), _kind(e))
         self._finalize(tmp, final, step, sums, error)
         log.info("checkpoint saved: %s (written in the background)", final)
 
@@ -157,12 +164,12 @@ class Checkpointer:
         out = {n: M.entry(*known[n]) for n in names if n in known}
         return {**out, **M.sums(tmp, [n for n in names if n not in known])}
 
-    def _finalize(self, tmp: Path, final: Path, step: int, sums: dict | None, error: str | None) -> None:
+    def _finalize(self, tmp: Path, final: Path, step: int, sums: dict | None, error: tuple | None) -> None:
         """Every rank: agree that all wrote their files. Rank 0: manifest, rename, retention."""
         faults.at("save.shards_written", step)
         gathered = self._gather((sums, error))
         if any(e for _, e in gathered):
-            self._fail(step, tmp, _merge([e for _, e in gathered]))
+            self._fail(step, tmp, [e for _, e in gathered])
 
         def publish() -> None:
             if self.rank != 0:
@@ -170,7 +177,7 @@ class Checkpointer:
                 return
             files = {k: v for s, _ in gathered for k, v in s.items()}
             M.check_against_metadata(tmp, files)  # nothing DCP wrote is missing from the manifest
-            M.write_manifest(tmp, step, self.world, files)
+            M.write_manifest(tmp, step, self.world, files, time.perf_counter() - self._started)
             faults.at("save.marker_written", step)
             old = None
             if final.exists() and not (final / M.MARKER).is_file():  # not ours: kept, named
@@ -205,12 +212,15 @@ class Checkpointer:
             fn()
             error = None
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others would hang
-            error = _describe(e)
+            error = (_describe(e), _kind(e))
         errors = self._gather(error)
         if any(errors):
-            self._fail(step, tmp or self.dir / f"step_{step}{L.TMP}", _merge(errors))
+            self._fail(step, tmp or self.dir / f"step_{step}{L.TMP}", errors)
 
-    def _fail(self, step: int, tmp: Path, why: str) -> None:
+    def _fail(self, step: int, tmp: Path, errors: list[tuple | None]) -> None:
+        """Every rank raises: CheckpointTransientError when a rank's error was the file system's for a moment
+        (EIO, ESTALE), else CheckpointWriteError (a full disk, a permission: a rerun would fail the same way)."""
+        why, kind = _merge([e[0] if e else None for e in errors]), next((e[1] for e in errors if e and e[1]), None)
         space = _space(self.dir)  # before the partial files are removed
         self._gather(None)  # every rank has looked before rank 0 frees the space
         if self.rank == 0:
@@ -218,6 +228,9 @@ class Checkpointer:
         done = L.complete_checkpoints(self.dir)
         intact = f"the latest complete checkpoint ({done[-1][1].name}) is intact" if done else \
             "there is no earlier complete checkpoint"
+        if kind is not None:
+            raise CheckpointTransientError(kind, f"checkpoint step_{step} was not saved to {self.dir}: {why}; "
+                                                 f"nothing of it was marked complete and {intact}")
         raise CheckpointWriteError(f"checkpoint step_{step} was not saved to {self.dir}: {why}; {space}; nothing of "
                                    f"it was marked complete and {intact}. Free space or point --checkpoint_dir at a "
                                    f"writable file system, then rerun to resume")
@@ -245,6 +258,9 @@ class Checkpointer:
             dcp.load(state, storage_reader=D.SafeFileSystemReader(str(path), files, got["dcp"]),
                      planner=D.SafeLoadPlanner(), process_group=self._pg)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line naming the checkpoint
+            kind = _kind(e)  # a read that failed past its retries on any rank: the file system, not the checkpoint
+            if kind is not None:
+                raise CheckpointTransientError(kind, f"cannot load {path}: {_describe(e)}") from None
             raise AgreedError(f"cannot load {path}: {_describe(e)}") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         same = int(meta["world_size"]) == self.world
@@ -274,12 +290,16 @@ class Checkpointer:
             fn()
             error = None
         except (ValueError, OSError) as e:  # ConfigError, UnsafeCheckpointFile, the loader's DataStateError
-            error = str(e).removeprefix(f"cannot resume from {path}: ")
+            error = (str(e).removeprefix(f"cannot resume from {path}: "), _kind(e))
         except Exception as e:  # noqa: BLE001 - a forged value deep in a state: named, agreed, no traceback
-            error = f"{type(e).__name__}: {e}"
+            error = (f"{type(e).__name__}: {e}", None)
         errors = self._gather(error)
         if any(errors):
-            raise AgreedError(f"cannot resume from {path}: {_merge(errors)}")
+            why, kind = _merge([e[0] if e else None for e in errors]), next((e[1] for e in errors if e and e[1]),
+                                                                            None)
+            if kind is not None:
+                raise CheckpointTransientError(kind, f"cannot resume from {path}: {why}")
+            raise AgreedError(f"cannot resume from {path}: {why}")
 
     def _load_other_world(self, path: Path, meta: dict, loader, extra: dict) -> None:
         """Different world size: model and optimizer reshard; the data position carries over only when it
@@ -314,6 +334,13 @@ def _merge(errors: list[str | None]) -> str:
             if part not in parts:
                 parts.append(part)
     return "; ".join(sorted(parts, key=lambda p: "[Errno" not in p))
+
+
+def _kind(e: BaseException) -> str | None:
+    """The transient class of a save's or load's error (DCP's CheckpointException: any rank's), or None."""
+    if isinstance(e, CheckpointException):
+        return next((k for exc, _ in e.failures.values() if (k := faults.kind_of(exc))), None)
+    return faults.kind_of(e)
 
 
 def _describe(e: BaseException) -> str:

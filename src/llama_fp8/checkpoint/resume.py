@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from llama_fp8 import parallel
+from llama_fp8 import faults, parallel
 from llama_fp8.checkpoint import layout as L
 from llama_fp8.checkpoint import lock
 from llama_fp8.checkpoint import manifest as M
 from llama_fp8.checkpoint.safe_io import UnsafeCheckpointFile
-from llama_fp8.errors import AgreedError, ConfigError
+from llama_fp8.errors import AgreedError, AgreedTransient, ConfigError, TransientError
 
 log = logging.getLogger("llama_fp8.checkpoint")
 
@@ -50,6 +50,9 @@ def probe_writable(folder: Path, rank: int = 0) -> None:
             os.fsync(f.fileno())
         probe.unlink()
     except OSError as e:
+        if faults.kind_of(e) is not None:  # EIO, ESTALE: the file system for a moment, not the setting
+            raise TransientError("io", f"--checkpoint_dir {folder}: a probe write from rank {rank} failed "
+                                       f"({e.strerror or e})") from e
         raise ConfigError(f"--checkpoint_dir {folder} is not writable from rank {rank} ({e.strerror or e}): no "
                           f"checkpoint could be saved; fix its permissions or mount, or choose another "
                           f"--checkpoint_dir (nothing was computed)") from None
@@ -87,16 +90,22 @@ def _candidates(env, first: Path, ckpt_dir: Path, explicit: bool) -> list[Path]:
 def _first_sound(candidates: list[Path], env, explicit: bool, ckpt_dir: Path) -> Path:
     damaged = []
     for path in candidates:
+        transient = None
         try:
             mine = M.verify(path, env.rank, env.world_size)
+        except TransientError as e:  # the file system failing, not the checkpoint: never set aside for it
+            mine, transient = [], f"rank {env.rank}: {e}"
         except Exception as e:  # noqa: BLE001 - every rank must reach the gather below
             mine = [f"{path}: check failed: {type(e).__name__}: {e}"]
         gathered: list = [None] * env.world_size
         if env.world_size > 1:
-            dist.all_gather_object(gathered, mine)
+            dist.all_gather_object(gathered, (mine, transient))
         else:
-            gathered = [mine]
-        problems = [p for part in gathered for p in part]
+            gathered = [(mine, transient)]
+        failing = [t for _, t in gathered if t]
+        if failing:
+            raise AgreedTransient("io", f"checking {path}: {'; '.join(failing)}; nothing was set aside")
+        problems = [p for part, _ in gathered for p in part]
         if not problems:
             if damaged and env.is_main:
                 log.warning("RESUMING FROM %s: %d newer checkpoint(s) were damaged and set aside (see above)",

@@ -4,7 +4,8 @@
 
     LLAMA_FP8_FAULT="ACTION@POINT[:step=N][:rank=R][:seconds=S][:once]"   (several: separated by ";")
 
-ACTION is ``kill`` (SIGKILL this process: a crash or an OOM kill), ``hang`` (stop making progress, as a
+ACTION is ``kill`` (SIGKILL this process: a crash or an OOM kill), ``eio`` (an OSError EIO: a network file
+system failing for a moment), ``hang`` (stop making progress, as a
 rank stuck in a kernel or a dead network link; only SIGKILL ends it), ``stop`` (SIGSTOP this process: a rank
 frozen dead, deaf to every signal but SIGKILL), ``raise`` (an exception: the rank exits 1), ``sleep``
 (``seconds``, then go on: a slow rank) or ``pause`` (announce ``$LLAMA_FP8_FAULT_DIR/paused.POINT.rankR``, then wait until
@@ -16,6 +17,7 @@ POINT is one of ``POINTS``. Without ``step`` the fault fires at every pass throu
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -44,10 +46,12 @@ POINTS = {
     "save.renamed": "a save (rank 0): step_N complete under its final name, before older checkpoints are deleted",
     "save.pruning": "a save (rank 0): an old checkpoint renamed for deletion, before its files are deleted",
     "save.async_in_flight": "an async save: state staged, the background write under way, training resumes",
+    "checkpoint.read": "a checkpoint load: before a file of model and optimizer shards is read (the read is "
+                       "retried on a transient I/O error)",
     "finished": "the last step done, its checkpoint complete and `finished` reported to the launcher, before the "
                 "process ends (a crash in teardown)",
 }
-ACTIONS = ("kill", "hang", "stop", "raise", "sleep", "pause")
+ACTIONS = ("kill", "eio", "hang", "stop", "raise", "sleep", "pause")
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,8 @@ def _fire(f: Fault, rank: int, step: int | None, folder: Path) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif f.action == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif f.action == "eio":
+        raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} (fault injection at {f.point}, rank {rank})")
     elif f.action == "raise":
         raise RuntimeError(f"fault injection ({FAULT_ENV}): an error at {f.point}, step {step}, rank {rank}")
     elif f.action == "sleep":

@@ -17,7 +17,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from llama_fp8.errors import AgreedError, ConfigError
+from llama_fp8 import faults
+from llama_fp8.errors import AgreedError, AgreedTransient, ConfigError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -102,8 +103,9 @@ def on_every_rank(env: DistEnv, check: Callable[[], T]) -> T:
     A check can fail on some ranks only (a path missing on one node, a hub error on one rank). Those
     ranks would exit while the others block in the next collective until --process_group_timeout.
     Here every rank learns of the failure: a ConfigError becomes an ``AgreedError`` carrying the first
-    failing rank's message on every rank; any other exception is re-raised (with its traceback) on the
-    rank where it happened and reported as an ``AgreedError`` on the others.
+    failing rank's message on every rank (exit 2: a rerun would fail the same way); any other exception is
+    re-raised (with its traceback) on the rank where it happened, and the others raise an ``AgreedTransient``
+    naming that rank: a peer's failure, which a restart may well not repeat (exit 75), not a bad config.
     """
     error: BaseException | None = None
     try:
@@ -114,19 +116,21 @@ def on_every_rank(env: DistEnv, check: Callable[[], T]) -> T:
         if error is not None:
             raise error
         return result
-    mine = None if error is None else str(error) if isinstance(error, ConfigError) else (
-        f"{type(error).__name__}: {error}")
-    messages: list[str | None] = [None] * env.world_size
+    mine = None if error is None else ("config", str(error)) if isinstance(error, ConfigError) else (
+        "error", faults.describe(error))
+    messages: list[tuple[str, str] | None] = [None] * env.world_size
     dist.all_gather_object(messages, mine)
-    failed = [(rank, msg) for rank, msg in enumerate(messages) if msg is not None]
+    failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
     if not failed:
         return result
     if error is not None and not isinstance(error, ConfigError):
         raise error
-    rank, msg = failed[0]
+    rank, (kind, msg) = failed[0]
     where = "" if len(failed) == env.world_size else f" (on rank{'s' if len(failed) > 1 else ''} " \
         f"{', '.join(str(r) for r, _ in failed)} of {env.world_size})"
-    raise AgreedError(msg + where)
+    if kind == "config":
+        raise AgreedError(msg + where)
+    raise AgreedTransient("peer", f"rank {rank} failed at start-up ({msg}){where}")
 
 
 def destroy_distributed(barrier: bool = False) -> None:

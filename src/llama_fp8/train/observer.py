@@ -39,6 +39,10 @@ class RunObserver:
         self.profiler.before_step(step)
         self._t_step = time.perf_counter()
 
+    def fetching(self):
+        """Around a fetch from the data loader: a long wait is shown to the launcher as the phase ``data``."""
+        return self.heartbeat.data_wait()
+
     def step_ends(self, step: int, loss: torch.Tensor, data_wait: float) -> None:
         """The optimizer step and the LR schedule's step are done (``loss`` stays on the device)."""
         self.ranks.add_step(time.perf_counter() - self._t_step, data_wait)

@@ -47,8 +47,9 @@ class TrainState:
         self.writer.close()
 
 
-def start(cfg: TrainConfig, env: parallel.DistEnv) -> TrainState:
-    """Plan, build the model, optimizer and loaders, resume if there is a checkpoint, open the sinks."""
+def start(cfg: TrainConfig, env: parallel.DistEnv, beat: heartbeat.Heartbeat) -> TrainState:
+    """Plan, build the model, optimizer and loaders, resume if there is a checkpoint, open the sinks. ``beat``: this
+    rank's progress file for the launcher, started by the caller before anything else."""
     from llama_fp8 import data
 
     plan, impl, prec, model, size, context = plan_and_build_model(cfg, env)
@@ -69,7 +70,7 @@ def start(cfg: TrainConfig, env: parallel.DistEnv) -> TrainState:
     clock = goodput.Goodput(start_step, goodput.first_log_step(start_step, cfg.logging_freq, cfg.max_steps),
                             redo_until, cfg.async_checkpoint)
     meter, writer = start_metrics(cfg, plan, env, size, start_step)
-    beat = heartbeat.Heartbeat(env.rank, lambda: ckpt.last_complete)
+    beat.latest_checkpoint = lambda: ckpt.last_complete
     beat.beat(start_step, "startup")  # built and resumed: a failure from here on is not a start-up failure
     observer = RunObserver(
         heartbeat=beat, clock=clock, meter=meter, writer=writer, precision=prec,
