@@ -9,7 +9,7 @@ import types
 import pytest
 
 from llama_fp8 import faults
-from llama_fp8.errors import AgreedTransient, TransientError
+from llama_fp8.faults.transient import AgreedTransient, TransientError
 
 
 def http_error(status: int) -> Exception:

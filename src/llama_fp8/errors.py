@@ -27,20 +27,3 @@ class ConfigError(ValueError):
 
 class AgreedError(ConfigError):
     """A start-up error raised on every rank together (``parallel.on_every_rank``); rank 0 reports it."""
-
-
-class TransientError(RuntimeError):
-    """A failure a rerun may well not repeat (the machine, the network, a file system): exit 75. ``kind`` is one of
-    ``faults.transient.KINDS``."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-
-    def __reduce__(self):  # sent between ranks (pickled) by DCP and all_gather_object
-        return type(self), (self.kind, str(self))
-
-
-class AgreedTransient(TransientError):
-    """A transient failure every rank raises together (a peer's, or a checkpoint read or save that failed on some
-    rank); rank 0 reports it."""

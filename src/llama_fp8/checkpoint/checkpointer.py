@@ -34,7 +34,8 @@ from llama_fp8.checkpoint.restore import (
     check_fits,
     read_rank_file,
 )
-from llama_fp8.errors import AgreedError, AgreedTransient, ConfigError
+from llama_fp8.errors import AgreedError, ConfigError
+from llama_fp8.faults.transient import AgreedTransient
 
 log = logging.getLogger("llama_fp8.checkpoint")
 

@@ -38,7 +38,7 @@ from llama_fp8 import faults
 from llama_fp8.checkpoint import dcp_read as D
 from llama_fp8.checkpoint import files as F
 from llama_fp8.checkpoint import safe_io as S
-from llama_fp8.errors import TransientError
+from llama_fp8.faults.transient import TransientError
 
 log = logging.getLogger("llama_fp8.checkpoint")
 

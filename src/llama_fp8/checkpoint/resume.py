@@ -25,7 +25,8 @@ from llama_fp8.checkpoint import layout as L
 from llama_fp8.checkpoint import lock
 from llama_fp8.checkpoint import manifest as M
 from llama_fp8.checkpoint.safe_io import UnsafeCheckpointFile
-from llama_fp8.errors import AgreedError, AgreedTransient, ConfigError, TransientError
+from llama_fp8.errors import AgreedError, ConfigError
+from llama_fp8.faults.transient import AgreedTransient, TransientError
 
 log = logging.getLogger("llama_fp8.checkpoint")
 

@@ -18,8 +18,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from llama_fp8.errors import AgreedTransient, TransientError
-
 log = logging.getLogger("llama_fp8.faults")
 T = TypeVar("T")
 
@@ -47,6 +45,23 @@ RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 """HTTP statuses worth another try: a timeout, too many requests, a server or gateway failing for a moment."""
 PAUSES = (2.0, 5.0, 15.0, 30.0)
 """``backoff``'s pauses between tries of a network call (about 50 s in all, then the failure stands)."""
+
+
+class TransientError(RuntimeError):
+    """A failure a rerun may well not repeat (the machine, the network, a file system): exit 75. ``kind`` is one of
+    ``KINDS``."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+    def __reduce__(self):  # sent between ranks (pickled) by DCP and all_gather_object
+        return type(self), (self.kind, str(self))
+
+
+class AgreedTransient(TransientError):
+    """A transient failure every rank raises together (a peer's, or a checkpoint read or save that failed on some
+    rank); rank 0 reports it."""
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from llama_fp8 import faults
-from llama_fp8.errors import AgreedError, AgreedTransient, ConfigError
+from llama_fp8.errors import AgreedError, ConfigError
+from llama_fp8.faults.transient import AgreedTransient
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

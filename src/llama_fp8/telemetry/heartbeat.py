@@ -89,6 +89,27 @@ def dump_flight_record(rank: int) -> str | None:
         return None
 
 
+def pending_collectives() -> dict[str, list]:
+    """From the flight recorder: process group -> [the oldest unfinished collective's sequence number, its state]
+    (``scheduled``, ``started``); {} when the recorder is off. On NCCL a rank whose GPU is stuck in a kernel has
+    its next collective scheduled while its peers' same one has started (gloo does not track the states)."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+
+        entries = json.loads(_dump_fr_trace_json(includeCollectives=True, onlyActive=True)).get("entries") or []
+    except (ImportError, RuntimeError, ValueError, AttributeError):
+        return {}
+    out: dict[str, list] = {}
+    for e in entries:
+        group, seq = e.get("process_group"), e.get("collective_seq_id")
+        if e.get("is_p2p") or not isinstance(seq, int) or not isinstance(group, list) or not group:
+            continue
+        name = str(group[0])
+        if name not in out or seq < out[name][0]:
+            out[name] = [seq, str(e.get("state"))]
+    return out
+
+
 class Heartbeat:
     """``beat(step, phase)``: record that this rank is in ``phase`` of ``step`` (no-op without ``ENV``).
     ``latest_checkpoint`` returns the step of the latest complete checkpoint (None: none yet)."""
@@ -190,8 +211,11 @@ class Heartbeat:
         if not self._dumped and self.folder is not None and (self.folder / DUMP_REQUEST).exists():
             self._dumped = True
             path = dump_flight_record(self.rank)
+            pending = pending_collectives() if path else {}
             with self._lock:
                 self._rec["dumped"] = path or "none"
+                if pending:
+                    self._rec["fr"] = pending
                 self._write()
 
     def _write(self) -> None:

@@ -23,9 +23,9 @@ from llama_fp8.errors import (
     EXIT_REQUEUE,
     EXIT_TRANSIENT,
     AgreedError,
-    AgreedTransient,
     ConfigError,
 )
+from llama_fp8.faults.transient import AgreedTransient
 from llama_fp8.telemetry import heartbeat, metrics
 from llama_fp8.train import flight_recorder
 

@@ -127,7 +127,8 @@ def run_torchrun(torchrun_args: list[str]) -> int:
             action, line = ("requeue" if code == EXIT_REQUEUE else "fail"), f"a worker failed: exit {code}"
     except elastic.JobStop as e:
         code, action, line = e.code, e.action, e.line
-        outcome.say(line)
+        if elastic.JobAgent.last is None or elastic.JobAgent.last.decision is not e:  # not said yet
+            outcome.say(line)
     except SignalException as e:  # SIGINT/SIGHUP/SIGQUIT to the agent: workers were stopped
         code, action, line = 128 + int(e.sigval), "fail", f"stopped by {e.sigval.name}"
     except RendezvousClosedError:
@@ -142,11 +143,11 @@ def run_torchrun(torchrun_args: list[str]) -> int:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        agent, checkpoint = elastic.JobAgent.last, None
+        agent, checkpoint, failed, exclude = elastic.JobAgent.last, None, [], []
         if agent is not None:
-            checkpoint = agent.latest_checkpoint()
+            checkpoint, failed, exclude = agent.latest_checkpoint(), agent.failures(), agent.exclude
             shutil.rmtree(agent.progress_dir, ignore_errors=True)
-    outcome.write_outcome(code, action, checkpoint, line)
+    outcome.write_outcome(code, action, checkpoint, line, failed, exclude)
     return code
 
 
