@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -53,14 +54,16 @@ class CheckpointTransientError(AgreedTransient):
 class Checkpointer:
     """Saves every --checkpoint_freq steps (and at the end), keeps the last --keep_last_k, resumes."""
 
-    def __init__(self, ckpt_dir: Path, keep_last_k: int, async_save: bool, rank: int, world: int):
+    def __init__(self, ckpt_dir: Path, keep_last_k: int, async_save: bool, rank: int, world: int,
+                 timeout_s: float | None = None):
         self.dir, self.keep, self.async_save, self.rank, self.world = ckpt_dir, keep_last_k, async_save, rank, world
         # DCP's collectives (and ours around a save) run on a gloo group of their own: an async save's
         # background thread must never share a group with the training's collectives (two threads issuing
         # collectives on one group can pair different operations across ranks), and async saves need a
-        # CPU backend, which an NCCL-only default group does not have.
-        self._pg = dist.new_group(backend="gloo", timeout=faults.collective_timeout()) if dist.is_initialized() \
-            else None
+        # CPU backend, which an NCCL-only default group does not have. Its collectives wait up to ``timeout_s``
+        # (--checkpoint_timeout: a rank still writing a large state), not the training's timeout.
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else faults.collective_timeout()
+        self._pg = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt") if async_save else None
         # One stager for the run: it keeps its host-memory copy of the state between saves, so staging a
         # save is a copy into memory already mapped, not an allocation of the state's size with all its page
@@ -73,6 +76,11 @@ class Checkpointer:
         self._swept = False  # leftovers of an earlier attempt removed (by the first save of this run)
         self.last_complete: int | None = None  # the step of the latest checkpoint known complete (saved or loaded)
         self._started = 0.0  # perf_counter at the start of the save being finalized (its manifest records the time)
+
+    @property
+    def group(self):
+        """The process group of the checkpoint's collectives (None on one rank)."""
+        return self._pg
 
     # --- save ----------------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, scheduler, loader, cfg, plan=None) -> None:

@@ -57,7 +57,7 @@ def start(cfg: TrainConfig, env: parallel.DistEnv, beat: heartbeat.Heartbeat) ->
     scheduler = build.build_scheduler(optimizer, cfg)
     train_loader, val_loader = parallel.on_every_rank(env, lambda: build.build_loaders(cfg, env, plan.dims))
     ckpt = checkpoint.Checkpointer(Path(plan.checkpoint_dir), cfg.keep_last_k, cfg.async_checkpoint, env.rank,
-                                   env.world_size)
+                                   env.world_size, cfg.checkpoint_timeout)
     start_step = 0
     if plan.resume_from:
         try:
@@ -71,6 +71,8 @@ def start(cfg: TrainConfig, env: parallel.DistEnv, beat: heartbeat.Heartbeat) ->
                             redo_until, cfg.async_checkpoint)
     meter, writer = start_metrics(cfg, plan, env, size, start_step)
     beat.latest_checkpoint = lambda: ckpt.last_complete
+    if plan.resume_from:  # the launcher's hang bound for the first save: what this checkpoint's save took
+        beat.expect("save", checkpoint.recorded_save_s(Path(plan.resume_from)))
     beat.beat(start_step, "startup")  # built and resumed: a failure from here on is not a start-up failure
     observer = RunObserver(
         heartbeat=beat, clock=clock, meter=meter, writer=writer, precision=prec,
@@ -78,9 +80,12 @@ def start(cfg: TrainConfig, env: parallel.DistEnv, beat: heartbeat.Heartbeat) ->
                                      gpu_health.GpuHealth(env.device.type, env.device.index)),
         profiler=profiling.Profiler(cfg, Path(plan.run_dir), env.rank, env.device),
         precision_name=plan.precision.name, world_size=env.world_size, is_main=env.is_main, start_step=start_step)
+    watch = faults.SignalWatch(env.world_size)
+    # Every group exists now (the mesh's, the model's, the signal check's, the checkpointer's): each gets its timeout.
+    faults.apply_timeouts(cfg.process_group_timeout, cfg.checkpoint_timeout, [ckpt.group])
     return TrainState(cfg, plan, env, impl, prec, model, size, optimizer, scheduler, train_loader, val_loader, ckpt,
-                      writer, faults.SignalWatch(env.world_size),
-                      faults.NanGuard(env.device, cfg.nan_policy, cfg.max_nan_skips), start_step, context, observer)
+                      writer, watch, faults.NanGuard(env.device, cfg.nan_policy, cfg.max_nan_skips), start_step,
+                      context, observer)
 
 
 def plan_and_build_model(cfg: TrainConfig, env: parallel.DistEnv):
