@@ -97,8 +97,9 @@ def assert_bitwise(job: Job, ref: faultkit.Reference) -> None:
     assert faultkit.shard_sums(job.run / "checkpoints" / f"step_{STEPS}") == ref.final
 
 
-def fired_at(job: Job, point: str, rank: int) -> float:
-    return (job.faults / f"fired.{point}.rank{rank}").stat().st_mtime
+def fired_at(job: Job, point: str, rank: int, step: int | None = None) -> float:
+    """When a ``once`` fault fired (its marker: fired.POINT.rankR, .stepN for a fault bound to a step)."""
+    return (job.faults / f"fired.{point}.rank{rank}{'' if step is None else f'.step{step}'}").stat().st_mtime
 
 
 def back_to_training(job: Job, since: float) -> float:

@@ -33,6 +33,7 @@ class RunObserver:
     def begin(self) -> None:
         """The loop starts: start-up ends here."""
         self.clock.begin()
+        faults.at("startup", self._window_start - 1)
 
     def step_begins(self, step: int) -> None:
         self.heartbeat.beat(step, "step")
