@@ -3,9 +3,8 @@ parameters, and the torchrun wrapper that keeps the workers' exit code."""
 
 from __future__ import annotations
 
-import json
-
 import argparse
+import json
 import os
 from pathlib import Path
 
