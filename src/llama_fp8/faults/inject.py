@@ -94,6 +94,15 @@ def parse_faults(text: str) -> list[Fault]:
     return out
 
 
+_holding = False
+
+
+def holding() -> bool:
+    """Whether this process is held by a ``pause`` fault: a test acting at that moment, not a hang (the progress
+    thread counts it as progress: telemetry/heartbeat.py)."""
+    return _holding
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -134,10 +143,15 @@ def _fire(f: Fault, rank: int, step: int | None, folder: Path) -> None:
     elif f.action == "sleep":
         time.sleep(f.seconds)
     elif f.action == "pause":
+        global _holding
         (folder / f"paused.{f.point}.rank{rank}").touch()
         deadline = time.monotonic() + 600
-        while not (folder / "release").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _holding = True
+        try:
+            while not (folder / "release").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            _holding = False
     else:  # hang: signals only set flags (SignalWatch); only SIGKILL (torchrun, Slurm) ends it
         while True:
             time.sleep(1)

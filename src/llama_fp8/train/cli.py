@@ -26,7 +26,7 @@ from llama_fp8.errors import (
     ConfigError,
 )
 from llama_fp8.faults.transient import AgreedTransient
-from llama_fp8.telemetry import heartbeat, metrics
+from llama_fp8.telemetry import goodput, heartbeat, metrics
 from llama_fp8.train import flight_recorder
 
 
@@ -51,6 +51,7 @@ def main(argv: list[str]) -> int:
 def run(cfg: TrainConfig) -> int:
     """Run one training job in this process (one rank); returns the exit code. Every way out says what ended it in
     the launcher's progress file (``Heartbeat.failed``): its class and one line."""
+    goodput.startup.mark("imports")  # the interpreter, torch and the package, up to here
     flight_recorder.set_dump_path(cfg)
     beat = heartbeat.Heartbeat(int(os.environ.get("RANK", "0") or 0))
     beat.beat(0, "startup")
@@ -63,6 +64,7 @@ def run(cfg: TrainConfig) -> int:
     except Exception as e:  # noqa: BLE001 - CUDA failing to start, the store unreachable: this node, not the config
         return _transient_or_raise(e, beat, rank=None)
     beat.start_watch()
+    goodput.startup.mark("process_group")
     agreed = False
     try:
         metrics.setup_logging(env.is_main)

@@ -33,6 +33,8 @@ class RunObserver:
     def begin(self) -> None:
         """The loop starts: start-up ends here."""
         self.clock.begin()
+        if self.is_main:
+            log.info("%s", goodput.startup.line())
         faults.at("startup", self._window_start - 1)
 
     def step_begins(self, step: int) -> None:
@@ -107,3 +109,4 @@ class RunObserver:
             rec = self.clock.record()
             self.writer.write(rec, goodput.summary_line(rec))
         self.profiler.close()
+        self.ranks.close()

@@ -11,6 +11,7 @@ from torch import nn
 
 from llama_fp8 import checkpoint, faults, models, parallel, precision
 from llama_fp8.config import ConfigError, TrainConfig
+from llama_fp8.errors import AgreedError
 from llama_fp8.models.common import ModelSize
 from llama_fp8.plan import RunPlan, make_plan
 from llama_fp8.telemetry import goodput, gpu_health, heartbeat, metrics, peaks, profiling, stragglers
@@ -52,10 +53,12 @@ def start(cfg: TrainConfig, env: parallel.DistEnv, beat: heartbeat.Heartbeat) ->
     rank's progress file for the launcher, started by the caller before anything else."""
     from llama_fp8 import data
 
+    marks = goodput.startup
     plan, impl, prec, model, size, context = plan_and_build_model(cfg, env)
     optimizer = build.build_optimizer(model, cfg, env.device, prec)
     scheduler = build.build_scheduler(optimizer, cfg)
     train_loader, val_loader = parallel.on_every_rank(env, lambda: build.build_loaders(cfg, env, plan.dims))
+    marks.mark("optimizer_and_data")
     ckpt = checkpoint.Checkpointer(Path(plan.checkpoint_dir), cfg.keep_last_k, cfg.async_checkpoint, env.rank,
                                    env.world_size, cfg.checkpoint_timeout)
     start_step = 0
@@ -65,6 +68,12 @@ def start(cfg: TrainConfig, env: parallel.DistEnv, beat: heartbeat.Heartbeat) ->
                                    cfg.train_batch_size)
         except data.DataStateError as e:
             raise ConfigError(f"cannot resume from {plan.resume_from}: {e}") from None
+        except AgreedError as e:  # a checkpoint loaded without the start-up check: the next attempt checks it
+            if plan.resume_checked:
+                raise
+            raise faults.AgreedTransient("io", f"{e}; it was loaded without the start-up check (this job saved it): "
+                                               f"the next attempt checks it in full and falls back to an older one") from None
+        marks.mark("checkpoint_load")
     # steps an earlier attempt logged past the checkpoint resumed from are redone: restart loss
     redo_until = goodput.last_logged_step(Path(plan.run_dir) / "metrics.jsonl") if env.is_main else 0
     clock = goodput.Goodput(start_step, goodput.first_log_step(start_step, cfg.logging_freq, cfg.max_steps),
@@ -81,6 +90,7 @@ def start(cfg: TrainConfig, env: parallel.DistEnv, beat: heartbeat.Heartbeat) ->
         profiler=profiling.Profiler(cfg, Path(plan.run_dir), env.rank, env.device),
         precision_name=plan.precision.name, world_size=env.world_size, is_main=env.is_main, start_step=start_step)
     watch = faults.SignalWatch(env.world_size)
+    marks.mark("sinks")
     # Every group exists now (the mesh's, the model's, the signal check's, the checkpointer's): each gets its timeout.
     faults.apply_timeouts(cfg.process_group_timeout, cfg.checkpoint_timeout, [ckpt.group])
     return TrainState(cfg, plan, env, impl, prec, model, size, optimizer, scheduler, train_loader, val_loader, ckpt,
@@ -93,9 +103,11 @@ def plan_and_build_model(cfg: TrainConfig, env: parallel.DistEnv):
     fixed order."""
     torch.manual_seed(cfg.seed)
     plan = make_plan(cfg, env)
+    goodput.startup.mark("plan_and_checkpoint_check")
     impl = models.get(plan.model_impl)
     prec = precision.build(plan.precision, impl, cfg, Path(plan.run_dir))
     model, size, context = build.build_model(cfg, env, plan, impl, prec)
+    goodput.startup.mark("model")
     return plan, impl, prec, model, size, context
 
 

@@ -47,6 +47,8 @@ from llama_fp8.cluster.launch.torch_checks import check_torch, internals, rendez
 from llama_fp8.errors import EXIT_BAD_CONFIG, EXIT_REQUEUE
 from llama_fp8.telemetry import heartbeat
 
+SAVED_ENV = "LLAMA_FP8_SAVED_CHECKPOINT"
+"""checkpoint/resume.py TRUSTED_ENV: the latest checkpoint this job's workers saved, for a restart in the allocation."""
 ATTEMPT_ENV = "LLAMA_FP8_ATTEMPT"
 """The workers' attempt in this launch: the rendezvous round (0 first; telemetry/goodput.py reads it)."""
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -149,6 +151,10 @@ class JobAgent(LocalElasticAgent):
             self.gpus_at_start = health.gpu_count()
         os.environ[heartbeat.ENV] = str(self.progress_dir)  # the workers inherit the agent's environment
         os.environ[ATTEMPT_ENV] = str(attempt)
+        # The checkpoint this job saved: resumed with one verified read, unless the previous attempt failed in its
+        # start-up (a load of it that failed: then it is checked in full, with the fallback to an older one).
+        trust = self.checkpoint is not None and attempt > 0 and self.failed_at.get(attempt - 1, ("",))[0] != "startup"
+        os.environ[SAVED_ENV] = str(self.checkpoint) if trust else ""
         self.killed.clear()
         self.forwarded.clear()
         self.seen_exit.clear()
