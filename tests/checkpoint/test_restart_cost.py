@@ -4,6 +4,8 @@ the resumed run bit for bit the uninterrupted one's."""
 
 from __future__ import annotations
 
+import json
+
 from ckpt_kit import ck, run
 
 from helpers import train_records
@@ -11,6 +13,7 @@ from llama_fp8.checkpoint import manifest as M
 from llama_fp8.checkpoint import resume
 from llama_fp8.errors import EXIT_TRANSIENT
 from llama_fp8.models import spec
+from llama_fp8.telemetry import time_limit
 
 
 def losses(b) -> dict[int, float]:
@@ -52,3 +55,25 @@ def test_a_saved_checkpoint_that_fails_its_load_is_checked_in_full_by_the_next_a
     monkeypatch.delenv(resume.TRUSTED_ENV)
     assert run(saved, "--max_steps", "6", "--checkpoint_freq", "2") == 0
     assert (saved / "checkpoints" / "step_4.broken").exists()
+
+
+def test_training_warns_when_the_lead_is_shorter_than_the_save(saved, monkeypatch, capsys):
+    """Resuming from a checkpoint whose save took 300 s (its manifest says so) with a 120 s lead: warned at start.
+    Then the first save of the attempt, measured, against a lead of 1 s: warned again, with the interval to use."""
+    complete = saved / "checkpoints" / "step_4" / "COMPLETE"
+    manifest = json.loads(complete.read_text())
+    complete.write_text(json.dumps({**manifest, "save_s": 300.0}))
+    monkeypatch.setenv(time_limit.LEAD_ENV, "120")
+    capsys.readouterr()
+    assert run(saved, "--max_steps", "6", "--checkpoint_freq", "2") == 0
+    err = capsys.readouterr().err
+    assert "a save takes 300 s (the save of step_4, as its manifest recorded)" in err, err[-2000:]
+    monkeypatch.setenv(time_limit.LEAD_ENV, "1")
+    monkeypatch.setenv(time_limit.LIMIT_ENV, "3600")
+    assert run(saved, "--max_steps", "8", "--checkpoint_freq", "2") == 0
+    err = capsys.readouterr().err
+    assert "comes 1 s before the end" in err and "(the save of step_8)" in err and "--checkpoint_freq" in err, \
+        err[-2000:]
+    monkeypatch.setenv(time_limit.LEAD_ENV, "3600")  # long enough: nothing said
+    assert run(saved, "--max_steps", "10", "--checkpoint_freq", "2") == 0
+    assert "before the end" not in capsys.readouterr().err

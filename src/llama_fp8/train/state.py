@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,20 @@ from llama_fp8.config import ConfigError, TrainConfig
 from llama_fp8.errors import AgreedError
 from llama_fp8.models.common import ModelSize
 from llama_fp8.plan import RunPlan, make_plan
-from llama_fp8.telemetry import goodput, gpu_health, heartbeat, metrics, peaks, profiling, stragglers
+from llama_fp8.telemetry import (
+    goodput,
+    gpu_health,
+    heartbeat,
+    metrics,
+    peaks,
+    profiling,
+    stragglers,
+    time_limit,
+)
 from llama_fp8.train import build
 from llama_fp8.train.observer import RunObserver
+
+log = logging.getLogger("llama_fp8.train")
 
 
 @dataclass
@@ -48,11 +60,12 @@ class TrainState:
         self.writer.close()
 
 
-def start(cfg: TrainConfig, env: parallel.DistEnv, beat: heartbeat.Heartbeat) -> TrainState:
+def start(cfg: TrainConfig, env: parallel.DistEnv, beat: heartbeat.Heartbeat | None = None) -> TrainState:
     """Plan, build the model, optimizer and loaders, resume if there is a checkpoint, open the sinks. ``beat``: this
-    rank's progress file for the launcher, started by the caller before anything else."""
+    rank's progress file for the launcher, started by the caller before anything else (one is made here if not)."""
     from llama_fp8 import data
 
+    beat = beat or heartbeat.Heartbeat(env.rank)
     marks = goodput.startup
     plan, impl, prec, model, size, context = plan_and_build_model(cfg, env)
     optimizer = build.build_optimizer(model, cfg, env.device, prec)
@@ -80,15 +93,22 @@ def start(cfg: TrainConfig, env: parallel.DistEnv, beat: heartbeat.Heartbeat) ->
                             redo_until, cfg.async_checkpoint)
     meter, writer = start_metrics(cfg, plan, env, size, start_step)
     beat.latest_checkpoint = lambda: ckpt.last_complete
-    if plan.resume_from:  # the launcher's hang bound for the first save: what this checkpoint's save took
-        beat.expect("save", checkpoint.recorded_save_s(Path(plan.resume_from)))
+    lead = time_limit.LeadCheck(time_limit.lead_from_env(), time_limit.limit_from_env(),
+                                lambda step: checkpoint.recorded_save_s(Path(plan.checkpoint_dir) / f"step_{step}"),
+                                log) if env.is_main else None
+    if plan.resume_from:  # the launcher's hang bound for the first save, and the lead: what this checkpoint's took
+        saved_s = checkpoint.recorded_save_s(Path(plan.resume_from))
+        beat.expect("save", saved_s)
+        if lead is not None:
+            lead.at_start(saved_s, f"the save of {Path(plan.resume_from).name}, as its manifest recorded")
     beat.beat(start_step, "startup")  # built and resumed: a failure from here on is not a start-up failure
     observer = RunObserver(
         heartbeat=beat, clock=clock, meter=meter, writer=writer, precision=prec,
         ranks=stragglers.RankMonitor(env.device, env.local_rank, cfg.straggler_threshold_pct,
                                      gpu_health.GpuHealth(env.device.type, env.device.index)),
         profiler=profiling.Profiler(cfg, Path(plan.run_dir), env.rank, env.device),
-        precision_name=plan.precision.name, world_size=env.world_size, is_main=env.is_main, start_step=start_step)
+        precision_name=plan.precision.name, world_size=env.world_size, is_main=env.is_main, start_step=start_step,
+        lead=lead)
     watch = faults.SignalWatch(env.world_size)
     marks.mark("sinks")
     # Every group exists now (the mesh's, the model's, the signal check's, the checkpointer's): each gets its timeout.

@@ -4,7 +4,7 @@
 # is expanded as ${a[@]+"${a[@]}"} (bash < 4.4 calls "${a[@]}" of an empty array an unbound variable).
 #
 # Reads (all optional; README: Environment variables): IMAGE, CONTAINER_MOUNTS, LLAMA_FP8_CONTAINER, KEEP_CONTAINER,
-# HOST_PYTHON, VENV, REPO_DIR, DEVICE, NPROC_PER_NODE, RDZV_PORT, SKIP_PREFLIGHT, PREFLIGHT_REPORT, NCCL_NET,
+# HOST_PYTHON, VENV, REPO_DIR, DEVICE, NPROC_PER_NODE, RDZV_PORT, SKIP_PREFLIGHT, PREFLIGHT_REPORT, NCCL_NET, SIGNAL_LEAD_S,
 # MAX_RESTARTS, MAX_REQUEUES, BAD_NODE_ACTION.
 # Sets: DEVICE DEVICE_ARGS NPROC_PER_NODE CPUS PY WHERE CONTAINER_ARGS RDZV_ADDR RDZV_PORT LF_NODE_ADDRS LF_OUTCOME_DIR.
 
@@ -290,8 +290,23 @@ lf_train() {  # lf_train TRAIN_ARGS... ; returns 0, 85 (requeue me) or a failure
     lf_outcome "$rc"
 }
 
+# ---- the time limit's lead (llama_fp8/telemetry/time_limit.py): how long before the end Slurm's warning comes, for
+# training and the estimate to compare with the save time. SIGNAL_LEAD_S wins; else SBATCH_SIGNAL (sbatch's own
+# variable, when the job was submitted with it); else this script's #SBATCH --signal line (Slurm runs a copy of it:
+# $0). A --signal given on sbatch's command line does not reach the job: set SIGNAL_LEAD_S with it.
+lf_signal_lead() {
+    local spec lead=${SIGNAL_LEAD_S:-}
+    if [[ -z "$lead" ]]; then
+        spec=${SBATCH_SIGNAL:-$(grep -m 1 -oE '^#SBATCH[[:space:]]+--signal=[^[:space:]]+' "$0" 2>/dev/null | cut -d= -f2 || true)}
+        if [[ "$spec" =~ @([0-9]+)$ ]]; then lead=${BASH_REMATCH[1]}; elif [[ -n "$spec" ]]; then lead=60; fi
+    fi
+    [[ -z "$lead" || "$lead" =~ ^[0-9]+$ ]] || lf_die "SIGNAL_LEAD_S=$lead: must be whole seconds"
+    if [[ -n "$lead" ]]; then export LLAMA_FP8_SIGNAL_LEAD_S=$lead; fi
+}
+
 lf_setup() {  # lf_setup TRAIN_ARGS...: everything before the first srun
     lf_check_knobs
+    lf_signal_lead
     lf_setup_devices
     lf_setup_efa
     lf_setup_runtime "$@"
