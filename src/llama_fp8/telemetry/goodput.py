@@ -180,7 +180,7 @@ class Goodput:
         return {"type": "goodput", "step": self.last_step, "start_step": self.start_step, "wall_s": wall,
                 **{f"{k}_s": v for k, v in self.parts.items()},
                 "goodput": self.parts["productive"] / wall if wall > 0 else None, "saves": self.saves,
-                "ended": self.ended, "startup_parts": dict(startup.parts)}
+                "ended": self.ended, "startup_parts": dict(startup.parts), "process_start": self._proc_start}
 
 
 def restart_gaps(records: list[dict]) -> list[float]:

@@ -135,9 +135,11 @@ def find_stragglers(ranks: list[dict[str, Any]], threshold: float) -> list[dict[
         return []
     named = []
     for r, t in zip(ranks, total):
+        less_comm = med_comm - (r.get("comm_wait_s") or 0.0)
         causes = {"step time": (t - med_total) / med_total,
                   "data wait": (r["data_wait_s"] - med_wait) / med_total,
-                  WAIT_CAUSE: (med_comm - (r.get("comm_wait_s") or 0.0)) / med_total}
+                  # a difference of a few samples is the sampler's own noise, whatever the step time
+                  WAIT_CAUSE: less_comm / med_total if less_comm > 2 * SAMPLE_S else 0.0}
         cause, excess = max(causes.items(), key=lambda kv: kv[1])
         if excess > threshold:
             named.append({"rank": r["rank"], "host": r["host"], "local_rank": r["local_rank"],

@@ -30,6 +30,7 @@ Each decision is one line on stderr (``llama-fp8 launch: ...``) saying what happ
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -123,9 +124,11 @@ class JobAgent(LocalElasticAgent):
         return recs
 
     def _describe_stuck(self) -> list[str]:
-        """The local ranks that stopped moving while another worker failed (progress.stuck_ranks)."""
-        return progress.stuck_ranks(self.ranked_procs(), self.progress(), time.time(), self.watch.bounds,
-                                    self.watch.memory)
+        """The local ranks that stopped moving while another worker failed (progress.stuck_ranks): past their
+        phase's bound, with the default factor when the hang detection itself is off."""
+        bounds = self.watch.bounds if self.watch.bounds.on else dataclasses.replace(self.watch.bounds,
+                                                                                    factor=watchdog.FACTOR)
+        return progress.stuck_ranks(self.ranked_procs(), self.progress(), time.time(), bounds, self.watch.memory)
 
     def _first(self, failures: dict, recs: dict) -> tuple:
         """The failure that came first: the one this agent saw first (torch's timestamps are whole seconds), among

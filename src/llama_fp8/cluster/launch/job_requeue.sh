@@ -139,7 +139,7 @@ lf_requeue() {  # requeue this job (it resumes from its latest complete checkpoi
         return
     fi
     if [[ "${BAD_NODE_ACTION:-exclude}" == drain ]]; then
-        if scontrol update NodeName="$bad" State=DRAIN Reason="llama-fp8 job $SLURM_JOB_ID: failed in training"; then
+        if scontrol update NodeName="$bad" State=DRAIN Reason="failed in training (llama-fp8, Slurm job $SLURM_JOB_ID)"; then
             echo "job $SLURM_JOB_ID: drained $bad (BAD_NODE_ACTION=drain); requeueing"
             scontrol requeue "$SLURM_JOB_ID"
             return
