@@ -1,14 +1,18 @@
 """Goodput under failures: the same job on two nodes of a local Slurm, fault-free and with a worker SIGKILLed every
-T seconds, restarted inside the allocation each time (`1.train_llama.sbatch`, `llama-fp8 launch`).
+T seconds, restarted inside the allocation each time (`1.train_llama.sbatch`, `llama-fp8 launch`), each repeated.
 
     .venv/bin/python benchmarks/bench_goodput.py                          # brings a local cluster up and down (root)
     .venv/bin/python benchmarks/bench_goodput.py --cluster_dir /tmp/slurm # a cluster already up (local_cluster.py)
 
-Reports, as ratios of the same run: the faulted job's wall time over the fault-free one's, the restart overhead
-(kill -> the next completed step, median and max), the optimizer steps lost per failure (the last step logged
-before the kill minus the checkpoint the next attempt resumed from) next to the expected half interval, and the
-checkpoint interval that maximizes goodput for the measured save cost (Young/Daly). A table, then one JSON line
-``{"bench": "goodput", ...}``.
+Reports, over ``--repeats`` fault-free and ``--repeats`` faulted jobs (interleaved, so that the machine's load hits
+both alike): the faulted jobs' mean wall time over the fault-free ones', with a 95 % bootstrap interval over the
+jobs; per failure, the time from the kill to the next completed step (median, quartiles, min and max) and where it
+went (the kill until the new worker process started: detection, SIGKILL, the rendezvous; then the worker's own
+start-up parts, as its goodput record has them: imports, process group, plan and checkpoint check, model build,
+optimizer and data, checkpoint load, sinks; then the first steps); the optimizer steps lost per failure, observed
+in the job's records and log (the last step logged before the kill minus the checkpoint the next attempt's log
+says it resumed from), next to the expected half interval; and the checkpoint interval that maximizes goodput
+for the measured save cost (Young/Daly). A table, then one JSON line ``{"bench": "goodput", ...}``.
 
 A kill is sent only once the attempt before it has completed a step: a killer faster than a restart would stop
 the job by design (the same point failing twice is not restarted), which is not what this measures.
@@ -22,6 +26,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -33,6 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 from llama_fp8.telemetry import goodput  # noqa: E402
+
+RESUMED = re.compile(r"resumed from \S+/step_(\d+) \(step")
 
 
 def load_local_cluster():
@@ -82,7 +89,7 @@ def worker_pids(job: str) -> list[int]:
 def run_job(folder: Path, env: dict, args: list[str], steps: int, every: float | None, max_kills: int,
             seed: int) -> dict:
     """Submit the job; with ``every``, SIGKILL a random worker every ``every`` s once the attempt has completed a
-    step. Returns wall time (Slurm's start to end), kill times, the run's records."""
+    step. Returns wall time (Slurm's start to end), kill times, the run's records and the job's log."""
     (folder / "logs").mkdir(parents=True)
     run = folder / "run"
     proc = subprocess.run(["sbatch", "--parsable", "--nodes=2", str(REPO / "1.train_llama.sbatch"), *args,
@@ -109,41 +116,115 @@ def run_job(folder: Path, env: dict, args: list[str], steps: int, every: float |
                     kills.append(time.time())
                     next_kill = None
         time.sleep(0.2)
+    log = folder / "logs" / f"llama-fp8_{job}.out"
+    text = log.read_text() if log.is_file() else ""
     if info.get("JobState") != "COMPLETED":
-        log = folder / "logs" / f"llama-fp8_{job}.out"
-        raise SystemExit(f"job {job} ended {info.get('JobState')}:\n{log.read_text()[-3000:] if log.is_file() else ''}")
+        raise SystemExit(f"job {job} ended {info.get('JobState')}:\n{text[-3000:]}")
     fmt = "%Y-%m-%dT%H:%M:%S"
     wall = (datetime.datetime.strptime(info["EndTime"], fmt) - datetime.datetime.strptime(info["StartTime"], fmt))
-    return {"job": job, "wall_s": wall.total_seconds(), "kills": kills, "records": records(run)}
+    return {"job": job, "wall_s": wall.total_seconds(), "kills": kills, "records": records(run), "log": text}
 
 
-def per_failure(recs: list[dict], kills: list[float]) -> list[dict]:
-    """For each kill: seconds to the next completed step, and the steps lost: the last step logged before the
-    kill minus the step the next attempt resumed from (its first logged step - 1: every step is logged here)."""
+def per_failure(recs: list[dict], kills: list[float], log: str) -> list[dict]:
+    """For each kill (in time order): seconds to the next completed step, where they went, and the steps lost:
+    the last step logged before the kill minus the checkpoint the next attempt resumed from, as its log line says
+    (``resumed from .../step_N``: one per restart, in order)."""
     train = [r for r in recs if r.get("type") == "train" and isinstance(r.get("time"), (int, float))]
+    starts = [r for r in recs if r.get("type") == "goodput" and isinstance(r.get("process_start"), (int, float))]
+    resumed = [int(m) for m in RESUMED.findall(log)]
     out = []
-    for t in kills:
+    for i, t in enumerate(kills):
         before = [r["step"] for r in train if r["time"] < t]
         after = [r for r in train if r["time"] > t]
-        if not after:
+        if not after or i >= len(resumed):
             continue
         first = min(after, key=lambda r: r["time"])
-        out.append({"restart_s": first["time"] - t, "last_step": max(before, default=0),
-                    "resumed_from": first["step"] - 1, "steps_lost": max(before, default=0) - (first["step"] - 1)})
+        rec = {"restart_s": first["time"] - t, "last_step": max(before, default=0), "resumed_from": resumed[i],
+               "steps_lost": max(before, default=0) - resumed[i]}
+        attempt = next((g for g in starts if t < g["process_start"] < first["time"]), None)
+        if attempt is not None:
+            parts = {k: float(v) for k, v in (attempt.get("startup_parts") or {}).items()}
+            loop_began = attempt["process_start"] + float(attempt.get("startup_s") or 0.0)
+            rec["parts"] = {"kill_to_new_worker": attempt["process_start"] - t, **parts,
+                            "first_steps": first["time"] - loop_began}
+        out.append(rec)
     return out
+
+
+def bootstrap_ratio(hit: list[float], free: list[float], rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95 % interval of mean(hit) / mean(free), resampling the jobs of each arm."""
+    rng = random.Random(seed)
+    ratios = sorted(statistics.fmean(rng.choices(hit, k=len(hit))) / statistics.fmean(rng.choices(free, k=len(free)))
+                    for _ in range(rounds))
+    return ratios[int(0.025 * rounds)], ratios[int(0.975 * rounds) - 1]
+
+
+def summarize(free: list[dict], hit: list[dict], checkpoint_freq: int, steps: int) -> dict:
+    fails = [f for run in hit for f in per_failure(run["records"], run["kills"], run["log"])]
+    restart = sorted(f["restart_s"] for f in fails)
+    lost = [f["steps_lost"] for f in fails]
+    walls_free, walls_hit = [r["wall_s"] for r in free], [r["wall_s"] for r in hit]
+    ratio = statistics.fmean(walls_hit) / statistics.fmean(walls_free)
+    low, high = bootstrap_ratio(walls_hit, walls_free) if len(free) > 1 and len(hit) > 1 else (ratio, ratio)
+    parts: dict[str, list[float]] = {}
+    for f in fails:
+        for k, v in (f.get("parts") or {}).items():
+            parts.setdefault(k, []).append(v)
+    goods = [g for run in free for g in run["records"] if g.get("type") == "goodput"]
+    saves = sum(g.get("saves") or 0 for g in goods)
+    save_s = sum(g["checkpoint_sync_s"] + g["checkpoint_async_s"] for g in goods) / saves if saves else None
+    step_s = (statistics.fmean(g["productive_s"] / max(g["step"] - g["start_step"] - checkpoint_freq, 1)
+                               for g in goods) if goods else None)
+    kills = sum(len(r["kills"]) for r in hit)
+    mtbf = sum(walls_hit) / max(kills, 1)
+    quart = statistics.quantiles(restart, n=4) if len(restart) > 1 else restart * 3
+    return {"bench": "goodput", "repeats": len(hit), "ratio": ratio, "ratio_ci95": [low, high],
+            "wall_faultfree_s": walls_free, "wall_faulted_s": walls_hit, "kills": kills,
+            "restart_s": restart, "restart_median_s": statistics.median(restart) if restart else None,
+            "restart_quartiles_s": [quart[0], quart[-1]] if restart else None,
+            "restart_min_s": restart[0] if restart else None, "restart_max_s": restart[-1] if restart else None,
+            "restart_parts_median_s": {k: statistics.median(v) for k, v in parts.items()},
+            "steps_lost": lost, "steps_lost_mean": statistics.fmean(lost) if lost else None,
+            "steps_lost_expected": checkpoint_freq / 2, "failures": fails, "checkpoint_freq": checkpoint_freq,
+            "steps": steps, "save_s": save_s, "step_s": step_s, "mtbf_s": mtbf,
+            "young_daly_interval_s": goodput.checkpoint_interval(save_s, mtbf) if save_s else None}
+
+
+def table(s: dict) -> str:
+    lines = [f"{'jobs':<10} {'n':>3} {'wall s (each)':<40}",
+             f"{'faultfree':<10} {s['repeats']:>3} {' '.join(f'{w:.0f}' for w in s['wall_faultfree_s']):<40}",
+             f"{'faulted':<10} {s['repeats']:>3} {' '.join(f'{w:.0f}' for w in s['wall_faulted_s']):<40}",
+             f"wall faulted / fault-free: {s['ratio']:.2f}x (95 % interval {s['ratio_ci95'][0]:.2f}-"
+             f"{s['ratio_ci95'][1]:.2f}) for {s['kills']} kills"]
+    if s["restart_s"]:
+        lines.append(f"kill -> next step: median {s['restart_median_s']:.1f} s, quartiles "
+                     f"{s['restart_quartiles_s'][0]:.1f}-{s['restart_quartiles_s'][1]:.1f} s, min "
+                     f"{s['restart_min_s']:.1f}, max {s['restart_max_s']:.1f} ({len(s['restart_s'])} failures)")
+        lines.append("  where it went (medians): " + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s"
+                                                             for k, v in s["restart_parts_median_s"].items()))
+        lines.append(f"steps lost per failure (observed): mean {s['steps_lost_mean']:.2f} {s['steps_lost']}; "
+                     f"expected {s['steps_lost_expected']:.1f} (half of --checkpoint_freq {s['checkpoint_freq']})")
+    if s["young_daly_interval_s"] and s["step_s"]:
+        lines.append(f"save {s['save_s']:.3f} s, step {s['step_s']:.3f} s, one failure per {s['mtbf_s']:.0f} s: "
+                     f"Young/Daly interval {s['young_daly_interval_s']:.1f} s = "
+                     f"{s['young_daly_interval_s'] / s['step_s']:.0f} steps")
+    return "\n".join(lines)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cluster_dir", help="a local cluster already up (scripts/slurm/local_cluster.py); default: "
                    "bring one up in a temporary folder and down at the end")
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--repeats", type=int, default=5, help="fault-free and faulted jobs, each (interleaved)")
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--checkpoint_freq", type=int, default=20)
     p.add_argument("--every", type=float, default=20.0, help="seconds between kills (T)")
-    p.add_argument("--max_kills", type=int, default=4)
+    p.add_argument("--max_kills", type=int, default=3, help="kills per faulted job")
     p.add_argument("--num_layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
 
     lc = load_local_cluster()
     own = args.cluster_dir is None
@@ -153,6 +234,7 @@ def main() -> int:
     except lc.ClusterUnavailable as e:  # `make bench` as a user without root: nothing to measure here
         print(f"bench_goodput: skipped: no local Slurm cluster ({e})")
         return 0
+    free, hit = [], []
     try:
         env = cluster.env()
         env.update(REPO_DIR=str(REPO), VENV=str(Path(sys.executable).parent.parent), OMP_NUM_THREADS="1",
@@ -161,44 +243,20 @@ def main() -> int:
             env.pop(key)
         train = ["--model", "tiny", "--device", "cpu", "--num_layers", str(args.num_layers), "--max_context_width",
                  "32", "--train_batch_size", "2", "--max_steps", str(args.steps), "--checkpoint_freq",
-                 str(args.checkpoint_freq), "--logging_freq", "1", "--process_group_timeout", "60"]
+                 str(args.checkpoint_freq), "--logging_freq", "1"]
         with tempfile.TemporaryDirectory(prefix="llama-fp8-bench-goodput-") as tmp:
-            free = run_job(Path(tmp) / "free", env, train, args.steps, None, 0, args.seed)
-            hit = run_job(Path(tmp) / "faulted", env, train, args.steps, args.every, args.max_kills, args.seed)
+            for i in range(args.repeats):  # interleaved: fault-free, faulted, fault-free, ...
+                free.append(run_job(Path(tmp) / f"free{i}", env, train, args.steps, None, 0, args.seed + i))
+                hit.append(run_job(Path(tmp) / f"faulted{i}", env, train, args.steps, args.every, args.max_kills,
+                                   args.seed + i))
     finally:
         if own:
             lc.down(cluster)
-
-    if not hit["kills"]:
+    if not any(r["kills"] for r in hit):
         raise SystemExit(f"no kill happened: training ended within --every {args.every} s; raise --steps")
-    fails = per_failure(hit["records"], hit["kills"])
-    restart = sorted(f["restart_s"] for f in fails)
-    lost = [f["steps_lost"] for f in fails]
-    goods = [r for r in free["records"] if r.get("type") == "goodput"]
-    saves = -(-args.steps // args.checkpoint_freq)
-    save_s = sum(g["checkpoint_sync_s"] + g["checkpoint_async_s"] for g in goods) / saves if goods else None
-    step_s = sum(g["productive_s"] for g in goods) / max(args.steps - args.checkpoint_freq, 1) if goods else None
-    mtbf = hit["wall_s"] / max(len(hit["kills"]), 1)
-    best = goodput.checkpoint_interval(save_s, mtbf) if save_s else None
-    ratio = hit["wall_s"] / free["wall_s"]
-    print(f"{'run':<10} {'wall s':>8} {'kills':>6} {'restart s (median/max)':>24} {'steps lost/failure':>20}")
-    print(f"{'faultfree':<10} {free['wall_s']:>8.0f} {0:>6}")
-    print(f"{'faulted':<10} {hit['wall_s']:>8.0f} {len(hit['kills']):>6} "
-          f"{(f'{statistics.median(restart):.1f} / {restart[-1]:.1f}' if restart else 'n/a'):>24} "
-          f"{(f'{statistics.mean(lost):.2f}' if lost else 'n/a'):>20}")
-    print(f"wall faulted / fault-free: {ratio:.2f}x; expected steps lost per failure: {args.checkpoint_freq / 2:.1f} "
-          f"(half of --checkpoint_freq {args.checkpoint_freq})")
-    if best:
-        print(f"save {save_s:.3f} s, step {step_s:.3f} s, one failure per {mtbf:.0f} s: Young/Daly interval "
-              f"{best:.1f} s = {best / step_s:.0f} steps")
-    print(json.dumps({"bench": "goodput", "ratio": ratio, "wall_faultfree_s": free["wall_s"],
-                      "wall_faulted_s": hit["wall_s"], "kills": len(hit["kills"]), "every_s": args.every,
-                      "restart_s": restart, "restart_median_s": statistics.median(restart) if restart else None,
-                      "restart_max_s": restart[-1] if restart else None, "steps_lost": lost, "failures": fails,
-                      "steps_lost_mean": statistics.mean(lost) if lost else None,
-                      "steps_lost_expected": args.checkpoint_freq / 2, "checkpoint_freq": args.checkpoint_freq,
-                      "steps": args.steps, "save_s": save_s, "step_s": step_s, "mtbf_s": mtbf,
-                      "young_daly_interval_s": best}))
+    s = summarize(free, hit, args.checkpoint_freq, args.steps)
+    print(table(s))
+    print(json.dumps(s))
     return 0
 
 

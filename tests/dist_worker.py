@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from llama_fp8 import config, parallel, train
+from llama_fp8 import config, faults, parallel, train
 
 
 def run_rank(out_dir: Path, argv: list[str]) -> None:
@@ -13,6 +13,7 @@ def run_rank(out_dir: Path, argv: list[str]) -> None:
     env = parallel.init_distributed(cfg)
     try:
         summary = train.train(cfg, env)
+        summary["group_timeouts"] = faults.group_timeouts()  # every process group the run created, and its timeout
     finally:
         parallel.destroy_distributed()
     (out_dir / f"rank{env.rank}.json").write_text(json.dumps({"rank": env.rank, **summary}))

@@ -31,7 +31,7 @@ from pathlib import Path
 
 APT_PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 REQUIRED_BINARIES = ["slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "munged", "munge"]
-SLURMD_PORTS = (17001, 17002)
+SLURMD_PORTS = (17001, 17002, 17003)
 CPUS_PER_NODE = 2
 HERE = Path(__file__).resolve().parent
 
@@ -226,8 +226,8 @@ def install_sacct_standin(cluster: Cluster) -> None:
 
 def up(root: str | Path, nodes: int = 1, install: bool = True) -> Cluster:
     """Bring a cluster up in `root` (created, must not exist or be empty). Tears down what started on failure."""
-    if nodes not in (1, 2):
-        raise ValueError(f"--nodes must be 1 or 2, got {nodes}")
+    if nodes not in (1, 2, 3):
+        raise ValueError(f"--nodes must be 1, 2 or 3, got {nodes}")
     if os.geteuid() != 0:
         raise ClusterUnavailable("a local Slurm needs root (slurmd runs jobs as any user; munged as munge)")
     ensure_installed(install)
@@ -298,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=["up", "down", "env"])
     parser.add_argument("--dir", required=True, help="cluster directory (fresh for `up`)")
-    parser.add_argument("--nodes", type=int, default=1, choices=[1, 2], help="slurmd daemons (n1, n2)")
+    parser.add_argument("--nodes", type=int, default=1, choices=[1, 2, 3],
+                        help="slurmd daemons (n1, n2, n3: a third one lets a 2-node job leave a node behind)")
     parser.add_argument("--no-install", action="store_true", help="do not apt-get install missing packages")
     args = parser.parse_args(argv)
     try:

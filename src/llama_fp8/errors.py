@@ -12,6 +12,10 @@ EXIT_NONFINITE = 3
 EXIT_DOES_NOT_FIT = 4
 """``llama_fp8 estimate``: the configuration does not fit the GPU's memory (the batch scripts' pre-job check and
 ``submit`` stop on it)."""
+EXIT_TRANSIENT = 75
+"""Exit code of a failure of the machine or its services, not of the config (sysexits' EX_TEMPFAIL): an I/O error,
+the network, CUDA failing to start, a device lost, a peer's failure (``faults.transient`` names the class). The
+launcher restarts the workers and counts the failure against the node it happened on; a rerun may well succeed."""
 EXIT_STAND_IN_DOES_NOT_FIT = 5
 """``llama_fp8 estimate``: it does not fit as estimated through a stand-in implementation, while what any
 implementation holds does (a warning: nothing is stopped on it)."""

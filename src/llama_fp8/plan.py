@@ -42,6 +42,7 @@ class RunPlan:
     checkpoint_dir: str
     resume_from: str | None  # a complete step_N folder, or None: start from scratch
     global_batch: int  # sequences per optimizer step: micro-batch x data-parallel ranks x accumulation
+    resume_checked: bool = True  # False: the checkpoint this job saved, resumed without the start-up check
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -8,9 +8,10 @@ from slurm_helpers import local_cluster, make_job_env, unavailable
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
-    """A two-node cluster (n1, n2 on this host) for the whole session; every daemon stopped by PID after."""
+    """A three-node cluster (n1, n2, n3 on this host) for the whole session: the jobs take two nodes, the third lets
+    a job leave a node behind; every daemon stopped by PID after."""
     try:
-        c = local_cluster.up(tmp_path_factory.mktemp("slurm"), nodes=2)
+        c = local_cluster.up(tmp_path_factory.mktemp("slurm"), nodes=3)
     except local_cluster.ClusterUnavailable as e:
         unavailable(str(e))
     pids = dict(c.pids)

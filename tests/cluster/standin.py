@@ -16,10 +16,12 @@ from helpers import REPO, cli_env
 
 # The worker appends "attempt rank" to attempts.txt, writes its progress file, then acts on the plan
 # {attempt: {rank: action}}. An action is an exit code, "kill" (SIGKILL itself), "wait" (sleep until killed,
-# its progress 60 s old), or a dict:
-#   exit      code | "kill" | "wait" | "segv" (default 0)
+# 0.5 s steps), or a dict:
+#   exit      code | "kill" | "wait" | "segv" | "stop" (SIGSTOP itself) (default 0)
 #   phase     progress phase written ("step"; "startup", "finished"; None: no progress file at all)
 #   step      step written (default plan["steps"][attempt], else 5); step_s: the previous step's seconds
+#   seq       collectives issued per process group ({"0": 41}); ckpt: the latest complete checkpoint; error: the
+#             failure the rank reports ({"kind": "io", "line": "..."})
 #   age       seconds the progress record is made older by
 #   after     seconds to sleep before acting (default 0.3)
 #   on_term   keep running on SIGTERM, leaving sigterm.<attempt>.<rank> (a worker that starts saving)
@@ -38,7 +40,7 @@ WORKER = textwrap.dedent("""
     plan = json.loads((here / "plan.json").read_text())
     todo = plan.get(str(attempt), {}).get(str(rank), 0)
     if not isinstance(todo, dict):
-        todo = {"exit": todo, **({"age": 60, "step_s": 0.5} if todo == "wait" else {})}
+        todo = {"exit": todo, **({"step_s": 0.5} if todo == "wait" else {})}
     step = todo.get("step", plan.get("steps", {}).get(str(attempt), 5))
     if todo.get("on_term"):
         signal.signal(signal.SIGTERM, lambda *_: (here / f"sigterm.{attempt}.{rank}").touch())
@@ -49,7 +51,8 @@ WORKER = textwrap.dedent("""
         Path(folder, f"rank{rank}.json").write_text(json.dumps(
             {"rank": rank, "step": step, "phase": todo.get("phase", "step"),
              "time": time.time() - todo.get("age", 0), "pid": os.getpid(), "step_s": todo.get("step_s"),
-             "ckpt": todo.get("ckpt")}))
+             "step_max_s": todo.get("step_s"), "ckpt": todo.get("ckpt"), "seq": todo.get("seq", {}),
+             **({"error": todo["error"]} if "error" in todo else {})}))
     (here / f"started.{attempt}.{rank}").write_text(f"{os.getpid()} {os.getppid()}")
     while todo.get("wait_for") and not (here / todo["wait_for"]).exists():
         time.sleep(0.05)
@@ -66,6 +69,8 @@ WORKER = textwrap.dedent("""
         os.kill(os.getpid(), signal.SIGKILL)
     if action == "segv":
         os.kill(os.getpid(), signal.SIGSEGV)
+    if action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
     if action == "wait":
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -104,22 +109,25 @@ def free_port() -> int:
 
 
 def launch_nodes(tmp_path: Path, plan: dict, max_restarts: int = 3, nodes: int = 2, port: int | None = None,
-                 conf: str = "", started: int | None = None, **env) -> list[subprocess.Popen]:
+                 conf: str = "", started: int | None = None, nproc: int = 1, names: bool = False,
+                 **env) -> list[subprocess.Popen]:
     """``nodes`` launchers on localhost (the first ``started`` of them: a node whose launcher never starts), one
     worker each, as 1.train_llama.sbatch starts them on Slurm nodes: a c10d rendezvous hosted by the first
-    (``is_host=1``), node ids in SLURM_NODEID (the outcome files)."""
+    (``is_host=1``), node ids in SLURM_NODEID (the outcome files); ``nproc`` workers each; with ``names`` each
+    launcher has its own Slurm node name (SLURMD_NODENAME n1, n2, ...: the node a failure is charged to)."""
     prepare(tmp_path, plan)
     port = port or free_port()
     procs = []
     for node in range(nodes if started is None else started):
-        cmd = [sys.executable, "-m", "llama_fp8", "launch", f"--nnodes={nodes}", "--nproc_per_node=1",
+        cmd = [sys.executable, "-m", "llama_fp8", "launch", f"--nnodes={nodes}", f"--nproc_per_node={nproc}",
                f"--max_restarts={max_restarts}", "--monitor_interval=0.1", "--rdzv_backend=c10d",
                f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=standin",
                f"--rdzv_conf={conf}is_host={int(node == 0)}", str(tmp_path / "worker.py"), str(tmp_path)]
         with open(tmp_path / f"node{node}.err", "w") as err:
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, cwd=REPO,
                                           env=cli_env(LLAMA_FP8_OUTCOME_DIR=str(tmp_path / "outcome"),
-                                                      SLURM_NODEID=str(node), **env)))
+                                                      SLURM_NODEID=str(node), **env,
+                                                      **({"SLURMD_NODENAME": f"n{node + 1}"} if names else {}))))
     return procs
 
 
@@ -142,12 +150,18 @@ def attempts(tmp_path: Path, rank: int = 0) -> int:
     return sum(1 for ln in lines if ln.endswith(f" {rank}"))
 
 
-def outcome(tmp_path: Path, node: str | None = None) -> tuple[int, str, str]:
-    """(code, action, line) of the outcome file (``node<N>``; the only one when ``node`` is None)."""
+def outcome_fields(tmp_path: Path, node: str | None = None) -> dict:
+    """The outcome file (``node<N>``; the only one when ``node`` is None) as a dict: code, action, checkpoint,
+    failed (``node@round`` list), exclude (list), line."""
     files = [tmp_path / "outcome" / node] if node else list((tmp_path / "outcome").iterdir())
     (f,) = files
-    code, action, line = f.read_text().strip().split(" ", 2)
-    ckpt, _, rest = line.partition(" ")
-    if ckpt == "-" or ckpt.isdigit():  # the latest complete checkpoint the node knew of
-        line = rest
-    return int(code), action, line
+    code, action, ckpt, failed, exclude, line = f.read_text().strip().split(" ", 5)
+    return {"code": int(code), "action": action, "checkpoint": None if ckpt == "-" else int(ckpt),
+            "failed": [] if failed == "-" else failed.split(","), "exclude": [] if exclude == "-" else exclude.split(","),
+            "line": line}
+
+
+def outcome(tmp_path: Path, node: str | None = None) -> tuple[int, str, str]:
+    """(code, action, line) of the outcome file (``node<N>``; the only one when ``node`` is None)."""
+    got = outcome_fields(tmp_path, node)
+    return got["code"], got["action"], got["line"]

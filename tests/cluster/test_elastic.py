@@ -22,8 +22,8 @@ def test_a_crash_restarts_every_rank_and_the_job_succeeds(tmp_path):
     rc, err = launch(tmp_path, {"0": {"1": "kill"}})
     assert rc == 0, err[-2000:]
     assert attempts(tmp_path) == 2
-    assert "rank 1 (killed by SIGKILL) in step 5; restarting the workers of every node (restart 1 of 3 for the " \
-           "job)" in err
+    assert "rank 1 (killed by SIGKILL) in step 5; charged to node" in err and "(1 of 2); restarting the workers of " \
+           "every node (restart 1 of the job, 1 of 3 without a new checkpoint)" in err
     assert outcome(tmp_path) == (0, "done", "training finished on every node")
 
 
@@ -31,8 +31,8 @@ def test_the_restart_budget_is_the_jobs_and_ends_with_the_crash_code(tmp_path):
     """Four crashes at four different steps with --max_restarts 3: three restarts, then the job stops."""
     rc, err = launch(tmp_path, {**{str(a): {"0": 1} for a in range(5)}, "steps": {"0": 1, "1": 2, "2": 3, "3": 4}})
     assert rc == 1 and attempts(tmp_path) == 4, err[-2000:]
-    assert "restart 3 of 3 for the job" in err
-    assert "rank 0 (exit 1) in step 4; the job's 3 restart(s) are used up: not restarting, the job ends with " \
+    assert "restart 3 of the job, 3 of 3 without a new checkpoint" in err
+    assert "in step 4; the job's 3 restart(s) without a new checkpoint are used up: not restarting, the job ends with " \
            "exit 1" in err
     assert outcome(tmp_path)[:2] == (1, "fail")
 
@@ -53,13 +53,15 @@ def test_the_same_step_failing_again_after_a_restart_is_not_restarted_again(tmp_
 
 
 def test_a_live_rank_without_progress_is_named_and_killed_at_once(tmp_path):
-    """Rank 0 exits 1 while rank 1 sleeps (a hang): rank 1 is named, as it has reported no progress for 60 s with
-    0.5 s steps, and killed with SIGKILL (torch would send SIGTERM, which our workers read as "save", and wait
-    30 s): its SIGTERM handler never runs."""
-    plan = {"0": {"0": 1, "1": {"exit": "wait", "age": 60, "step_s": 0.5, "on_term": True}}, "steps": {"0": 5, "1": 6}}
+    """Rank 1 sleeps (a hang) while rank 0 moves: rank 1 is named at once, without any failure (it has reported no
+    progress for 60 s with 0.5 s steps: bound 15 s), and both are killed with SIGKILL (torch would send SIGTERM,
+    which our workers read as "save", and wait 30 s): its SIGTERM handler never runs."""
+    plan = {"0": {"0": {"exit": "wait", "step_s": 0.5}, "1": {"exit": "wait", "age": 60, "step_s": 0.5,
+                                                              "on_term": True}}, "steps": {"0": 5, "1": 6}}
     rc, err = launch(tmp_path, plan)
     assert rc == 0 and attempts(tmp_path) == 2, err[-2000:]
-    assert "stopped moving: state S in step 5, no progress for" in err, err[-2000:]
+    assert "a hang: rank 1 (" in err and "in step 5, no progress for" in err, err[-2000:]
+    assert "rank(s) 0 wait for it" in err, err[-2000:]
     assert not list(tmp_path.glob("sigterm.*")), "the sleeping rank got SIGTERM before SIGKILL"
     assert "closing signal SIGTERM" not in err, err[-2000:]  # torch found it reaped: it sent no SIGTERM at all
 
@@ -114,7 +116,7 @@ def test_a_signal_death_is_named_before_a_peers_exit_1(tmp_path):
     plan = {"0": {"1": "kill", "0": {"exit": 1, "peer_gone": 1, "after": 0}}}
     rc, err = launch(tmp_path, plan, monitor_interval=2)
     assert rc == 0, err[-2000:]
-    assert "rank 1 (killed by SIGKILL) in step 5; restarting" in err, err[-2000:]
+    assert "rank 1 (killed by SIGKILL) in step 5; charged to node" in err, err[-2000:]
 
 
 def patched_launcher(code: str) -> list[str]:
@@ -130,7 +132,7 @@ def test_torchs_uninterruptible_sleep_guard_is_respected(tmp_path):
     code = ("from torch.distributed.elastic.agent.server import local_elastic_agent as L\n"
             "L.read_proc_state = lambda pid: 'D'")
     rc, err = launch(tmp_path, {"0": {"0": "wait", "1": "wait"}}, python=patched_launcher(code),
-                     TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT="0.5")
+                     TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT="0.5", LLAMA_FP8_HANG_FACTOR="0")  # the guard alone
     assert attempts(tmp_path) == 1 and rc == 1, err[-2000:]
     code_, action, line = outcome(tmp_path)
     assert (code_, action) == (1, "retry") and "uninterruptible sleep" in line, line
@@ -198,13 +200,13 @@ def test_the_agent_checks_the_rendezvous_round_and_its_workers():
     from llama_fp8.cluster.launch import elastic
 
     agent = object.__new__(elastic.JobAgent)
-    agent._remaining_restarts = 2
     agent._worker_group = SimpleNamespace(spec=SimpleNamespace(
         rdzv_handler=object.__new__(DynamicRendezvousHandler), max_restarts=3, local_world_size=2))
     with pytest.raises(elastic.JobStop) as e:
         agent._round()
     assert e.value.code == 2 and "rendezvous round" in e.value.line and "torch 2." in e.value.line
-    agent._worker_group.spec.rdzv_handler = SimpleNamespace()  # a static rendezvous: no rounds, torch's count
+    agent._worker_group.spec.rdzv_handler = SimpleNamespace()  # a static rendezvous: no rounds, its own count
+    agent.restarts = 1
     assert agent._round() == 1
     agent._pcontext = SimpleNamespace(close=lambda *a, **k: None)  # workers kept where the agent cannot see them
     with pytest.raises(elastic.JobStop) as e:
@@ -215,19 +217,33 @@ def test_the_agent_checks_the_rendezvous_round_and_its_workers():
 
 def test_heartbeat_round_trip_and_foreign_files_are_skipped(tmp_path, monkeypatch):
     monkeypatch.setenv(heartbeat.ENV, str(tmp_path))
-    clock = iter([100.0, 104.5, 130.0, 131.0])
-    monkeypatch.setattr(heartbeat.time, "time", lambda: next(clock))
+    now = [90.0]
+    monkeypatch.setattr(heartbeat.time, "time", lambda: now[0])
     saved = [None]
     beat = heartbeat.Heartbeat(3, lambda: saved[0])
-    beat.beat(7, "step")                      # t=100
+    beat.beat(0, "startup")                   # t=90: the process's first line
+    now[0] = 95.0
+    beat.beat(6, "startup")                   # t=95: built and resumed from step 6: start-up goes on
+    now[0] = 100.0
+    beat.beat(7, "step")                      # t=100: start-up took 10 s
+    now[0] = 104.5
     saved[0] = 6
-    beat.beat(7, "save")                      # t=104.5: step 7's own work took 4.5 s
-    assert heartbeat.read(tmp_path)[3] | {"pid": 0} == {"rank": 3, "step": 7, "phase": "save", "time": 104.5,
-                                                        "pid": 0, "step_s": 4.5, "ckpt": 6}
-    beat.beat(8, "step")                      # t=130: the save's 25.5 s are not a step's
-    beat.beat(8, "finished")                  # t=131
+    beat.beat(7, "save")                      # t=104.5: step 7 (the attempt's first) took 4.5 s
     got = heartbeat.read(tmp_path)[3]
-    assert (got["phase"], got["step_s"], got["pid"]) == ("finished", 1.0, os.getpid())
+    assert {k: got[k] for k in ("rank", "step", "phase", "time", "since", "step_s", "step_max_s", "ckpt")} == {
+        "rank": 3, "step": 7, "phase": "save", "time": 104.5, "since": 104.5, "step_s": 4.5, "step_max_s": None,
+        "ckpt": 6}
+    assert got["took"] == {"startup": 10.0, "first_step": 4.5} and got["pid"] == os.getpid()
+    now[0] = 130.0
+    beat.beat(8, "step")                      # t=130: the save's 25.5 s are not a step's
+    now[0] = 131.0
+    beat.beat(9, "step")                      # t=131: step 8 took 1 s: the first measure of the recent steps
+    now[0] = 131.5
+    beat.beat(9, "finished")
+    got = heartbeat.read(tmp_path)[3]
+    assert (got["phase"], got["step_s"], got["step_max_s"], got["took"]["save"]) == ("finished", 0.5, 1.0, 25.5)
+    beat.failed("io", "OSError: [Errno 5] Input/output error")
+    assert heartbeat.read(tmp_path)[3]["error"] == {"kind": "io", "line": "OSError: [Errno 5] Input/output error"}
     (tmp_path / "rank4.json").write_text("{not json")
     (tmp_path / "rank5.json").write_text(json.dumps({"rank": 5, "step": "x"}))
     (tmp_path / "rank6.json").write_bytes(b" " * (heartbeat.MAX_BYTES + 1))
@@ -238,18 +254,51 @@ def test_heartbeat_round_trip_and_foreign_files_are_skipped(tmp_path, monkeypatc
     assert not (tmp_path / "rank0.json").exists()
 
 
-def test_flight_recorder_dumps_into_the_run_folder_on_cuda_only(tmp_path, monkeypatch):
+def test_the_progress_thread_counts_collectives_and_shows_a_long_data_wait(tmp_path, monkeypatch):
+    """A collective issued is progress (the thread sees torch's sequence number move while the training thread may
+    be blocked); a step waiting for data longer than DATA_AFTER_S shows the phase ``data``, and the step again once
+    the data came."""
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.setenv(heartbeat.ENV, str(tmp_path))
+    fresh = not dist.is_initialized()
+    if fresh:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        beat = heartbeat.Heartbeat(0)
+        beat.beat(1, "step")
+        beat.tick()
+        before = heartbeat.read(tmp_path)[0]["seq"]
+        dist.all_reduce(torch.ones(1))
+        beat.tick()
+        after = heartbeat.read(tmp_path)[0]["seq"]
+        assert sum(after.values()) == sum(before.values()) + 1, (before, after)
+        monkeypatch.setattr(heartbeat, "DATA_AFTER_S", 0.0)
+        with beat.data_wait():
+            beat.tick()
+            assert heartbeat.read(tmp_path)[0]["phase"] == "data"
+        beat.tick()
+        rec = heartbeat.read(tmp_path)[0]
+        assert rec["phase"] == "step" and rec["time"] >= rec["since"]
+    finally:
+        if fresh:
+            dist.destroy_process_group()
+
+
+def test_the_flight_recorder_dumps_into_the_run_folder_when_it_is_on(tmp_path, monkeypatch):
+    """The dump path (torch appends the rank) in the run folder whenever the recorder is on, on gloo too; off
+    without TORCH_FR_BUFFER_SIZE. What a dump holds is checked on a real hang: test_hangs.py."""
     from llama_fp8 import config
     from llama_fp8.train import flight_recorder
     monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE", raising=False)
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "20000")
-    cfg = config.parse_args(["--model", "tiny", "--device", "cuda", "--run_dir", str(tmp_path / "run")])
+    cfg = config.parse_args(["--model", "tiny", "--device", "cpu", "--run_dir", str(tmp_path / "run")])
     assert flight_recorder.set_dump_path(cfg) == str(tmp_path / "run" / "comm_traces" / "rank_")
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "run" / "comm_traces" / "rank_")
     assert (tmp_path / "run" / "comm_traces").is_dir()
     monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE")
-    assert flight_recorder.set_dump_path(config.parse_args(["--model", "tiny", "--device", "cpu"])) is None
-    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE")
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
     assert flight_recorder.set_dump_path(cfg) is None and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
 
 
@@ -264,7 +313,7 @@ def test_a_crash_before_the_first_checkpoint_starts_the_job_over(tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=240, env=cli_env(
         LLAMA_FP8_FAULT="kill@step:step=2:rank=1:once", LLAMA_FP8_FAULT_DIR=str(tmp_path)))
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "restart 1 of 1 for the job" in p.stderr and "already holds metrics.jsonl" not in p.stderr
+    assert "restart 1 of the job, 1 of 1 without a new checkpoint" in p.stderr and "already holds metrics.jsonl" not in p.stderr
     assert [r["step"] for r in train_records(tmp_path / "run")] == [1, 1, 2, 3]  # step 1 trained twice
 
 

@@ -26,7 +26,7 @@ def test_the_restart_budget_is_the_jobs_across_nodes(tmp_path):
     assert attempts(tmp_path, 0) == 3 and attempts(tmp_path, 1) == 3, err[-4000:]
     assert "closing signal SIGTERM" not in err, err[-4000:]  # the healthy node's workers: SIGKILL only
     assert 1 in codes and set(codes) <= {1, 86}, err[-4000:]
-    assert "the job's 2 restart(s) are used up" in err, err[-4000:]
+    assert "the job's 2 restart(s) without a new checkpoint are used up" in err, err[-4000:]
 
 
 def test_a_failure_after_training_finished_ends_the_job_as_done(tmp_path):

@@ -14,7 +14,7 @@ from helpers import REPO
 
 def outcome_rc(tmp_path: Path, files: dict[str, str], srun_rc: int, max_requeues: str | int = 3,
                restarts: int = 1) -> tuple[int, str]:
-    """job_lib.sh's lf_outcome on these outcome files (``CODE ACTION CKPT LINE``) and srun's code, in a job whose
+    """job_lib.sh's lf_outcome on these outcome files (``CODE ACTION CKPT FAILED EXCLUDE LINE``) and srun's code, in a job whose
     SLURM_RESTART_COUNT is ``restarts`` (0: its first run)."""
     folder = tmp_path / "out"
     folder.mkdir(exist_ok=True)
@@ -37,20 +37,20 @@ def counter(tmp_path: Path) -> list[str]:
 
 def test_lf_outcome_requeues_what_it_should_and_caps_the_rest(tmp_path):
     (tmp_path / "logs").mkdir()
-    assert outcome_rc(tmp_path, {"node0": "0 done 8 ok", "node1": "0 done 8 ok"}, 0)[0] == 0
+    assert outcome_rc(tmp_path, {"node0": "0 done 8 - - ok", "node1": "0 done 8 - - ok"}, 0)[0] == 0
     # a deterministic failure on one node wins over the other node's requeue, and over srun's 143
-    rc, out = outcome_rc(tmp_path, {"node0": "3 fail 4 rank 0: NaN", "node1": "85 requeue 4 saved"}, 143)
+    rc, out = outcome_rc(tmp_path, {"node0": "3 fail 4 - - rank 0: NaN", "node1": "85 requeue 4 - - saved"}, 143)
     assert rc == 3 and "rank 0: NaN; not requeued" in out
     # a checkpoint saved after a signal: always requeued, whatever srun said
-    assert outcome_rc(tmp_path, {"node1": "85 requeue 6 saved"}, 143)[0] == 85
+    assert outcome_rc(tmp_path, {"node1": "85 requeue 6 - - saved"}, 143)[0] == 85
     # a launcher that failed by itself before deciding (it could not even start): its code, not requeued
     rc, out = outcome_rc(tmp_path, {}, 1)
     assert rc == 1 and "failed with code 1 before its launchers decided (the error is above); not requeued" in out
     # nothing saved (a lost rendezvous host, a launcher killed without a word): MAX_REQUEUES times, then no more
     rc, out = outcome_rc(tmp_path, {}, 137, max_requeues=2)
     assert rc == 85 and "requeue 1 of 2 (MAX_REQUEUES)" in out
-    assert outcome_rc(tmp_path, {"node1": "86 retry - lost the rendezvous"}, 143, max_requeues=2)[0] == 85
-    rc, out = outcome_rc(tmp_path, {"node1": "86 retry - lost the rendezvous"}, 143, max_requeues=2)
+    assert outcome_rc(tmp_path, {"node1": "86 retry - - - lost the rendezvous"}, 143, max_requeues=2)[0] == 85
+    rc, out = outcome_rc(tmp_path, {"node1": "86 retry - - - lost the rendezvous"}, 143, max_requeues=2)
     assert rc == 143 and "not requeued: 2 requeue(s) without a new checkpoint already (MAX_REQUEUES=2)" in out
     assert len(counter(tmp_path)) == 2
 
@@ -59,8 +59,8 @@ def test_a_finished_node_and_a_closed_one_is_a_finished_job(tmp_path):
     """One node finished training (its launcher: done), the other's launcher found the rendezvous closed: the
     training is complete (every rank passed the final checkpoint), not "failed before its launchers decided"."""
     (tmp_path / "logs").mkdir()
-    rc, out = outcome_rc(tmp_path, {"node0": "1 closed 8 another node ended the job (its line says why)",
-                                    "node1": "0 done 8 training finished on every node"}, 1)
+    rc, out = outcome_rc(tmp_path, {"node0": "1 closed 8 - - another node ended the job (its line says why)",
+                                    "node1": "0 done 8 - - training finished on every node"}, 1)
     assert rc == 0, out
     assert "training finished" in out and "before its launchers decided" not in out
 
@@ -69,7 +69,7 @@ def test_requeues_are_counted_from_the_latest_new_checkpoint(tmp_path):
     """MAX_REQUEUES bounds requeues *without a new checkpoint*: a requeue whose launchers report a later
     complete checkpoint than the last counted one starts the count again."""
     (tmp_path / "logs").mkdir()
-    retry = {"node1": "86 retry {} lost the rendezvous"}
+    retry = {"node1": "86 retry {} - - lost the rendezvous"}
 
     def once(ckpt):
         return outcome_rc(tmp_path, {k: v.format(ckpt) for k, v in retry.items()}, 143, max_requeues=2)
@@ -88,7 +88,7 @@ def test_a_requeue_that_cannot_be_counted_is_not_made(tmp_path):
     """logs/ not writable (here: a file in its place): the count cannot be kept, so the job is not requeued
     (an uncounted requeue could repeat forever)."""
     (tmp_path / "logs").write_text("not a folder")
-    rc, out = outcome_rc(tmp_path, {"node1": "86 retry 4 lost the rendezvous"}, 143)
+    rc, out = outcome_rc(tmp_path, {"node1": "86 retry 4 - - lost the rendezvous"}, 143)
     assert rc == 143 and "not requeued" in out and "cannot be counted" in out, out
 
 
@@ -97,7 +97,7 @@ def test_a_counter_left_by_an_earlier_job_with_this_id_is_ignored(tmp_path):
     reuses ids): not this job's; it starts from 0."""
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "llama-fp8-requeues_77").write_text("4 requeue 1 of 2: old\n4 requeue 2 of 2: old\n")
-    rc, out = outcome_rc(tmp_path, {"node1": "86 retry 4 lost the rendezvous"}, 143, max_requeues=2, restarts=0)
+    rc, out = outcome_rc(tmp_path, {"node1": "86 retry 4 - - lost the rendezvous"}, 143, max_requeues=2, restarts=0)
     assert rc == 85 and "requeue 1 of 2" in out, out
     assert len(counter(tmp_path)) == 1
 
@@ -156,3 +156,86 @@ def test_each_node_gives_torchrun_its_own_address_and_keeps_the_users_rendezvous
         got = dict(line.split("=", 1) for line in task.stdout.splitlines() if "=" in line)
         assert got["PET_RDZV_CONF"] == f"join_timeout=900,is_host={int(node == 0)}", got["PET_RDZV_CONF"]
         assert got.get("PET_LOCAL_ADDR") == addr, (node, got.get("PET_LOCAL_ADDR"))
+
+
+def fake_slurm(tmp_path: Path, drain_ok: bool = False) -> dict[str, str]:
+    """scontrol and sbatch replaced by recorders (slurm.calls, one call per line); `scontrol -o show job` says the
+    job has no ExcNodeList yet; a drain is refused unless ``drain_ok`` (a user without operator rights)."""
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    calls = tmp_path / "slurm.calls"
+    (fake / "scontrol").write_text(
+        f"#!/bin/bash\necho \"scontrol $*\" >>{calls}\n"
+        "case \"$*\" in\n  '-o show job 77') echo 'JobId=77 JobState=RUNNING ExcNodeList=(null) NodeList=n[1-2]';;\n"
+        f"  update\\ NodeName=*) exit {0 if drain_ok else 1};;\nesac\nexit 0\n")
+    (fake / "sbatch").write_text(f"#!/bin/bash\nprintf 'sbatch' >>{calls}\nfor a in \"$@\"; do printf ' [%s]' \"$a\" "
+                                 f">>{calls}; done\necho >>{calls}\necho 4242\n")
+    for tool in ("scontrol", "sbatch"):
+        (fake / tool).chmod(0o755)
+    return {"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1",
+            "SLURM_JOB_PARTITION": "gpu"}
+
+
+def test_a_node_charged_twice_across_runs_is_left_behind_on_requeue(tmp_path):
+    """The launchers' outcome files charge failures to nodes (node@round, each node's file repeating the job-wide
+    list): once each in the job's nodes file. A node at LF_NODE_FAILURES (2) failures, or one to exclude at once,
+    is left behind: the job is held on requeue, and a helper job sets its ExcNodeList and releases it. Before, a
+    requeue carried no exclusion and the job could land on the same node again."""
+    (tmp_path / "logs").mkdir()
+    env = fake_slurm(tmp_path)
+    outcome_dir = tmp_path / "out"
+    outcome_dir.mkdir()
+    (outcome_dir / "node0").write_text("1 retry 4 n2@0,n2@1 - node n2 has failed 2 times\n")
+    (outcome_dir / "node1").write_text("1 closed 4 n2@0,n2@1 - another node ended the job\n")
+    proc = run_lib(f"LF_OUTCOME_DIR={outcome_dir}; rc=0; lf_outcome 1 || rc=$?; echo rc=$rc; lf_requeue", tmp_path,
+                   **env)
+    assert proc.returncode == 0 and "rc=85" in proc.stdout, proc.stdout + proc.stderr
+    assert (tmp_path / "logs" / "llama-fp8-nodes_77").read_text().splitlines() == ["n2 1.0", "n2 1.1"]
+    calls = (tmp_path / "slurm.calls").read_text()
+    assert "scontrol requeuehold 77" in calls and "scontrol requeue 77\n" not in calls, calls
+    assert "[--exclude=n2]" in calls and "[--partition=gpu]" in calls, calls
+    assert "scontrol update JobId=77 ExcNodeList=n2 && scontrol release 77" in calls, calls
+    assert "requeued without n2 (ExcNodeList=n2, set and released by job 4242)" in proc.stdout
+
+
+def test_one_failure_per_node_leaves_nothing_behind_and_a_first_run_forgets_an_old_list(tmp_path):
+    (tmp_path / "logs").mkdir()
+    env = fake_slurm(tmp_path)
+    (tmp_path / "logs" / "llama-fp8-nodes_77").write_text("n5 0.0\nn5 0.1\n")  # an earlier job with this id
+    outcome_dir = tmp_path / "out"
+    outcome_dir.mkdir()
+    (outcome_dir / "node0").write_text("86 retry 4 n1@0 - lost the rendezvous\n")
+    proc = run_lib(f"LF_OUTCOME_DIR={outcome_dir}; lf_outcome 143 || true; echo bad=$(lf_bad_nodes); lf_requeue",
+                   tmp_path, **{**env, "SLURM_RESTART_COUNT": "0"})
+    assert "bad=\n" in proc.stdout, proc.stdout + proc.stderr
+    assert (tmp_path / "slurm.calls").read_text().splitlines() == ["scontrol requeue 77"]
+
+
+def test_bad_node_action_drain_and_its_fallback(tmp_path):
+    """BAD_NODE_ACTION=drain drains the node where Slurm allows it (an operator), and falls back to leaving it out
+    of this job where it does not."""
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "llama-fp8-nodes_77").write_text("n3 exclude\n")
+    proc = run_lib("lf_requeue", tmp_path, BAD_NODE_ACTION="drain", **fake_slurm(tmp_path, drain_ok=True))
+    calls = (tmp_path / "slurm.calls").read_text()
+    assert "scontrol update NodeName=n3 State=DRAIN" in calls and "scontrol requeue 77" in calls, calls
+    (tmp_path / "slurm.calls").unlink()
+    proc = run_lib("lf_requeue", tmp_path, BAD_NODE_ACTION="drain", **fake_slurm(tmp_path, drain_ok=False))
+    calls = (tmp_path / "slurm.calls").read_text()
+    assert "could not drain n3" in proc.stderr and "scontrol requeuehold 77" in calls, calls
+    assert run_lib("lf_check_knobs", tmp_path, BAD_NODE_ACTION="reboot").returncode == 1
+
+
+def test_a_preflight_that_fails_on_a_requeue_leaves_its_nodes_behind(tmp_path):
+    """Preflight failed on n2 on a requeued job: n2 is excluded and the job requeued (counted in MAX_REQUEUES),
+    not failed. On the job's first run the same failure fails the job (a setting is the likelier cause)."""
+    (tmp_path / "logs").mkdir()
+    report = tmp_path / "logs" / "pre.json"
+    (tmp_path / "logs" / "pre.json.failed").write_text("n2\n")
+    proc = run_lib("lf_preflight_failed 1", tmp_path, LLAMA_FP8_PREFLIGHT=str(report), **fake_slurm(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "preflight failed on n2 after a requeue; requeue 1 of 3" in proc.stdout, proc.stdout
+    assert "scontrol requeuehold 77" in (tmp_path / "slurm.calls").read_text()
+    first = run_lib("lf_preflight_failed 1", tmp_path, LLAMA_FP8_PREFLIGHT=str(report),
+                    **{**fake_slurm(tmp_path), "SLURM_RESTART_COUNT": "0"})
+    assert first.returncode == 1 and "preflight failed (code 1, the checks above); not requeued" in first.stdout

@@ -4,6 +4,7 @@ parameters, and the torchrun wrapper that keeps the workers' exit code."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -38,6 +39,19 @@ def test_preflight_cuda_without_gpu_fails(capsys):
     assert rc == 1
     assert line_of(out, "gpu").startswith("[FAIL]")
     assert "failed: gpu" in out.splitlines()[-1]
+
+
+def test_preflight_names_the_failing_node_for_a_requeue_to_leave_behind(tmp_path, capsys, monkeypatch):
+    """The report lists the nodes whose checks failed, and REPORT.failed has them one per line: a requeued job
+    leaves them behind (job_requeue.sh lf_preflight_failed); a passing preflight removes an old list."""
+    monkeypatch.setenv("SLURMD_NODENAME", "n2")
+    report = tmp_path / "pre.json"
+    rc, _ = run_preflight(["--device", "cuda", "--report", str(report)], capsys)
+    assert rc == 1 and json.loads(report.read_text())["failed_nodes"] == ["n2"]
+    assert (tmp_path / "pre.json.failed").read_text() == "n2\n"
+    rc, _ = run_preflight(["--device", "cpu", "--report", str(report), "--", "--model", "tiny", "--run_dir",
+                           str(tmp_path / "r")], capsys)
+    assert rc == 0 and not (tmp_path / "pre.json.failed").exists()
 
 
 def test_preflight_reads_train_flags(tmp_path, capsys):

@@ -330,7 +330,8 @@ def test_val_data_files(tmp_path, corpus, tok_dir):
 
 
 # ------------------------------------------------------------------------------------- errors
-def test_error_messages(tmp_path, corpus, tok_dir):
+def test_error_messages(tmp_path, corpus, tok_dir, monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # a hub id without the Hub: a setting, exit 2
     no_eos = tmp_path / "no_eos"
     from transformers import AutoTokenizer
 

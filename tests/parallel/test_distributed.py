@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO, local_text_flags, read_metrics, run_cli, train_records
+from helpers import REPO, cli_env, local_text_flags, read_metrics, run_cli, train_records
 
 pytestmark = pytest.mark.slow
 
@@ -77,10 +79,14 @@ def test_a_startup_failure_on_one_rank_stops_every_rank(tmp_path):
     for s in seen:
         assert s["config_error_on_1"] == {"raised": "AgreedError",
                                           "message": "--dataset=/nope: missing (on rank 1 of 2)"}
-    # An unexpected failure keeps its own exception where it happened; the other rank is told.
+    # An unexpected failure keeps its own exception where it happened; the other rank is told, as a peer's failure
+    # (exit 75, restarted), not as a bad config (before: AgreedError, exit 2, the job ended for good).
     assert seen[0]["crash_on_0"] == {"raised": "RuntimeError", "message": "disk on fire"}
-    assert seen[1]["crash_on_0"] == {"raised": "AgreedError",
-                                     "message": "RuntimeError: disk on fire (on rank 0 of 2)"}
+    assert seen[1]["crash_on_0"] == {"raised": "AgreedTransient", "kind": "peer",
+                                     "message": "rank 0 failed at start-up (RuntimeError: disk on fire) (on rank 0 of 2)"}
+    assert seen[0]["eio_on_0"] == {"raised": "OSError", "message": "[Errno 5] Input/output error"}
+    assert seen[1]["eio_on_0"]["raised"] == "AgreedTransient" and seen[1]["eio_on_0"]["kind"] == "peer"
+    assert "an I/O error: OSError: [Errno 5] Input/output error" in seen[1]["eio_on_0"]["message"]
 
 
 def test_a_bad_data_config_exits_2_on_every_rank_with_one_message(tmp_path):
@@ -123,3 +129,39 @@ def test_validation_loss_is_the_mean_over_ranks(tmp_path, monkeypatch):
         torch.distributed.destroy_process_group()
     assert abs(per_rank[0] - per_rank[1]) > 1e-3, "the ranks validate on different documents"
     assert logged[0] == pytest.approx(sum(per_rank) / 2, rel=1e-5), (logged, per_rank)
+
+
+def test_every_process_group_gets_its_timeout(tmp_path):
+    """4 ranks on a 2 x 2 mesh (dp_shard x tp) with a checkpoint: every process group the run creates - the default
+    one, DeviceMesh's sub-groups, the signal check's - waits --process_group_timeout, the checkpointer's waits
+    --checkpoint_timeout. Before, DeviceMesh's sub-groups kept torch's default (30 minutes on gloo, 10 on NCCL)
+    while the README said the flag bounds every collective."""
+    ranks = run_worker(tmp_path, "mesh", 4, "--max_steps", "2", "--train_batch_size", "2", "--tp_size", "2",
+                       "--checkpoint_freq", "2", "--process_group_timeout", "77", "--checkpoint_timeout", "99")
+    for r in ranks:
+        got = sorted(r["group_timeouts"].values())
+        # world, the tp and the dp_shard sub-groups, the signal check's: 77 s; the checkpointer's: 99 s
+        assert len(got) >= 5 and got == [77.0] * (len(got) - 1) + [99.0], r["group_timeouts"]
+
+
+def test_the_device_is_agreed_once_for_the_job(tmp_path):
+    """--device auto where CUDA starts on no rank: every rank runs on the CPU (gloo). Where it starts on rank 0 only
+    (rank 1's node lost its driver): before, rank 0 built NCCL and rank 1 gloo, and the start-up hung until the
+    timeout, twice; now both stop at once with one line naming rank 1's node and why, the class cuda_startup on
+    rank 1 (its node is charged) and a peer's failure on rank 0."""
+    def run(good: str) -> list[dict]:
+        out = tmp_path / f"cuda{good or '-'}"
+        out.mkdir()
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            str(REPO / "tests" / "device_worker.py"), str(out)], capture_output=True, text=True,
+                           timeout=120, cwd=REPO, env=cli_env(DEVICE_WORKER_CUDA=good))
+        assert r.returncode == 0, r.stderr[-3000:]
+        return [json.loads((out / f"rank{i}.json").read_text()) for i in range(2)]
+
+    assert run("") == [{"device": "cpu"}, {"device": "cpu"}]
+    r0, r1 = run("0")
+    assert (r0["raised"], r0["kind"], r1["raised"], r1["kind"]) == ("TransientError", "peer", "TransientError",
+                                                                    "cuda_startup"), (r0, r1)
+    assert r0["message"] == r1["message"]
+    assert "CUDA did not start on" in r1["message"] and "rank(s) 1" in r1["message"], r1
+    assert "CUDA driver initialization failed" in r1["message"] and "1 of 2 ranks have it" in r1["message"]

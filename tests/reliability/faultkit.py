@@ -117,6 +117,7 @@ class Reference:
     run_dir: Path
     losses: dict[int, float]
     final: dict[str, str]
+    wall_s: float | None = None  # a Slurm job's start-to-end time (the faulted jobs are compared with it)
 
 
 def reference(run_dir: Path, nproc: int) -> Reference:

@@ -80,18 +80,26 @@ MATRIX: dict[str, tuple[str, str, str]] = {
     "test_checkpoint_dir_not_writable": (
         FAULT, "--checkpoint_dir on a read-only file system",
         "refused at start-up on every rank, before the model is built (exit 2, one message naming the dir)"),
-    # --- inside a Slurm allocation: 2 nodes x 1 rank, `sbatch 1.train_llama.sbatch` (tests/cluster/test_faults_slurm.py)
+    # --- inside a Slurm allocation: 2 nodes x 1 rank (2 x 2 where said), `sbatch 1.train_llama.sbatch`, the default
+    # timeouts (tests/cluster/test_faults_slurm.py)
     "test_worker_sigkilled_twice_restarts_in_the_job": (
         FAULT, "Slurm: SIGKILL of a worker at two random steps (rank 1, then rank 0)",
-        "every rank restarts inside the allocation twice (the job's budget: 3), resumes from the latest complete "
+        "every rank restarts inside the allocation twice, resumes from the latest complete "
         "checkpoint each time, COMPLETED without a requeue, bitwise"),
     "test_worker_sigstopped_is_detected_and_restarted": (
-        FAULT, "Slurm: rank 1 frozen by SIGSTOP in step 5; --process_group_timeout 15",
-        "rank 0's collective times out, the stopped rank is named and SIGKILLed, every rank restarts in the job "
-        "within the timeout + a restart, COMPLETED, bitwise"),
+        FAULT, "Slurm, 2 nodes x 2 ranks, the default timeouts: rank 1 frozen by SIGSTOP in step 5",
+        "the launcher sees it stall past max(5 x its step time, 15 s), names it and none of the three ranks waiting "
+        "for it, kills every rank and restarts in the job; COMPLETED, bitwise, no collective timeout"),
+    "test_every_worker_sigstopped_at_once_is_detected_and_restarted": (
+        FAULT, "Slurm, the default timeouts: every rank frozen by SIGSTOP in step 5 (a stall where nobody fails)",
+        "seen the same way, nobody named (nobody is behind), restarted in the job; COMPLETED, bitwise"),
+    "test_transient_eio_on_the_checkpoint_read_after_a_crash_is_retried": (
+        FAULT, "Slurm: rank 1 SIGKILLed in step 5, then an EIO on the restarted attempt's read of step_4 (once per rank)",
+        "the read is retried in place (not exit 2), the job resumes in the allocation; COMPLETED, bitwise"),
     "test_rank_hangs_in_a_collective_on_slurm": (
-        FAULT, "Slurm: rank 1 stuck outside collectives (a loop deaf to SIGTERM) in step 5; --process_group_timeout 15",
-        "rank 0's collective fails after 15 s naming the timeout; rank 1 named, killed; every rank restarts in the "
+        FAULT, "Slurm, the backstop (hang detection off): rank 1 stuck outside collectives (a loop deaf to SIGTERM) in "
+        "step 5; --process_group_timeout 30",
+        "rank 0's collective fails after 30 s naming the timeout; rank 1 named, killed; every rank restarts in the "
         "job, COMPLETED, bitwise"),
     "test_worker_exiting_1_restarts_in_the_job": (
         FAULT, "Slurm: rank 0 exits 1 (an exception) in step 5",
@@ -100,9 +108,15 @@ MATRIX: dict[str, tuple[str, str, str]] = {
         FAULT, "Slurm: the first node's launcher (the rendezvous host) SIGKILLed in step 4",
         "the allocation cannot continue; the batch script requeues the job (at most MAX_REQUEUES times), which "
         "resumes, COMPLETED, bitwise"),
-    "test_node_marked_down_is_requeued_by_slurm_and_resumes": (
-        FAULT, "Slurm: the second node set DOWN in step 4",
-        "Slurm requeues the job (NODE_FAIL, --requeue); when the node is back it resumes, COMPLETED, bitwise"),
+    **{f"test_node_marked_down_is_requeued_by_slurm_and_resumes[{which}]": (
+        FAULT, f"Slurm: the {which} node of the job set DOWN in step 4" + (" (it runs the batch script too)"
+                                                                           if which == "first" else ""),
+        "Slurm requeues the job (NODE_FAIL, --requeue); when the node is back it resumes, COMPLETED, bitwise")
+       for which in ("second", "first")},
+    "test_a_node_that_fails_twice_is_left_behind_on_requeue": (
+        FAULT, "Slurm, three nodes: n2 kills its rank in step 3, then again in step 5",
+        "restarted in the job once; the second failure leaves n2 behind: requeued with ExcNodeList=n2, resumes on the "
+        "other two nodes, COMPLETED, bitwise"),
     "test_sigusr1_during_a_restart_requeues": (
         FAULT, "Slurm: rank 1 killed in step 4, then SIGUSR1 (the time-limit warning) while the workers restart",
         "no restart after the signal: exit 85, the script requeues, the job resumes, COMPLETED, bitwise"),

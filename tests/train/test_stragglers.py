@@ -36,6 +36,52 @@ def test_a_rank_slowed_by_a_fault_is_named_with_host_and_gpu(tiny_args, tmp_path
     assert f"rank 1 ({socket.gethostname()} GPU 1)" in proc.stderr
 
 
+def test_a_rank_paused_from_outside_half_the_time_is_named_as_the_one_the_others_wait_for(tiny_args, tmp_path):
+    """Rank 1 of 2 gloo ranks is stopped and continued from outside, 60 ms of every 120 (a noisy neighbour, a
+    throttled device): its steps take as long as rank 0's (every collective makes rank 0 wait for it), so host step
+    timers make them equal and it was not named. Rank 0 spends its waits in the collectives, rank 1 hardly any:
+    rank 1 is named, with the cause "the others wait for it"; rank 0 never is."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from helpers import worker_pids
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "llama_fp8",
+           "train", *tiny_args, "--max_steps", "60", "--logging_freq", "10", "--straggler_threshold_pct", "10"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(), cwd=REPO)
+    done = threading.Event()
+
+    def noisy_neighbour():
+        pid = None
+        while pid is None and not done.is_set():
+            pid = worker_pids(proc.pid).get(1)
+            time.sleep(0.05)
+        while not done.is_set():
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.06)
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(0.06)
+            except ProcessLookupError:
+                return
+
+    pauser = threading.Thread(target=noisy_neighbour, daemon=True)
+    pauser.start()
+    try:
+        _, err = proc.communicate(timeout=600)
+    finally:
+        done.set()
+        pauser.join()
+    assert proc.returncode == 0, err[-3000:]
+    recs = train_records(tmp_path / "run")[1:]  # the first window holds start-up's warm-up
+    named = [[(s["rank"], s["cause"]) for s in rec["stragglers"]] for rec in recs]
+    assert all((0, "the others wait for it") not in n and all(r == 1 for r, _ in n) for n in named), named
+    assert sum((1, "the others wait for it") in n for n in named) >= len(recs) - 1, named
+    assert all(rec["ranks"][0]["comm_wait_s"] > rec["ranks"][1]["comm_wait_s"] for rec in recs), recs
+
+
 def test_find_stragglers_threshold_and_causes():
     ranks = [{"rank": i, "host": f"n{i // 2}", "local_rank": i % 2, "step_s": st, "data_wait_s": dw}
              for i, (st, dw) in enumerate([(1.0, 0.0), (1.0, 0.0), (1.25, 0.0), (1.0, 0.15)])]
@@ -45,6 +91,19 @@ def test_find_stragglers_threshold_and_causes():
     assert named[0]["slower_pct"] == pytest.approx((1.25 - 1.075) / 1.075 * 100)   # median of 1, 1, 1.15, 1.25
     assert stragglers.find_stragglers(ranks, 0.30) == []          # both within 30 %
     assert stragglers.find_stragglers(ranks[:1], 0.0) == []       # one rank: nobody to compare with
+
+
+def test_the_rank_that_waits_least_in_collectives_is_the_one_the_others_wait_for():
+    """Equal step times (the collectives make them so); ranks 0, 1, 3 wait 40 ms per step in collectives, rank 2
+    4 ms: the others wait for rank 2. Its margin over the median is 36 ms of a 100 ms step."""
+    ranks = [{"rank": i, "host": "n0", "local_rank": i, "step_s": 0.1, "data_wait_s": 0.0, "comm_wait_s": c}
+             for i, c in enumerate([0.04, 0.04, 0.004, 0.04])]
+    (named,) = stragglers.find_stragglers(ranks, 0.10)
+    assert (named["rank"], named["cause"]) == (2, stragglers.WAIT_CAUSE)
+    assert named["slower_pct"] == pytest.approx(36.0)
+    assert stragglers.find_stragglers(ranks, 0.40) == []
+    old = [{k: v for k, v in r.items() if k != "comm_wait_s"} for r in ranks]  # records of the previous version
+    assert stragglers.find_stragglers(old, 0.10) == []
 
 
 class FakeNvml(types.SimpleNamespace):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ from llama_fp8.checkpoint.restore import (
 )
 from llama_fp8.checkpoint.writer import HashingFileSystemWriter
 from llama_fp8.errors import AgreedError, ConfigError
+from llama_fp8.faults.transient import AgreedTransient
 
 log = logging.getLogger("llama_fp8.checkpoint")
 
@@ -42,17 +44,24 @@ class CheckpointWriteError(AgreedError):
     that save was marked complete; the checkpoints saved before it are untouched."""
 
 
+class CheckpointTransientError(AgreedTransient):
+    """A save or load failed on some rank with an error of the file system's (EIO, ESTALE: ``faults.transient``);
+    every rank raises it together: the launcher restarts the workers, who resume from the latest complete one."""
+
+
 class Checkpointer:
     """Saves every --checkpoint_freq steps (and at the end), keeps the last --keep_last_k, resumes."""
 
-    def __init__(self, ckpt_dir: Path, keep_last_k: int, async_save: bool, rank: int, world: int):
+    def __init__(self, ckpt_dir: Path, keep_last_k: int, async_save: bool, rank: int, world: int,
+                 timeout_s: float | None = None):
         self.dir, self.keep, self.async_save, self.rank, self.world = ckpt_dir, keep_last_k, async_save, rank, world
         # DCP's collectives (and ours around a save) run on a gloo group of their own: an async save's
         # background thread must never share a group with the training's collectives (two threads issuing
         # collectives on one group can pair different operations across ranks), and async saves need a
-        # CPU backend, which an NCCL-only default group does not have.
-        self._pg = dist.new_group(backend="gloo", timeout=faults.collective_timeout()) if dist.is_initialized() \
-            else None
+        # CPU backend, which an NCCL-only default group does not have. Its collectives wait up to ``timeout_s``
+        # (--checkpoint_timeout: a rank still writing a large state), not the training's timeout.
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else faults.collective_timeout()
+        self._pg = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt") if async_save else None
         # One stager for the run: it keeps its host-memory copy of the state between saves, so staging a
         # save is a copy into memory already mapped, not an allocation of the state's size with all its page
@@ -64,13 +73,19 @@ class Checkpointer:
         self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ckpt-delete")  # retired checkpoints
         self._swept = False  # leftovers of an earlier attempt removed (by the first save of this run)
         self.last_complete: int | None = None  # the step of the latest checkpoint known complete (saved or loaded)
+        self._started = 0.0  # perf_counter at the start of the save being finalized (its manifest records the time)
+
+    @property
+    def group(self):
+        """The process group of the checkpoint's collectives (None on one rank)."""
+        return self._pg
 
     # --- save ----------------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, scheduler, loader, cfg, plan=None) -> None:
         """Write checkpoint ``step``; with async_save, returns once the state is staged in host memory."""
         self.wait()  # at most one save in flight: the previous one is finalized first
         final, tmp = self.dir / f"step_{step}", self.dir / f"step_{step}{layout.TMP}"
-        t0 = time.perf_counter()
+        t0 = self._started = time.perf_counter()
         self._agree(step, lambda: self._prepare(tmp) if self.rank == 0 else None)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         self._agree(step, lambda: self._write_own(tmp, step, scheduler, loader, cfg, plan))
@@ -82,7 +97,7 @@ class Checkpointer:
                 written = dcp.save(state, storage_writer=writer, process_group=self._pg)
                 sums, error = self._my_sums(tmp, written, writer.digests), None
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported on every rank below
-                sums, error = None, _describe(e)
+                sums, error = None, (_describe(e), _kind(e))
             self._finalize(tmp, final, step, sums, error)
             log.info("checkpoint saved: %s (%.2f s)", final, time.perf_counter() - t0)
             return
@@ -92,7 +107,8 @@ class Checkpointer:
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - a staging error: agreed on in wait()
             fut = Future()
             fut.set_exception(e)
-        self._pending = (self._pool.submit(self._sums_after, fut, tmp, writer.digests), tmp, final, step)
+        self._pending = (self._pool.submit(self._sums_after, fut, tmp, writer.digests), tmp, final, step,
+                         self._started)
         log.info("checkpoint step_%d staged in %.2f s; writing in the background", step, time.perf_counter() - t0)
         faults.at("save.async_in_flight", step)
 
@@ -100,12 +116,12 @@ class Checkpointer:
         """Finish an async save in flight (every rank), then finalize it."""
         if self._pending is None:
             return
-        sums_future, tmp, final, step = self._pending
+        sums_future, tmp, final, step, self._started = self._pending
         self._pending = None
         try:
             sums, error = sums_future.result(), None
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported on every rank in _finalize
-            sums, error = None, _describe(e)
+            sums, error = None, (_describe(e), _kind(e))
         self._finalize(tmp, final, step, sums, error)
         log.info("checkpoint saved: %s (written in the background)", final)
 
@@ -119,9 +135,9 @@ class Checkpointer:
     def _write_own(self, tmp: Path, step: int, scheduler, loader, cfg, plan) -> None:
         """This rank's data position and RNG states; on rank 0 also train_state.json."""
         self._own_digests = {}
-        own_file = rank_files.RANK_FILE.format(self.rank)
-        blob = rank_files.write_rank_state(tmp / own_file, {"loader": loader.state_dict(), "rng": _rng_state()})
-        self._own_digests[own_file] = manifest.digest_bytes(blob)
+        blob = rank_files.write_rank_state(tmp / rank_files.RANK_FILE.format(self.rank), {"loader": loader.state_dict(),
+                                                                         "rng": _rng_state()})
+        self._own_digests[rank_files.RANK_FILE.format(self.rank)] = manifest.digest_bytes(blob)
         if self.rank == 0:
             body = json.dumps({
                 "step": step, "world_size": self.world, "scheduler": _jsonable(scheduler.state_dict()),
@@ -148,20 +164,19 @@ class Checkpointer:
 
         if not isinstance(written, Metadata):  # another torch's return value: DCP's own record of the save
             written = dcp_read.read_dcp_metadata(tmp)
-        names = sorted(manifest.owned_files(written, self.rank, self.world))
-        names.append(rank_files.RANK_FILE.format(self.rank))
+        names = sorted(manifest.owned_files(written, self.rank, self.world)) + [rank_files.RANK_FILE.format(self.rank)]
         if self.rank == 0:
             names += [".metadata", manifest.TRAIN_STATE]
         known = {**digests, **self._own_digests}  # hashed while written: no second pass over the bytes
         out = {n: manifest.entry(*known[n]) for n in names if n in known}
         return {**out, **manifest.sums(tmp, [n for n in names if n not in known])}
 
-    def _finalize(self, tmp: Path, final: Path, step: int, sums: dict | None, error: str | None) -> None:
+    def _finalize(self, tmp: Path, final: Path, step: int, sums: dict | None, error: tuple | None) -> None:
         """Every rank: agree that all wrote their files. Rank 0: manifest, rename, retention."""
         faults.at("save.shards_written", step)
         gathered = self._gather((sums, error))
         if any(e for _, e in gathered):
-            self._fail(step, tmp, _merge([e for _, e in gathered]))
+            self._fail(step, tmp, [e for _, e in gathered])
 
         def publish() -> None:
             if self.rank != 0:
@@ -169,13 +184,12 @@ class Checkpointer:
                 return
             files = {k: v for s, _ in gathered for k, v in s.items()}
             manifest.check_against_metadata(tmp, files)  # nothing DCP wrote is missing from the manifest
-            manifest.write_manifest(tmp, step, self.world, files)
+            manifest.write_manifest(tmp, step, self.world, files, time.perf_counter() - self._started)
             faults.at("save.marker_written", step)
             old = None
             if final.exists() and not (final / manifest.MARKER).is_file():  # not ours: kept, named
-                aside = layout.set_aside(final, layout.INCOMPLETE).name
                 log.warning("%s has no COMPLETE marker (not a checkpoint of this run); renamed to %s before "
-                            "saving step %d there, not deleted", final, aside, step)
+                            "saving step %d there, not deleted", final, layout.set_aside(final, layout.INCOMPLETE).name, step)
             elif final.exists():
                 old = layout.retire(final)  # the same step from an earlier attempt
             tmp.rename(final)
@@ -205,12 +219,15 @@ class Checkpointer:
             fn()
             error = None
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others would hang
-            error = _describe(e)
+            error = (_describe(e), _kind(e))
         errors = self._gather(error)
         if any(errors):
-            self._fail(step, tmp or self.dir / f"step_{step}{layout.TMP}", _merge(errors))
+            self._fail(step, tmp or self.dir / f"step_{step}{layout.TMP}", errors)
 
-    def _fail(self, step: int, tmp: Path, why: str) -> None:
+    def _fail(self, step: int, tmp: Path, errors: list[tuple | None]) -> None:
+        """Every rank raises: CheckpointTransientError when a rank's error was the file system's for a moment
+        (EIO, ESTALE), else CheckpointWriteError (a full disk, a permission: a rerun would fail the same way)."""
+        why, kind = _merge([e[0] if e else None for e in errors]), next((e[1] for e in errors if e and e[1]), None)
         space = _space(self.dir)  # before the partial files are removed
         self._gather(None)  # every rank has looked before rank 0 frees the space
         if self.rank == 0:
@@ -218,6 +235,9 @@ class Checkpointer:
         done = layout.complete_checkpoints(self.dir)
         intact = f"the latest complete checkpoint ({done[-1][1].name}) is intact" if done else \
             "there is no earlier complete checkpoint"
+        if kind is not None:
+            raise CheckpointTransientError(kind, f"checkpoint step_{step} was not saved to {self.dir}: {why}; "
+                                                 f"nothing of it was marked complete and {intact}")
         raise CheckpointWriteError(f"checkpoint step_{step} was not saved to {self.dir}: {why}; {space}; nothing of "
                                    f"it was marked complete and {intact}. Free space or point --checkpoint_dir at a "
                                    f"writable file system, then rerun to resume")
@@ -245,6 +265,9 @@ class Checkpointer:
             dcp.load(state, storage_reader=dcp_read.SafeFileSystemReader(str(path), files, got["dcp"]),
                      planner=dcp_read.SafeLoadPlanner(), process_group=self._pg)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line naming the checkpoint
+            kind = _kind(e)  # a read that failed past its retries on any rank: the file system, not the checkpoint
+            if kind is not None:
+                raise CheckpointTransientError(kind, f"cannot load {path}: {_describe(e)}") from None
             raise AgreedError(f"cannot load {path}: {_describe(e)}") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         same = int(meta["world_size"]) == self.world
@@ -274,12 +297,16 @@ class Checkpointer:
             fn()
             error = None
         except (ValueError, OSError) as e:  # ConfigError, UnsafeCheckpointFile, the loader's DataStateError
-            error = str(e).removeprefix(f"cannot resume from {path}: ")
+            error = (str(e).removeprefix(f"cannot resume from {path}: "), _kind(e))
         except Exception as e:  # noqa: BLE001 - a forged value deep in a state: named, agreed, no traceback
-            error = f"{type(e).__name__}: {e}"
+            error = (f"{type(e).__name__}: {e}", None)
         errors = self._gather(error)
         if any(errors):
-            raise AgreedError(f"cannot resume from {path}: {_merge(errors)}")
+            why, kind = _merge([e[0] if e else None for e in errors]), next((e[1] for e in errors if e and e[1]),
+                                                                            None)
+            if kind is not None:
+                raise CheckpointTransientError(kind, f"cannot resume from {path}: {why}")
+            raise AgreedError(f"cannot resume from {path}: {why}")
 
     def _load_other_world(self, path: Path, meta: dict, loader, extra: dict) -> None:
         """Different world size: model and optimizer reshard; the data position carries over only when it
@@ -314,6 +341,13 @@ def _merge(errors: list[str | None]) -> str:
             if part not in parts:
                 parts.append(part)
     return "; ".join(sorted(parts, key=lambda p: "[Errno" not in p))
+
+
+def _kind(e: BaseException) -> str | None:
+    """The transient class of a save's or load's error (DCP's CheckpointException: any rank's), or None."""
+    if isinstance(e, CheckpointException):
+        return next((k for exc, _ in e.failures.values() if (k := faults.kind_of(exc))), None)
+    return faults.kind_of(e)
 
 
 def _describe(e: BaseException) -> str:

@@ -11,6 +11,7 @@ verified block by block against the manifest before any tensor is loaded from th
 from __future__ import annotations
 
 import io
+import logging
 import pickle
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -24,8 +25,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 
+from llama_fp8 import faults
 from llama_fp8.checkpoint import safe_io
 from llama_fp8.checkpoint.safe_io import UnsafeCheckpointFile
+
+log = logging.getLogger("llama_fp8.checkpoint")
 
 # --- DCP metadata and non-tensor entries -------------------------------------------------------------
 _DCP = "torch.distributed.checkpoint"
@@ -248,34 +252,41 @@ class SafeFileSystemReader(FileSystemReader):
             by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for name, items in by_file.items():
             items.sort(key=lambda it: self.storage_data[it.storage_index].offset)  # one forward pass per file
-            file, want = safe_io.confined(self.fs.folder, name), self.files.get(name)
-            if want is None:
-                raise UnsafeCheckpointFile(file, "is not in the checkpoint's manifest; refused")
-            if "blocks" in want:
-                largest = max(self.storage_data[it.storage_index].length for it in items)
-                reader = safe_io.VerifiedBlocks(file, want, safe_io.HASHERS, largest)
-                try:
-                    for item in items:
-                        info = self.storage_data[item.storage_index]
-                        _check_entry(info, file)
-                        self._commit(item, torch.frombuffer(reader.span(info.offset, info.offset + info.length),
-                                                            dtype=torch.uint8) if info.length else
-                                     torch.empty(0, dtype=torch.uint8), planner, file)
-                finally:
-                    reader.close()
-            else:
-                data = self.fs.read_verified(name)
-                for item in items:
-                    info = self.storage_data[item.storage_index]
-                    _check_entry(info, file)
-                    if info.offset + info.length > data.numel():
-                        raise UnsafeCheckpointFile(file, f"is {data.numel()} bytes; DCP's metadata points at bytes "
-                                                         f"{info.offset}-{info.offset + info.length} of it")
-                    self._commit(item, data[info.offset:info.offset + info.length], planner, file)
-                del data  # this file's buffer goes before the next one is read
+            # A transient I/O error (EIO, ESTALE) reads the file again: safe, every tensor of it is copied into its
+            # place again from bytes verified anew.
+            safe_io.retry(lambda name=name, items=items: self._read_file(name, items, planner),
+                    safe_io.confined(self.fs.folder, name), log.warning)
         done: Future = Future()
         done.set_result(None)
         return done
+
+    def _read_file(self, name: str, items: list, planner) -> None:
+        """Read file ``name`` of the checkpoint, verified, and load its ``items`` (sorted by offset)."""
+        file, want = safe_io.confined(self.fs.folder, name), self.files.get(name)
+        if want is None:
+            raise UnsafeCheckpointFile(file, "is not in the checkpoint's manifest; refused")
+        faults.at("checkpoint.read")
+        if "blocks" in want:
+            largest = max(self.storage_data[it.storage_index].length for it in items)
+            reader = safe_io.VerifiedBlocks(file, want, safe_io.HASHERS, largest)
+            try:
+                for item in items:
+                    info = self.storage_data[item.storage_index]
+                    _check_entry(info, file)
+                    self._commit(item, torch.frombuffer(reader.span(info.offset, info.offset + info.length),
+                                                        dtype=torch.uint8) if info.length else
+                                 torch.empty(0, dtype=torch.uint8), planner, file)
+            finally:
+                reader.close()
+            return
+        data = self.fs.read_verified(name)
+        for item in items:
+            info = self.storage_data[item.storage_index]
+            _check_entry(info, file)
+            if info.offset + info.length > data.numel():
+                raise UnsafeCheckpointFile(file, f"is {data.numel()} bytes; DCP's metadata points at bytes "
+                                                 f"{info.offset}-{info.offset + info.length} of it")
+            self._commit(item, data[info.offset:info.offset + info.length], planner, file)
 
     @staticmethod
     def _commit(item, record: torch.Tensor, planner, file: Path) -> None:

@@ -34,8 +34,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from llama_fp8 import faults
 from llama_fp8.checkpoint import dcp_read, safe_io
 from llama_fp8.checkpoint import files as rank_files
+from llama_fp8.faults.transient import TransientError
 
 log = logging.getLogger("llama_fp8.checkpoint")
 
@@ -110,9 +112,12 @@ def check_against_metadata(folder: Path, files: dict[str, dict]) -> None:
                          f"{'; '.join(short[:5]) or f'{TRAIN_STATE} not in the manifest'}")
 
 
-def write_manifest(folder: Path, step: int, world_size: int, files: dict[str, dict]) -> None:
-    """Write COMPLETE (fsynced): the one file whose presence makes a checkpoint complete."""
-    body = json.dumps({"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size,
+def write_manifest(folder: Path, step: int, world_size: int, files: dict[str, dict],
+                   save_s: float | None = None) -> None:
+    """Write COMPLETE (fsynced): the one file whose presence makes a checkpoint complete. ``save_s``: how long the
+    save took, from its start to this manifest (what the next run's hang bound and time-limit check use)."""
+    extra = {} if save_s is None else {"save_s": round(save_s, 3)}
+    body = json.dumps({"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size, **extra,
                        "files": dict(sorted(files.items()))}, indent=1)
     with open(folder / MARKER, "w") as f:
         f.write(body + "\n")
@@ -135,6 +140,15 @@ def read_manifest(folder: Path) -> dict | None:
     for name in man["files"]:
         safe_io.confined(folder, name)  # UnsafeCheckpointFile (a ValueError) naming the entry
     return man
+
+
+def recorded_save_s(folder: Path) -> float | None:
+    """The save time a checkpoint's manifest recorded (None: an earlier version, or unreadable)."""
+    try:
+        value = (read_manifest(folder) or {}).get("save_s")
+    except (OSError, ValueError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
 
 
 def listing(folder: Path) -> dict[str, dict[str, Any]]:
@@ -160,7 +174,8 @@ def share(files: dict[str, dict], rank: int, world: int) -> list[str]:
 
 def check_files(folder: Path, files: dict[str, dict], names: list[str]) -> list[str]:
     """Problems of ``names`` (sizes, checksums, structure); [] when they are sound. A transient I/O error
-    is retried (``safe_io.retry``) before a file counts as unreadable."""
+    is retried (``safe_io.retry``); one that outlasts the retries is raised as a TransientError (the file system's
+    failure, not the checkpoint's: it must not be set aside as damaged)."""
 
     def one(name: str) -> str | None:
         try:
@@ -170,6 +185,9 @@ def check_files(folder: Path, files: dict[str, dict], names: list[str]) -> list[
         except safe_io.UnsafeCheckpointFile as e:
             return str(e)
         except OSError as e:
+            if faults.kind_of(e) is not None:
+                raise TransientError("io", f"{folder / name}: {e.strerror or e} after "
+                                           f"{len(safe_io.RETRIES)} retries") from e
             return f"{folder / name}: missing or unreadable ({e.strerror or e})"
 
     with ThreadPoolExecutor(max(1, min(4, len(names)))) as pool:

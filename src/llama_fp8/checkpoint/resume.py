@@ -3,7 +3,8 @@
 1. ``--checkpoint_dir`` is writable from every rank (a probe file), or the run stops now, not at its
    first save hours later; rank 0 takes its lock (one job per folder, ``lock.py``).
 2. The checkpoint to resume from is sound: every file has its manifest size and checksum and parses (the
-   ranks split the files and check in parallel). With ``--resume_from_checkpoint auto`` a damaged one
+   ranks split the files and check in parallel); skipped for the checkpoint this job itself saved, on a restart
+   inside the allocation (``TRUSTED_ENV``): the load verifies the bytes it uses. With ``--resume_from_checkpoint auto`` a damaged one
    is renamed ``step_N.broken``, named loudly with its broken files, and the previous complete
    checkpoint is tried; a checkpoint named explicitly is never replaced by another: the run stops.
 3. It fits this run: the same model implementation, model shape, optimizer and dataset, or the run
@@ -20,10 +21,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from llama_fp8 import parallel
+from llama_fp8 import faults, parallel
 from llama_fp8.checkpoint import layout, lock, manifest
 from llama_fp8.checkpoint.safe_io import UnsafeCheckpointFile
 from llama_fp8.errors import AgreedError, ConfigError
+from llama_fp8.faults.transient import AgreedTransient, TransientError
 
 log = logging.getLogger("llama_fp8.checkpoint")
 
@@ -35,6 +37,11 @@ MUST_MATCH = (*SHAPE_FLAGS, "optimizer", "dataset")
 is a position in that data; to train the saved weights on other data, export them with ``llama-fp8
 convert`` and start a new run with --init_from_hf)."""
 _BOOKKEEPING = {"run_dir", "checkpoint_dir", "resume_from_checkpoint", "config"}
+TRUSTED_ENV = "LLAMA_FP8_SAVED_CHECKPOINT"
+"""Set by ``llama-fp8 launch`` for a restart inside the allocation: the step of the latest checkpoint this job's
+workers saved and reported complete. Resuming from it skips the start-up check (the load verifies every byte it
+uses against the manifest: one read of the checkpoint, not two); a load that fails makes the next attempt check
+in full and fall back."""
 
 
 def probe_writable(folder: Path, rank: int = 0) -> None:
@@ -48,6 +55,9 @@ def probe_writable(folder: Path, rank: int = 0) -> None:
             os.fsync(f.fileno())
         probe.unlink()
     except OSError as e:
+        if faults.kind_of(e) is not None:  # EIO, ESTALE: the file system for a moment, not the setting
+            raise TransientError("io", f"--checkpoint_dir {folder}: a probe write from rank {rank} failed "
+                                       f"({e.strerror or e})") from e
         raise ConfigError(f"--checkpoint_dir {folder} is not writable from rank {rank} ({e.strerror or e}): no "
                           f"checkpoint could be saved; fix its permissions or mount, or choose another "
                           f"--checkpoint_dir (nothing was computed)") from None
@@ -66,17 +76,30 @@ def check_resume(cfg, env, plan):
     if plan.resume_from is None:
         return plan
     explicit = cfg.resume_from_checkpoint != "auto"
-    chosen = _first_sound(_candidates(env, Path(plan.resume_from), Path(plan.checkpoint_dir), explicit), env,
-                          explicit, Path(plan.checkpoint_dir))
+    candidates, trusted = _candidates(env, Path(plan.resume_from), Path(plan.checkpoint_dir), explicit)
+    if trusted:  # this job saved it minutes ago: the load verifies every byte it uses, one read instead of two
+        chosen = candidates[0]
+        if env.is_main:
+            log.info("resuming from %s, which this job saved (%s): not checked twice; the load verifies the bytes "
+                     "it uses", chosen, TRUSTED_ENV)
+    else:
+        chosen = _first_sound(candidates, env, explicit, Path(plan.checkpoint_dir))
     parallel.on_every_rank(env, lambda: check_compatible(chosen, cfg, plan, env.is_main))
-    return dataclasses.replace(plan, resume_from=str(chosen))
+    return dataclasses.replace(plan, resume_from=str(chosen), resume_checked=not trusted)
 
 
-def _candidates(env, first: Path, ckpt_dir: Path, explicit: bool) -> list[Path]:
+def trusted_step(env_value: str | None) -> int | None:
+    """The step of the checkpoint the launcher says this job saved (``TRUSTED_ENV``), or None."""
+    return int(env_value) if env_value and env_value.isdigit() else None
+
+
+def _candidates(env, first: Path, ckpt_dir: Path, explicit: bool) -> tuple[list[Path], bool]:
     """The decided checkpoint, then (auto) every older complete one; rank 0's listing, so that every rank
-    tries the same list even if the file system shows them different views for a moment."""
-    out: list = [[first] if explicit else
-                 [p for s, p in reversed(layout.complete_checkpoints(ckpt_dir)) if s <= layout.step_of(first)]]
+    tries the same list even if the file system shows them different views for a moment. And whether the first is
+    the one the launcher says this job saved (rank 0's answer, so that every rank checks or none does)."""
+    listed = [first] if explicit else [p for s, p in reversed(layout.complete_checkpoints(ckpt_dir)) if s <= layout.step_of(first)]
+    trusted = bool(listed) and not explicit and layout.step_of(listed[0]) == trusted_step(os.environ.get(TRUSTED_ENV))
+    out: list = [(listed, trusted)]
     if env.world_size > 1:
         dist.broadcast_object_list(out, src=0)
     return out[0]
@@ -85,16 +108,22 @@ def _candidates(env, first: Path, ckpt_dir: Path, explicit: bool) -> list[Path]:
 def _first_sound(candidates: list[Path], env, explicit: bool, ckpt_dir: Path) -> Path:
     damaged = []
     for path in candidates:
+        transient = None
         try:
             mine = manifest.verify(path, env.rank, env.world_size)
+        except TransientError as e:  # the file system failing, not the checkpoint: never set aside for it
+            mine, transient = [], f"rank {env.rank}: {e}"
         except Exception as e:  # noqa: BLE001 - every rank must reach the gather below
             mine = [f"{path}: check failed: {type(e).__name__}: {e}"]
         gathered: list = [None] * env.world_size
         if env.world_size > 1:
-            dist.all_gather_object(gathered, mine)
+            dist.all_gather_object(gathered, (mine, transient))
         else:
-            gathered = [mine]
-        problems = [p for part in gathered for p in part]
+            gathered = [(mine, transient)]
+        failing = [t for _, t in gathered if t]
+        if failing:
+            raise AgreedTransient("io", f"checking {path}: {'; '.join(failing)}; nothing was set aside")
+        problems = [p for part, _ in gathered for p in part]
         if not problems:
             if damaged and env.is_main:
                 log.warning("RESUMING FROM %s: %d newer checkpoint(s) were damaged and set aside (see above)",

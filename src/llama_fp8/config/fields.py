@@ -179,8 +179,11 @@ class TrainConfig:
                          "update; costs a host sync per step)", choices=("error", "skip"), group="checkpoint")
     max_nan_skips: int = _f(10, "with --nan_policy skip: stop after this many skipped steps", min=0,
                             group="checkpoint")
-    process_group_timeout: float = _f(600.0, "seconds a collective may wait before the job fails (a dead rank "
-                                      "then stops the others instead of hanging)", min=1.0, group="checkpoint")
+    process_group_timeout: float = _f(600.0, "seconds a collective of the training may wait before the job fails, in "
+                                      "every process group (the backstop behind the launcher's hang detection)",
+                                      min=1.0, group="checkpoint")
+    checkpoint_timeout: float = _f(1800.0, "seconds a collective of a checkpoint save or load may wait (a rank still "
+                                   "writing its shards: saves take longer than steps)", min=1.0, group="checkpoint")
     # --- logging -------------------------------------------------------------------------------------
     logging_freq: int = _f(1, "print the Batch/Loss/Speed line and write metrics every N steps", min=1,
                            group="logging")

@@ -6,6 +6,7 @@ import os
 from functools import lru_cache
 from typing import Any
 
+from llama_fp8 import faults
 from llama_fp8.data.files import is_local
 
 
@@ -16,9 +17,13 @@ def load_tokenizer(name: str) -> Any:
 
     if is_local(name) and not os.path.isdir(os.path.expanduser(name)):
         raise ValueError(f"--tokenizer={name!r}: no such directory")
-    try:
-        tok = AutoTokenizer.from_pretrained(os.path.expanduser(name) if is_local(name) else name)
+    try:  # a hub id: a network error is tried again with a backoff, then raised as transient (exit 75)
+        tok = faults.backoff(lambda: AutoTokenizer.from_pretrained(os.path.expanduser(name) if is_local(name)
+                                                                   else name), f"--tokenizer={name!r}")
     except Exception as e:
+        transient = faults.as_transient(e)
+        if transient is not None:
+            raise transient from e
         raise ValueError(f"--tokenizer={name!r} cannot be loaded: {type(e).__name__}: {e}") from e
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None:  # packing needs whole documents, never truncated or padded ones

@@ -7,6 +7,7 @@ import dataclasses
 from llama_fp8.estimate.assess import CORRECTIONS, Estimate
 from llama_fp8.estimate.gpus import GIB
 from llama_fp8.estimate.terms import MARGIN_WHY
+from llama_fp8.telemetry import time_limit
 
 # the tracker's kinds, in the order the report lists them, with the words it uses
 KINDS = (("Activation", "activations (forward and recomputation)"), ("Temp", "temporaries (backward)"),
@@ -74,6 +75,7 @@ def text(e: Estimate) -> str:
                      f"   {c['ranks']} ranks, {c['link']} {c['gbs']:g} GB/s: {c['seconds'] * 1e3:.1f} ms")
     total = sum(c["seconds"] for c in e.collectives)
     lines.append(f"  {'total':<51} {gib(sum(c['bytes'] for c in e.collectives)):>18}   {total * 1e3:.1f} ms")
+    lines += ["", checkpoint_text(e)]
     if e.suggestions:
         lines += ["", "What would make it fit (each one estimated the same way):"]
         lines += [f"  {s['change']}: {s['verdict']}" for s in e.suggestions]
@@ -82,6 +84,25 @@ def text(e: Estimate) -> str:
     lines += ["", f"Estimated in {e.seconds:.0f} s; fake-mode corrections: {'; '.join(CORRECTIONS)}; "
               + ", ".join(f"{k} {v}" for k, v in versions().items())]
     return "\n".join(lines)
+
+
+def checkpoint_bytes(e: Estimate) -> tuple[float, float]:
+    """(bytes of one rank's checkpoint: its sharded parameters and optimizer states, bytes per node)."""
+    per_rank = float(e.measurement.by_kind.get("Sharded Param", 0) + e.measurement.by_kind.get("OptState", 0))
+    return per_rank, per_rank * e.opts.gpus_per_node
+
+
+def checkpoint_text(e: Estimate) -> str:
+    """The checkpoint's size, its predicted save time, and whether the time limit's lead covers it."""
+    per_rank, per_node = checkpoint_bytes(e)
+    save_s = time_limit.predicted_save_s(per_node)
+    need = time_limit.lead_needed(save_s)
+    line = (f"Checkpoint: {gib(per_rank)} per GPU, {gib(per_node)} per node (parameters and optimizer states); at "
+            f"{time_limit.NODE_WRITE_GBPS:g} GB/s of writes per node (an assumption: measure it) a save takes "
+            f"~{save_s:.0f} s, so the time-limit warning (#SBATCH --signal=USR1@LEAD) needs LEAD >= a step + "
+            f"{need:.0f} s (1.5 x the save + 30 s)")
+    warning = time_limit.check(time_limit.lead_from_env(), save_s, None, "predicted", time_limit.limit_from_env())
+    return line + (f"\nWARNING: {warning}" if warning else "")
 
 
 FLOOR_WHAT = ("the sharded parameters, gradients and optimizer states as the optimizer step starts, and the terms "
@@ -114,5 +135,8 @@ def to_dict(e: Estimate) -> dict:
         "verdict": e.verdict.to_dict(), "collectives": e.collectives,
         "floor": {"bytes": e.floor, "what": FLOOR_WHAT, "decides": e.decided and bool(m.decision.stand_in)},
         "suggestions": e.suggestions, "seconds": round(e.seconds, 1),
+        "checkpoint": {"bytes_per_gpu": checkpoint_bytes(e)[0], "bytes_per_node": checkpoint_bytes(e)[1],
+                       "predicted_save_s": time_limit.predicted_save_s(checkpoint_bytes(e)[1]),
+                       "node_write_gbps": time_limit.NODE_WRITE_GBPS, "signal_lead_s": time_limit.lead_from_env()},
         "corrections": list(CORRECTIONS), "versions": versions(),
     }

@@ -112,7 +112,8 @@ def _steps(cfg, env, decision, model, context, prec, names, progress) -> StepTra
     """A warm-up step (it creates the optimizer states), then the tracked one; returns its tracker."""
     optimizer = train_build.build_optimizer(model, cfg, est_build.CUDA, prec)  # fused AdamW, as on a GPU
     state = SimpleNamespace(model=model, env=env, cfg=cfg, context=context, impl=decision.impl, precision=prec,
-                            optimizer=optimizer, guard=faults.NanGuard(env.device, "error", 0))
+                            optimizer=optimizer, guard=faults.NanGuard(env.device, "error", 0),
+                            observer=SimpleNamespace(fetching=contextlib.nullcontext))  # no launcher to tell
     batches = Batches(cfg)
     progress(f"warm-up step ({cfg.grad_accum_steps} micro-batch(es) of {cfg.train_batch_size} x "
              f"{cfg.max_context_width} tokens)")

@@ -14,7 +14,23 @@ from llama_fp8.faults.inject import (
 )
 from llama_fp8.faults.nan_guard import NanGuard, NonFinite
 from llama_fp8.faults.signals import Preempted, SignalWatch
-from llama_fp8.faults.timeouts import collective_timeout, collective_timeout_message
+from llama_fp8.faults.timeouts import (
+           apply_timeouts,
+           collective_timeout,
+           collective_timeout_message,
+           group_timeouts,
+)
+from llama_fp8.faults.transient import (
+           KINDS,
+           AgreedTransient,
+           TransientError,
+           as_transient,
+           backoff,
+           describe,
+           kind_of,
+)
 
-__all__ = ["ACTIONS", "FAULT_DIR_ENV", "FAULT_ENV", "FAULT_NAN_ENV", "POINTS", "Fault", "NanGuard", "NonFinite",
-           "Preempted", "SignalWatch", "at", "collective_timeout", "collective_timeout_message", "parse_faults"]
+__all__ = ["ACTIONS", "FAULT_DIR_ENV", "FAULT_ENV", "FAULT_NAN_ENV", "KINDS", "POINTS", "AgreedTransient", "Fault",
+           "NanGuard", "TransientError",
+           "NonFinite", "Preempted", "SignalWatch", "apply_timeouts", "as_transient", "at", "backoff",
+           "collective_timeout", "collective_timeout_message", "describe", "group_timeouts", "kind_of", "parse_faults"]

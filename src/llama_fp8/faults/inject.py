@@ -2,20 +2,23 @@
 
 ``LLAMA_FP8_FAULT`` injects a process fault at a named point of a run, on one rank or all::
 
-    LLAMA_FP8_FAULT="ACTION@POINT[:step=N][:rank=R][:seconds=S][:once]"   (several: separated by ";")
+    LLAMA_FP8_FAULT="ACTION@POINT[:step=N][:rank=R][:node=NAME][:seconds=S][:once]"   (several: separated by ";")
 
-ACTION is ``kill`` (SIGKILL this process: a crash or an OOM kill), ``hang`` (stop making progress, as a
+ACTION is ``kill`` (SIGKILL this process: a crash or an OOM kill), ``eio`` (an OSError EIO: a network file
+system failing for a moment), ``hang`` (stop making progress, as a
 rank stuck in a kernel or a dead network link; only SIGKILL ends it), ``stop`` (SIGSTOP this process: a rank
 frozen dead, deaf to every signal but SIGKILL), ``raise`` (an exception: the rank exits 1), ``sleep``
 (``seconds``, then go on: a slow rank) or ``pause`` (announce ``$LLAMA_FP8_FAULT_DIR/paused.POINT.rankR``, then wait until
 ``$LLAMA_FP8_FAULT_DIR/release`` exists: a test can act at that exact moment). ``once`` fires only if
-``$LLAMA_FP8_FAULT_DIR/fired.POINT.rankR`` does not exist yet, and creates it (a requeued job runs clean).
-POINT is one of ``POINTS``. Without ``step`` the fault fires at every pass through the point (once with
-``once``), without ``rank`` on every rank.
+``$LLAMA_FP8_FAULT_DIR/fired.POINT.rankR[.stepN]`` does not exist yet, and creates it (a requeued job runs
+clean). POINT is one of ``POINTS``. Without ``step`` the fault fires at every pass through the point (once with
+``once``), without ``rank`` on every rank, with ``node`` only on the node Slurm calls NAME (``SLURMD_NODENAME``:
+a bad node).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -34,6 +37,7 @@ FAULT_ENV = "LLAMA_FP8_FAULT"
 FAULT_DIR_ENV = "LLAMA_FP8_FAULT_DIR"
 """Where ``pause`` announces itself and waits for ``release``, and where ``once`` remembers a fired fault."""
 POINTS = {
+    "startup": "start-up: built and resumed, before the first step",
     "data": "the loader: before a micro-batch is fetched (counted as this rank's data wait: a slow input pipeline)",
     "step": "the middle of an optimizer step: after the forward pass, before the backward pass",
     "save.files_written": "a save: this rank's own files written, before the sharded model/optimizer write",
@@ -44,10 +48,12 @@ POINTS = {
     "save.renamed": "a save (rank 0): step_N complete under its final name, before older checkpoints are deleted",
     "save.pruning": "a save (rank 0): an old checkpoint renamed for deletion, before its files are deleted",
     "save.async_in_flight": "an async save: state staged, the background write under way, training resumes",
+    "checkpoint.read": "a checkpoint load: before a file of model and optimizer shards is read (the read is "
+                       "retried on a transient I/O error)",
     "finished": "the last step done, its checkpoint complete and `finished` reported to the launcher, before the "
                 "process ends (a crash in teardown)",
 }
-ACTIONS = ("kill", "hang", "stop", "raise", "sleep", "pause")
+ACTIONS = ("kill", "eio", "hang", "stop", "raise", "sleep", "pause")
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class Fault:
     point: str
     step: int | None = None
     rank: int | None = None
+    node: str | None = None
     seconds: float = 0.0
     once: bool = False
 
@@ -74,14 +81,26 @@ def parse_faults(text: str) -> list[Fault]:
             key, _, value = opt.partition("=")
             if key in ("step", "rank"):
                 kw[key] = int(value)
+            elif key == "node" and value:
+                kw[key] = value
             elif key == "seconds":
                 kw[key] = float(value)
             elif key == "once" and not value:
                 kw[key] = True
             else:
-                raise ValueError(f"{FAULT_ENV}={text!r}: unknown option {opt!r} (step=N, rank=R, seconds=S, once)")
+                raise ValueError(f"{FAULT_ENV}={text!r}: unknown option {opt!r} (step=N, rank=R, node=NAME, "
+                                 f"seconds=S, once)")
         out.append(Fault(action, point, **kw))
     return out
+
+
+_holding = False
+
+
+def holding() -> bool:
+    """Whether this process is held by a ``pause`` fault: a test acting at that moment, not a hang (the progress
+    thread counts it as progress: telemetry/heartbeat.py)."""
+    return _holding
 
 
 def _rank() -> int:
@@ -98,9 +117,11 @@ def at(point: str, step: int | None = None) -> None:
     for f in parse_faults(text):
         if f.point != point or (f.step is not None and f.step != step) or (f.rank is not None and f.rank != rank):
             continue
+        if f.node is not None and f.node != os.environ.get("SLURMD_NODENAME"):
+            continue
         folder = Path(os.environ.get(FAULT_DIR_ENV, "."))
         if f.once:
-            marker = folder / f"fired.{point}.rank{rank}"
+            marker = folder / f"fired.{point}.rank{rank}{'' if f.step is None else f'.step{f.step}'}"
             if marker.exists():
                 continue
             marker.touch()
@@ -115,15 +136,22 @@ def _fire(f: Fault, rank: int, step: int | None, folder: Path) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif f.action == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif f.action == "eio":
+        raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} (fault injection at {f.point}, rank {rank})")
     elif f.action == "raise":
         raise RuntimeError(f"fault injection ({FAULT_ENV}): an error at {f.point}, step {step}, rank {rank}")
     elif f.action == "sleep":
         time.sleep(f.seconds)
     elif f.action == "pause":
+        global _holding
         (folder / f"paused.{f.point}.rank{rank}").touch()
         deadline = time.monotonic() + 600
-        while not (folder / "release").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _holding = True
+        try:
+            while not (folder / "release").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            _holding = False
     else:  # hang: signals only set flags (SignalWatch); only SIGKILL (torchrun, Slurm) ends it
         while True:
             time.sleep(1)

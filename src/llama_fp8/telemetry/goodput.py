@@ -47,6 +47,29 @@ def process_start_time() -> float:
         return _IMPORTED_AT
 
 
+class StartupParts:
+    """Where this process's start-up went: ``mark(name)`` at named moments, each part the wall time since the
+    previous mark (the first from the process's start: the interpreter and the imports). The goodput record and
+    the log's start-up line carry them; the restart benchmark breaks a restart down with them."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+        self._last = process_start_time()
+
+    def mark(self, name: str) -> None:
+        now = time.time()
+        self.parts[name] = self.parts.get(name, 0.0) + max(now - self._last, 0.0)
+        self._last = now
+
+    def line(self) -> str:
+        total = sum(self.parts.values())
+        return f"start-up {total:.1f} s: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in self.parts.items())
+
+
+startup = StartupParts()
+"""This process's start-up (one per process: the training code marks it as it goes, train/cli.py, train/state.py)."""
+
+
 def last_logged_step(metrics_path: Path, max_bytes: int = 64 << 20) -> int:
     """The highest train step an earlier attempt logged in metrics.jsonl (0 if none); reads at most the
     file's last ``max_bytes`` (a hostile or huge file costs no more than that)."""
@@ -180,7 +203,7 @@ class Goodput:
         return {"type": "goodput", "step": self.last_step, "start_step": self.start_step, "wall_s": wall,
                 **{f"{k}_s": v for k, v in self.parts.items()},
                 "goodput": self.parts["productive"] / wall if wall > 0 else None, "saves": self.saves,
-                "ended": self.ended}
+                "ended": self.ended, "startup_parts": dict(startup.parts), "process_start": self._proc_start}
 
 
 def restart_gaps(records: list[dict]) -> list[float]:

@@ -23,7 +23,7 @@ def build_model(cfg: TrainConfig, env: parallel.DistEnv, plan, impl, prec
     then ``materialize`` allocates the local shards, which are initialized (or loaded) in place. Also returns
     what every step runs inside (loss parallelism, context parallelism)."""
     model, size, context, mesh = build_sharded(cfg, env, plan, impl, prec)
-    materialize(model, cfg, env, impl)
+    materialize(model, cfg, env, impl, resuming=bool(getattr(plan, "resume_from", None)))
     prec.prepare(model)  # e.g. FP8 state that a checkpoint may be loaded into
     log.info("model %s (%s): %.3fM parameters, %.3g FLOPs/token; mesh %s; precision %s", cfg.model, impl.name,
              size.num_params / 1e6, size.flops_per_token, dict(zip(mesh.mesh_dim_names, mesh.shape)),
@@ -31,11 +31,14 @@ def build_model(cfg: TrainConfig, env: parallel.DistEnv, plan, impl, prec
     return model, size, context
 
 
-def materialize(model: nn.Module, cfg: TrainConfig, env: parallel.DistEnv, impl) -> None:
+def materialize(model: nn.Module, cfg: TrainConfig, env: parallel.DistEnv, impl, resuming: bool = False) -> None:
     """Allocate this rank's shards of the sharded meta model and initialize them (or load them from
-    --init_from_hf), then check the values."""
+    --init_from_hf), then check the values. ``resuming``: a checkpoint load overwrites every parameter next (its
+    RNG states too): the weights are not drawn first, only the non-persistent buffers are computed."""
     impl.materialize(model, env.device, cfg)
-    if cfg.init_from_hf:
+    if resuming:
+        impl.reset_buffers(model, env.device)
+    elif cfg.init_from_hf:
         try:
             impl.load_hf(model, cfg.init_from_hf)
         except (ValueError, FileNotFoundError) as e:

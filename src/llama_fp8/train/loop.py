@@ -73,8 +73,9 @@ def train_step(s: TrainState, batches, step: int):
     loss_sum, data_wait, accum = None, 0.0, s.cfg.grad_accum_steps
     for micro in range(accum):
         t0 = time.perf_counter()
-        faults.at("data", step)
-        batch = next(batches)
+        with s.observer.fetching():
+            faults.at("data", step)
+            batch = next(batches)
         data_wait += time.perf_counter() - t0
         if accum > 1:  # reduce-scatter gradients on the last micro-batch only
             model.set_requires_gradient_sync(micro == accum - 1)

@@ -22,26 +22,37 @@ log = logging.getLogger("llama_fp8.train")
 class RunObserver:
     def __init__(self, *, heartbeat: heartbeat.Heartbeat, clock: goodput.Goodput, ranks: stragglers.RankMonitor,
                  profiler: profiling.Profiler, meter: metrics.StepMeter, writer: sinks.MetricsWriter,
-                 precision, precision_name: str, world_size: int, is_main: bool, start_step: int):
+                 precision, precision_name: str, world_size: int, is_main: bool, start_step: int,
+                 lead=None):
         self.heartbeat, self.clock, self.ranks, self.profiler = heartbeat, clock, ranks, profiler
         self.meter, self.writer, self.precision = meter, writer, precision
         self.precision_name, self.world_size, self.is_main = precision_name, world_size, is_main
         self._window_start = start_step + 1  # the first step of the logging window in progress
         self._t_step = 0.0
         self._data_wait = 0.0
+        self._step_s: float | None = None
+        self.lead = lead  # telemetry/time_limit.LeadCheck (rank 0, when the job knows its --signal lead)
 
     def begin(self) -> None:
         """The loop starts: start-up ends here."""
         self.clock.begin()
+        if self.is_main:
+            log.info("%s", goodput.startup.line())
+        faults.at("startup", self._window_start - 1)
 
     def step_begins(self, step: int) -> None:
         self.heartbeat.beat(step, "step")
         self.profiler.before_step(step)
         self._t_step = time.perf_counter()
 
+    def fetching(self):
+        """Around a fetch from the data loader: a long wait is shown to the launcher as the phase ``data``."""
+        return self.heartbeat.data_wait()
+
     def step_ends(self, step: int, loss: torch.Tensor, data_wait: float) -> None:
         """The optimizer step and the LR schedule's step are done (``loss`` stays on the device)."""
-        self.ranks.add_step(time.perf_counter() - self._t_step, data_wait)
+        self._step_s = time.perf_counter() - self._t_step
+        self.ranks.add_step(self._step_s, data_wait)
         self._data_wait = data_wait
         self.profiler.after_step(step)
         self.meter.add_step(loss, data_wait)
@@ -76,6 +87,8 @@ class RunObserver:
         with self.clock.timed(self.clock.checkpoint_part):
             yield
         self.clock.saves += 1
+        if self.lead is not None:  # is the time limit's lead long enough for this save?
+            self.lead.after_save(step, self._step_s)
 
     def waiting_for_save(self):
         """Waiting for an async save to be written (charged to checkpointing, not to a step)."""
@@ -104,3 +117,4 @@ class RunObserver:
             rec = self.clock.record()
             self.writer.write(rec, goodput.summary_line(rec))
         self.profiler.close()
+        self.ranks.close()

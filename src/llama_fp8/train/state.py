@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from torch import nn
 from llama_fp8 import checkpoint, faults, models, parallel, precision
 from llama_fp8 import config as config_mod
 from llama_fp8.config import ConfigError, TrainConfig
+from llama_fp8.errors import AgreedError
 from llama_fp8.models.common import ModelSize
 from llama_fp8.plan import RunPlan, make_plan
 from llama_fp8.telemetry import (
@@ -24,9 +26,12 @@ from llama_fp8.telemetry import (
     profiling,
     sinks,
     stragglers,
+    time_limit,
 )
 from llama_fp8.train import build
 from llama_fp8.train.observer import RunObserver
+
+log = logging.getLogger("llama_fp8.train")
 
 
 @dataclass
@@ -58,16 +63,20 @@ class TrainState:
         self.writer.close(self.observer.clock.ended)
 
 
-def start(cfg: TrainConfig, env: parallel.DistEnv) -> TrainState:
-    """Plan, build the model, optimizer and loaders, resume if there is a checkpoint, open the sinks."""
+def start(cfg: TrainConfig, env: parallel.DistEnv, beat: heartbeat.Heartbeat | None = None) -> TrainState:
+    """Plan, build the model, optimizer and loaders, resume if there is a checkpoint, open the sinks. ``beat``: this
+    rank's progress file for the launcher, started by the caller before anything else (one is made here if not)."""
     from llama_fp8 import data
 
+    beat = beat or heartbeat.Heartbeat(env.rank)
+    marks = goodput.startup
     plan, impl, prec, model, size, context = plan_and_build_model(cfg, env)
     optimizer = build.build_optimizer(model, cfg, env.device, prec)
     scheduler = build.build_scheduler(optimizer, cfg)
     train_loader, val_loader = parallel.on_every_rank(env, lambda: build.build_loaders(cfg, env, plan.dims))
+    marks.mark("optimizer_and_data")
     ckpt = checkpoint.Checkpointer(Path(plan.checkpoint_dir), cfg.keep_last_k, cfg.async_checkpoint, env.rank,
-                                   env.world_size)
+                                   env.world_size, cfg.checkpoint_timeout)
     start_step = 0
     if plan.resume_from:
         try:
@@ -75,22 +84,41 @@ def start(cfg: TrainConfig, env: parallel.DistEnv) -> TrainState:
                                    cfg.train_batch_size)
         except data.DataStateError as e:
             raise ConfigError(f"cannot resume from {plan.resume_from}: {e}") from None
+        except AgreedError as e:  # a checkpoint loaded without the start-up check: the next attempt checks it
+            if plan.resume_checked:
+                raise
+            raise faults.AgreedTransient("io", f"{e}; it was loaded without the start-up check (this job saved it): "
+                                               f"the next attempt checks it in full and falls back to an older one") from None
+        marks.mark("checkpoint_load")
     # steps an earlier attempt logged past the checkpoint resumed from are redone: restart loss
     redo_until = goodput.last_logged_step(Path(plan.run_dir) / "metrics.jsonl") if env.is_main else 0
     clock = goodput.Goodput(start_step, goodput.first_log_step(start_step, cfg.logging_freq, cfg.max_steps),
                             redo_until, cfg.async_checkpoint)
     meter, writer = start_metrics(cfg, plan, env, size, start_step)
-    beat = heartbeat.Heartbeat(env.rank, lambda: ckpt.last_complete)
+    beat.latest_checkpoint = lambda: ckpt.last_complete
+    lead = time_limit.LeadCheck(time_limit.lead_from_env(), time_limit.limit_from_env(),
+                                lambda step: checkpoint.recorded_save_s(Path(plan.checkpoint_dir) / f"step_{step}"),
+                                log) if env.is_main else None
+    if plan.resume_from:  # the launcher's hang bound for the first save, and the lead: what this checkpoint's took
+        saved_s = checkpoint.recorded_save_s(Path(plan.resume_from))
+        beat.expect("save", saved_s)
+        if lead is not None:
+            lead.at_start(saved_s, f"the save of {Path(plan.resume_from).name}, as its manifest recorded")
     beat.beat(start_step, "startup")  # built and resumed: a failure from here on is not a start-up failure
     observer = RunObserver(
         heartbeat=beat, clock=clock, meter=meter, writer=writer, precision=prec,
         ranks=stragglers.RankMonitor(env.device, env.local_rank, cfg.straggler_threshold_pct,
                                      gpu_health.GpuHealth(env.device.type, env.device.index)),
         profiler=profiling.Profiler(cfg, Path(plan.run_dir), env.rank, env.device),
-        precision_name=plan.precision.name, world_size=env.world_size, is_main=env.is_main, start_step=start_step)
+        precision_name=plan.precision.name, world_size=env.world_size, is_main=env.is_main, start_step=start_step,
+        lead=lead)
+    watch = faults.SignalWatch(env.world_size)
+    marks.mark("sinks")
+    # Every group exists now (the mesh's, the model's, the signal check's, the checkpointer's): each gets its timeout.
+    faults.apply_timeouts(cfg.process_group_timeout, cfg.checkpoint_timeout, [ckpt.group])
     return TrainState(cfg, plan, env, impl, prec, model, size, optimizer, scheduler, train_loader, val_loader, ckpt,
-                      writer, faults.SignalWatch(env.world_size),
-                      faults.NanGuard(env.device, cfg.nan_policy, cfg.max_nan_skips), start_step, context, observer)
+                      writer, watch, faults.NanGuard(env.device, cfg.nan_policy, cfg.max_nan_skips), start_step,
+                      context, observer)
 
 
 def plan_and_build_model(cfg: TrainConfig, env: parallel.DistEnv):
@@ -98,9 +126,11 @@ def plan_and_build_model(cfg: TrainConfig, env: parallel.DistEnv):
     fixed order."""
     torch.manual_seed(cfg.seed)
     plan = make_plan(cfg, env)
+    goodput.startup.mark("plan_and_checkpoint_check")
     impl = models.get(plan.model_impl)
     prec = precision.build(plan.precision, impl, cfg, Path(plan.run_dir))
     model, size, context = build.build_model(cfg, env, plan, impl, prec)
+    goodput.startup.mark("model")
     return plan, impl, prec, model, size, context
 
 

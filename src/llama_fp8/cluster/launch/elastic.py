@@ -4,55 +4,54 @@ torchrun (``torch.distributed.run``) already restarts the workers of every node 
 rendezvous round (``SimpleElasticAgent._invoke_run``). ``JobAgent`` is its ``LocalElasticAgent`` with these
 decisions changed through the attributes and methods torch itself uses for them:
 
-- **The restart budget is the job's**: torch counts restarts per agent (a failure on node B decrements only B's
-  count, pytorch/pytorch#147064). Every restart is one new round of the shared rendezvous, so the round number
-  is the job-wide count: on a failure ``_remaining_restarts`` becomes ``max_restarts - round``.
+- **Hangs are seen from the run's own pace**, at every monitor interval (``watchdog.py``): a rank without progress
+  for longer than its phase's bound is named with the rank the others wait for, the flight recorder of every rank
+  is dumped first where it is on (bounded: ``DUMP_WAIT_S``), and the workers are killed and restarted as for a
+  crash. The collective timeouts stay as the backstop.
+- **The restart budget counts restarts without progress**, for the whole job: ``--max_restarts`` failures in a row
+  without a new complete checkpoint between them end the job; a job that keeps advancing keeps going. Every
+  restart is one new round of the shared rendezvous (torch counts per agent, pytorch/pytorch#147064).
 - **Deterministic failures are not restarted**: exit 2 (bad config or data), 3 (non-finite loss), 85
   (checkpoint saved after SIGUSR1/SIGTERM: the batch script requeues), or the same step failing in two attempts
-  in a row. ``_remaining_restarts = 0`` sends ``_invoke_run`` to its stop branch, as torch does for a worker
-  stuck in uninterruptible sleep (whose 0 is kept: no restart onto a device the stuck process holds). A
-  start-up failing twice in a row is the machine's more often than the code's (a GPU that does not initialize):
-  not restarted in place, but requeued.
-- **A failure after training finished is not a failure**: every rank writes ``finished`` once the final
-  checkpoint is complete; a rank that dies after that (a segfault in teardown) ends the job as done, where
-  torch would restart it while the other nodes wait 300 s in its exit barrier.
-- **SIGUSR1/SIGTERM stop restarts**: they mean a time limit or a preemption. The workers save and exit 85;
-  a worker that was still starting dies of the signal, and the job exits 85 all the same (the latest complete
-  checkpoint is the resume point). Workers are never started after such a signal.
-- **A failed attempt is killed at once**: torch sends SIGTERM and waits 30 s (hard-coded for a restart, and when
-  the rendezvous is lost) before SIGKILL. Our workers read SIGTERM as "save a checkpoint", which a broken attempt
-  cannot do, and a stopped rank never handles it; a restart resumes from the latest complete checkpoint, so the
-  workers get SIGKILL.
+  in a row. A start-up failing twice in a row is the machine's more often than the code's: requeued.
+- **A bad node is left behind**: each failure is charged to the node it happened on (the rank that failed first,
+  or the rank the others waited for; not its victims); a node charged twice, or failing its health check
+  (``health.py``) before a restart, ends the step with ``retry`` and the node in the outcome's exclusions: the
+  batch script requeues the job without it.
+- **A failure after training finished is not a failure**: a rank that dies after reporting ``finished`` ends the
+  job as done, where torch would restart it while the other nodes wait 300 s in its exit barrier.
+- **SIGUSR1/SIGTERM stop restarts**: they mean a time limit or a preemption. The workers save and exit 85.
+- **A failed attempt is killed at once**: torch sends SIGTERM and waits 30 s; our workers read SIGTERM as "save a
+  checkpoint", which a broken attempt cannot do, and a stopped rank never handles it: they get SIGKILL.
 
 Each decision is one line on stderr (``llama-fp8 launch: ...``) saying what happened and what comes next; with
-``LLAMA_FP8_OUTCOME_DIR`` set (the batch scripts) the final one is also written there (``outcome.py``) for the batch script,
-which requeues or not (``job_lib.sh`` ``lf_train``). The torch internals used here are checked before any worker
-starts (``check_torch``, ``_round``, ``_check_workers``): without them the launcher stops with exit 2.
+``LLAMA_FP8_OUTCOME_DIR`` set (the batch scripts) the final one is also written there (``outcome.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
-import socket
 import subprocess
 import time
 
-import torch
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
-from llama_fp8.cluster.launch import progress
-from llama_fp8.cluster.launch.outcome import say
-from llama_fp8.errors import EXIT_BAD_CONFIG, EXIT_NONFINITE, EXIT_REQUEUE
+from llama_fp8.cluster.launch import decide, health, peers, progress, watchdog
+from llama_fp8.cluster.launch.hangs import HangWatch
+from llama_fp8.cluster.launch.outcome import NOT_RESTARTED, JobStop, exit_text, say
+from llama_fp8.cluster.launch.torch_checks import check_torch, internals, rendezvous_round  # noqa: F401
+from llama_fp8.errors import EXIT_BAD_CONFIG, EXIT_REQUEUE
 from llama_fp8.telemetry import heartbeat
 
+SAVED_ENV = "LLAMA_FP8_SAVED_CHECKPOINT"
+"""checkpoint/resume.py TRUSTED_ENV: the latest checkpoint this job's workers saved, for a restart in the allocation."""
 ATTEMPT_ENV = "LLAMA_FP8_ATTEMPT"
 """The workers' attempt in this launch: the rendezvous round (0 first; telemetry/goodput.py reads it)."""
-NOT_RESTARTED = {EXIT_BAD_CONFIG: "a bad flag, config or data file", EXIT_NONFINITE: "a non-finite loss",
-                 EXIT_REQUEUE: "a checkpoint saved after SIGUSR1/SIGTERM"}
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 KILL_WAIT_S = 5.0
 """How long a SIGKILLed worker is waited for (it exits in milliseconds unless stuck in uninterruptible sleep)."""
@@ -60,81 +59,52 @@ FINISH_WAIT_S = 60.0
 """How long the other local ranks may take to close their records after a rank that had finished training died."""
 
 
-class JobStop(Exception):
-    """The job ends here with ``code`` (raised where torch offers no return path: before workers start)."""
-
-    def __init__(self, code: int, action: str, line: str):
-        super().__init__(line)
-        self.code, self.action, self.line = code, action, line
-
-
-def internals(what: str) -> JobStop:
-    """The stop for a torch without an internal this launcher relies on (exit 2: no restart, no requeue)."""
-    return JobStop(EXIT_BAD_CONFIG, "fail", f"torch {torch.__version__} has no {what}, which llama-fp8 launch "
-                   "relies on for its restart decisions (written against torch 2.13); not starting the workers. "
-                   "Use a torch this version of llama-fp8 supports, or plain torchrun (no job-wide restart budget)")
-
-
-def check_torch() -> None:
-    """torch's ``launch_agent`` must build its agent by the name ``LocalElasticAgent`` of its own module, which
-    ``launch.py`` binds to ``JobAgent``; otherwise the job would run with torch's plain restarts."""
-    from torch.distributed.launcher import api
-
-    fn = getattr(api, "launch_agent", None)
-    code = getattr(fn, "__code__", None)
-    if not (hasattr(api, "LocalElasticAgent") and code is not None and "LocalElasticAgent" in code.co_names
-            and getattr(fn, "__globals__", None) is vars(api)):
-        raise internals("launch_agent that builds torch.distributed.launcher.api.LocalElasticAgent by that name")
-
-
-def rendezvous_round(handler) -> int | None:
-    """The round of the c10d/etcd dynamic rendezvous (0 for the first attempt, +1 per restart of the job), or None
-    when it cannot be read. torch keeps it in the handler's state holder (no public accessor)."""
-    value = getattr(getattr(getattr(handler, "_state_holder", None), "state", None), "round", None)
-    return value if isinstance(value, int) else None
-
-
-def exit_text(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit {code}" + (f" ({NOT_RESTARTED[code]})" if code in NOT_RESTARTED else "")
-
-
 class JobAgent(LocalElasticAgent):
-    """torch's LocalElasticAgent with a job-wide restart budget, no restart after a deterministic failure or a
-    stop signal, SIGKILL for a failed attempt, and one line per decision (module docstring)."""
+    """torch's LocalElasticAgent with hang detection, a job-wide budget of restarts without progress, no restart
+    after a deterministic failure or a stop signal, bad nodes left behind, SIGKILL for a failed attempt, and one
+    line per decision (module docstring)."""
 
     signalled: signal.Signals | None = None  # set by the launcher's signal handler (on_signal)
     last: JobAgent | None = None  # the agent of this process, for the launcher's exit code
 
     def __init__(self, *args, **kwargs):
+        try:
+            bounds = watchdog.Bounds.from_env()
+        except ValueError as e:
+            raise JobStop(EXIT_BAD_CONFIG, "fail", f"{e}; not starting the workers") from None
         super().__init__(*args, **kwargs)
         JobAgent.last = self
         self.progress_dir = progress.folder()
+        self.watch = HangWatch(self, bounds)
         self.failed_at: dict[int, tuple] = {}  # rendezvous round -> where that attempt failed on this node
         self.decision: JobStop | None = None  # why this agent stopped (None: success or torch's own stop)
         self.killed: set[int] = set()  # pids this agent killed (their -9 is not a failure of their own)
         self.forwarded: set[int] = set()  # pids a stop signal was passed on to
         self.seen_exit: dict[int, float] = {}  # pid -> when this agent first saw it exited (monotonic)
         self.checkpoint: int | None = None  # the latest complete checkpoint a local worker reported
+        self.ckpt_at: dict[int, int | None] = {}  # round -> the latest complete checkpoint when it failed
+        self.charges: dict[int, str] = {}  # round -> the node its failure was charged to
+        self.exclude: list[str] = []  # nodes to leave behind at once (a failed health check)
+        self.restarts = 0  # restarts this agent went through (a static rendezvous has no rounds)
+        self.gpus_at_start: int | None = None
 
     # --- where things stand ---------------------------------------------------------------------------------
     def _round(self) -> int:
-        spec = self._worker_group.spec
-        value = rendezvous_round(spec.rdzv_handler)
+        value = rendezvous_round(self._worker_group.spec.rdzv_handler)
         if value is not None:
             return value
-        if isinstance(spec.rdzv_handler, DynamicRendezvousHandler):  # it has rounds: torch moved them
+        if isinstance(self._worker_group.spec.rdzv_handler, DynamicRendezvousHandler):  # it has rounds: moved
             raise internals("rendezvous round in DynamicRendezvousHandler._state_holder.state.round")
-        return spec.max_restarts - self._remaining_restarts  # a static rendezvous: torch's own count
+        return self.restarts  # a static rendezvous: this agent's own count
 
     def _procs(self) -> dict[int, object]:
         """local rank -> Popen of the running attempt ({} when torch keeps them otherwise)."""
         handlers = getattr(getattr(self, "_pcontext", None), "subprocess_handlers", None) or {}
         return {lr: h.proc for lr, h in handlers.items() if hasattr(h, "proc")}
+
+    def ranked_procs(self) -> dict[int, object]:
+        """Global rank -> Popen of the running attempt."""
+        return {self._worker_group.workers[lr].global_rank: proc for lr, proc in self._procs().items()}
 
     def _check_workers(self) -> None:
         """Every started worker visible as a process (SIGKILL, naming and signal forwarding need them)."""
@@ -142,27 +112,33 @@ class JobAgent(LocalElasticAgent):
             self._pcontext.close(signal.SIGKILL, 5)
             raise internals("worker processes in _pcontext.subprocess_handlers[local_rank].proc")
 
-    def _progress(self) -> dict[int, dict]:
-        """The local workers' progress records; keeps the latest complete checkpoint any of them reported."""
+    def progress(self) -> dict[int, dict]:
+        """The local workers' progress records; keeps the latest complete checkpoint any of them reported and
+        what they measured (the hang bounds learn from it)."""
         recs = heartbeat.read(self.progress_dir)
         for rec in recs.values():
             ckpt = rec.get("ckpt")
             if isinstance(ckpt, int) and not isinstance(ckpt, bool) and ckpt > (self.checkpoint or -1):
                 self.checkpoint = ckpt
+            self.watch.memory.learn(rec)
         return recs
 
     def _describe_stuck(self) -> list[str]:
-        """The local ranks that stopped moving while another worker failed (progress.stuck_ranks)."""
-        procs = {self._worker_group.workers[lr].global_rank: proc for lr, proc in self._procs().items()}
-        return progress.stuck_ranks(procs, self._progress(), time.time())
+        """The local ranks that stopped moving while another worker failed (progress.stuck_ranks): past their
+        phase's bound, with the default factor when the hang detection itself is off."""
+        bounds = self.watch.bounds if self.watch.bounds.on else dataclasses.replace(self.watch.bounds,
+                                                                                    factor=watchdog.FACTOR)
+        return progress.stuck_ranks(self.ranked_procs(), self.progress(), time.time(), bounds, self.watch.memory)
 
-    def _first(self, failures: dict) -> tuple:
+    def _first(self, failures: dict, recs: dict) -> tuple:
         """The failure that came first: the one this agent saw first (torch's timestamps are whole seconds), among
-        those seen at the same look a death by a signal (a peer's exit 1 is often the consequence), then rank."""
+        those seen at the same look one that is not a peer's (a rank that failed because another did), a death by
+        a signal (a peer's exit 1 is often the consequence), then rank."""
         if not failures:
             return None, None
-        return min(failures.items(), key=lambda kv: (self.seen_exit.get(kv[1].pid, math.inf), kv[1].exitcode >= 0,
-                                                     kv[1].timestamp, kv[0]))
+        return min(failures.items(), key=lambda kv: (
+            self.seen_exit.get(kv[1].pid, math.inf), progress.error_of(recs.get(kv[0], {}))[0] == "peer",
+            kv[1].exitcode >= 0, kv[1].timestamp, kv[0]))
 
     # --- torch's extension points ------------------------------------------------------------------------------
     def _start_workers(self, worker_group: WorkerGroup):
@@ -171,14 +147,21 @@ class JobAgent(LocalElasticAgent):
                           "checkpoint to save; exit 85 so that the job is requeued and resumes from the latest "
                           "complete checkpoint")
         attempt = self._round()
-        self._progress()  # the previous attempt's last word on checkpoints, before its files go
-        for old in self.progress_dir.glob("rank*"):
+        self.progress()  # the previous attempt's last word on checkpoints, before its files go
+        for old in [*self.progress_dir.glob("rank*"), self.progress_dir / heartbeat.DUMP_REQUEST]:
             old.unlink(missing_ok=True)
+        if self.gpus_at_start is None:
+            self.gpus_at_start = health.gpu_count()
         os.environ[heartbeat.ENV] = str(self.progress_dir)  # the workers inherit the agent's environment
         os.environ[ATTEMPT_ENV] = str(attempt)
+        # The checkpoint this job saved: resumed with one verified read, unless the previous attempt failed in its
+        # start-up (a load of it that failed: then it is checked in full, with the fallback to an older one).
+        trust = self.checkpoint is not None and attempt > 0 and self.failed_at.get(attempt - 1, ("",))[0] != "startup"
+        os.environ[SAVED_ENV] = str(self.checkpoint) if trust else ""
         self.killed.clear()
         self.forwarded.clear()
         self.seen_exit.clear()
+        self.watch.new_attempt(worker_group)
         pids = super()._start_workers(worker_group)
         self._check_workers()
         if JobAgent.signalled is not None:  # it arrived while they started, before on_signal could see them
@@ -186,7 +169,7 @@ class JobAgent(LocalElasticAgent):
         return pids
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        self._kill_running()
+        self.kill_running()
         super()._stop_workers(worker_group)  # torch's bookkeeping (watchdog, health check); nothing left to signal
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
@@ -194,12 +177,12 @@ class JobAgent(LocalElasticAgent):
         # complete without the lost ranks. Only a stop signal (the workers save) or torch's own signal path
         # (SIGINT/SIGHUP/QUIT, passed on as such) keep torch's grace.
         if death_sig == signal.SIGTERM and JobAgent.signalled is None:
-            self._kill_running()
+            self.kill_running()
         super()._shutdown(death_sig, timeout)
 
     def _finished(self, local_ranks: list[int]) -> bool:
         """Whether these local ranks had reported the `finished` phase (the run's last checkpoint complete)."""
-        recs = self._progress()
+        recs = self.progress()
         workers = self._worker_group.workers
         return all(recs.get(workers[lr].global_rank, {}).get("phase") == "finished" for lr in local_ranks)
 
@@ -212,7 +195,7 @@ class JobAgent(LocalElasticAgent):
             except subprocess.TimeoutExpired:
                 pass
 
-    def _kill_running(self) -> None:
+    def kill_running(self) -> None:
         running = [p for p in self._procs().values() if p.poll() is None]
         for proc in running:
             self.killed.add(proc.pid)
@@ -235,10 +218,19 @@ class JobAgent(LocalElasticAgent):
                     pass
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        decide.check_before_restart(self, worker_group, health.problem(self.gpus_at_start))
+        rnd = self._round()
+        self.ckpt_at.setdefault(rnd, self.checkpoint)
+        theirs = self.watch.peers.decision() if self.watch.peers else None
+        if theirs and theirs.get("charged") and rnd not in self.charges:
+            self.charges[rnd] = str(theirs["charged"])
         if worker_group.state == WorkerState.HEALTHY:  # another node failed and waits in the next round
             stuck = self._describe_stuck()
-            say(f"node {worker_group.group_rank}: another node's workers failed and are restarting; restarting "
-                f"this node's workers with them" + (f" ({'; '.join(stuck)})" if stuck else ""))
+            said = f" ({theirs['line'][:300]})" if theirs and theirs.get("node") != worker_group.group_rank else ""
+            say(f"node {worker_group.group_rank} ({peers.node_name()}): another node's workers failed and are "
+                f"restarting{said}; restarting this node's workers with them" + (f" ({'; '.join(stuck)})"
+                                                                                 if stuck else ""))
+        self.restarts += 1
         super()._restart_workers(worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
@@ -257,87 +249,26 @@ class JobAgent(LocalElasticAgent):
                 # A crash: the others' work since the last checkpoint is lost either way; don't give them torch's
                 # SIGTERM (our workers would try to save) and 30 s, and see first which of them stopped moving.
                 stuck = self._describe_stuck()
-                self._kill_running()
+                self.kill_running()
+        elif JobAgent.signalled is None:
+            self.watch.look()  # a hang: named, dumped, killed (then torch sees the workers failed)
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-            return self._decide(worker_group, result, stuck)
+            return decide.decide(self, worker_group, result, stuck, JobAgent.signalled)
         return result
 
-    # --- the decision ------------------------------------------------------------------------------------------
-    def _decide(self, worker_group: WorkerGroup, result: RunResult, stuck: list[str]) -> RunResult:
-        own = {r: f for r, f in result.failures.items() if f.pid not in self.killed}
-        failures = own or result.failures
-        first_rank, first = self._first(failures)
-        what = (f"rank {first_rank} ({exit_text(first.exitcode)})" if first is not None
-                else f"the workers ({result.state.name.lower()})")
-        node = f"node {worker_group.group_rank} ({socket.gethostname()})"
-        progress_recs = self._progress()
-        if stuck:
-            say(f"{node}: {'; '.join(stuck)}; the other ranks failed waiting for it")
-        if own and all(progress_recs.get(r, {}).get("phase") == "finished" for r in own):
-            line = f"{node}: {what} after training finished (the final checkpoint is complete): nothing to redo"
-            self.decision = JobStop(0, "done", f"training finished on every node; {line}")
-            say(f"{line}; not restarting, this node is done")
-            return RunResult(state=WorkerState.SUCCEEDED,
-                             return_values={w.global_rank: None for w in worker_group.workers})
-        if result.state == WorkerState.UNHEALTHY:  # torch's guard: it has set the restarts to 0 itself
-            self._stop(1, "retry", f"{node}: a worker stayed in uninterruptible sleep (D state) longer than "
-                       "TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT: it holds its device, a restarted worker here "
-                       "would find it busy; not restarting; exit 1, the batch script requeues the job (at most "
-                       "MAX_REQUEUES times)")
-            return result
-        codes = {f.exitcode for f in failures.values()}
-        point = progress.failure_point(own or failures, progress_recs)
-        where = f"in step {point[1]}" if point[0] == "step" else "during start-up"
-        deterministic = sorted(c for c in codes if c in NOT_RESTARTED and c != EXIT_REQUEUE)
-        if deterministic:  # before the stop signal: a requeue would fail the same way
-            code = deterministic[0]
-            self._stop(code, "fail", f"{node}: {what} {where}: a restart would fail the same way; not restarting, "
-                       f"the job ends with exit {code}")
-        elif JobAgent.signalled is not None:  # a time limit or preemption: requeue, never restart in place
-            saved = EXIT_REQUEUE in codes
-            self._stop(EXIT_REQUEUE, "requeue" if saved else "retry", f"{node}: {what} after "
-                       f"{JobAgent.signalled.name}: not restarting; exit 85, the batch script requeues the job, which "
-                       f"resumes from {'that' if saved else 'the latest complete'} checkpoint")
-        elif EXIT_REQUEUE in codes:
-            self._stop(EXIT_REQUEUE, "requeue", f"{node}: {what}: not restarting in place; the batch script requeues "
-                       f"the job, which resumes from that checkpoint")
-        else:
-            self._budget(worker_group, what, where, point, first)
-        return result
-
-    def _budget(self, worker_group: WorkerGroup, what: str, where: str, point: tuple, first) -> None:
-        """A crash or an exit 1: restart every node's workers, unless it repeats or the job's budget is spent."""
-        rnd, spec = self._round(), worker_group.spec
-        node = f"node {worker_group.group_rank} ({socket.gethostname()})"
-        code = 1 if first is None else first.exitcode if first.exitcode > 0 else 128 - first.exitcode
-        before, self.failed_at[rnd] = self.failed_at.get(rnd - 1), point
-        if point[0] == "step" and before == point:
-            self._stop(code, "fail", f"{node}: {what} {where} again after a restart: the failure is deterministic "
-                       f"(data, model or code, not the machine); not restarting, the job ends with exit {code}")
-        elif point[0] == "startup" and before is not None and before[0] == "startup":
-            self._stop(code, "retry", f"{node}: {what} during start-up again after a restart: more often the "
-                       f"machine (a GPU that does not initialize, memory a killed process still holds) than the "
-                       f"code; not restarting in place; exit {code}, the batch script requeues the job (at most "
-                       f"MAX_REQUEUES times without a new checkpoint)")
-        elif spec.max_restarts - rnd <= 0:
-            budget = (f"the job's {spec.max_restarts} restart(s) are used up" if spec.max_restarts else
-                      "restarts are off (--max_restarts 0)")
-            self._stop(code, "fail", f"{node}: {what} {where}; {budget}: not restarting, the job ends with exit "
-                       f"{code}")
-        else:
-            self._remaining_restarts = spec.max_restarts - rnd  # _invoke_run takes one off as it restarts
-            say(f"{node}: {what} {where}; restarting the workers of every node (restart {rnd + 1} of "
-                f"{spec.max_restarts} for the job), resuming from the latest complete checkpoint")
-
-    def _stop(self, code: int, action: str, line: str) -> None:
+    def stop(self, code: int, action: str, line: str) -> None:
         self._remaining_restarts = 0
         self.decision = JobStop(code, action, line)
         say(line)
 
     def latest_checkpoint(self) -> int | None:
-        self._progress()
+        self.progress()
         return self.checkpoint
+
+    def failures(self) -> list[str]:
+        """The failures of this training step charged to a node, as ``node@round`` (the outcome's FAILED)."""
+        return [f"{host}@{rnd}" for rnd, host in sorted(self.charges.items())]
 
 
 def on_signal(signum, frame) -> None:
@@ -352,3 +283,7 @@ def on_signal(signum, frame) -> None:
     say(f"received {signal.Signals(signum).name}: the workers save a checkpoint and exit 85; no restart after this")
     if JobAgent.last is not None:
         JobAgent.last.forward(JobAgent.signalled)
+
+
+__all__ = ["ATTEMPT_ENV", "STOP_SIGNALS", "JobAgent", "JobStop", "check_torch", "exit_text",
+           "internals", "on_signal"]

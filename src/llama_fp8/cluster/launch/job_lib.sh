@@ -4,8 +4,8 @@
 # is expanded as ${a[@]+"${a[@]}"} (bash < 4.4 calls "${a[@]}" of an empty array an unbound variable).
 #
 # Reads (all optional; docs/cluster.md: Environment variables): IMAGE, CONTAINER_MOUNTS, LLAMA_FP8_CONTAINER, KEEP_CONTAINER,
-# HOST_PYTHON, VENV, REPO_DIR, DEVICE, NPROC_PER_NODE, RDZV_PORT, SKIP_PREFLIGHT, PREFLIGHT_REPORT, NCCL_NET,
-# MAX_RESTARTS, MAX_REQUEUES.
+# HOST_PYTHON, VENV, REPO_DIR, DEVICE, NPROC_PER_NODE, RDZV_PORT, SKIP_PREFLIGHT, PREFLIGHT_REPORT, NCCL_NET, SIGNAL_LEAD_S,
+# MAX_RESTARTS, MAX_REQUEUES, BAD_NODE_ACTION.
 # Sets: DEVICE DEVICE_ARGS NPROC_PER_NODE CPUS PY WHERE CONTAINER_ARGS RDZV_ADDR RDZV_PORT LF_NODE_ADDRS LF_OUTCOME_DIR.
 
 # shellcheck disable=SC2034  # read by the scripts that source this file
@@ -243,13 +243,17 @@ lf_estimate() {  # lf_estimate TRAIN_ARGS...
 # requeued.
 lf_is_hyperpod() { [[ -d /opt/sagemaker_cluster ]]; }
 
-lf_check_knobs() {  # MAX_RESTARTS and MAX_REQUEUES are counts: checked before anything runs
+lf_check_knobs() {  # MAX_RESTARTS and MAX_REQUEUES are counts, BAD_NODE_ACTION a choice: checked before anything runs
     local name value
     for name in MAX_RESTARTS MAX_REQUEUES; do
         value=${!name-3}
         [[ "$value" =~ ^(0|[1-9][0-9]*)$ ]] ||
             lf_die "$name=$value: must be a whole number >= 0 without leading zeros (default 3; 0 turns it off)"
     done
+    case "${BAD_NODE_ACTION:-exclude}" in
+        exclude | drain | none) ;;
+        *) lf_die "BAD_NODE_ACTION=$BAD_NODE_ACTION: must be exclude (default), drain or none" ;;
+    esac
 }
 
 # The per-node wrapper of the training step, run by srun on each node with the address map as $1: this node's
@@ -292,87 +296,23 @@ lf_train() {  # lf_train TRAIN_ARGS... ; returns 0, 85 (requeue me) or a failure
     lf_outcome "$rc"
 }
 
-# ---- after the training step: the launchers' decisions (LF_OUTCOME_DIR/node<N>: "CODE ACTION CHECKPOINT LINE"),
-# one line saying what happened and what comes next, and the code for the calling script. A failure that a
-# restart cannot fix (ACTION fail) wins over a requeue; a checkpoint saved after a signal (requeue) is always
-# requeued; a node that finished (done) means the training is complete (every rank passed the final checkpoint),
-# whatever the others say; a requeue that saved nothing new (retry: a signal during a restart, the rendezvous host
-# lost, a start-up failing twice; closed; a launcher killed without a word: srun's code >= 128) is requeued at most
-# MAX_REQUEUES times without a new checkpoint, so that a node that breaks every attempt cannot requeue the job
-# forever (Slurm requeues a node failure by itself: NODE_FAIL, --requeue); a launcher that failed by itself before
-# deciding (srun's code < 128) is not requeued.
-lf_outcome() {  # lf_outcome SRUN_RC -> return 0, 85 or the failure's code
-    local rc=$1 f code action ckpt line fail="" failcode=0 requeue="" retry="" finished="" closed="" files=0 latest=""
-    for f in "$LF_OUTCOME_DIR"/node*; do
-        [[ -f "$f" ]] || continue
-        files=$((files + 1))
-        read -r code action ckpt line <"$f" || true
-        if [[ "$ckpt" =~ ^[0-9]+$ ]] && ((ckpt > ${latest:--1})); then latest=$ckpt; fi
-        case "$action" in
-            fail) fail=$line; failcode=$code ;;
-            requeue) requeue=$line ;;
-            retry) retry=$line ;;
-            done) finished=$line ;;
-            closed) closed=$line ;;
-        esac
-    done
-    if [[ -n "$fail" ]]; then
-        echo "job $SLURM_JOB_ID: $fail; not requeued"
-        return "$failcode"
+# ---- the time limit's lead (llama_fp8/telemetry/time_limit.py): how long before the end Slurm's warning comes, for
+# training and the estimate to compare with the save time. SIGNAL_LEAD_S wins; else SBATCH_SIGNAL (sbatch's own
+# variable, when the job was submitted with it); else this script's #SBATCH --signal line (Slurm runs a copy of it:
+# $0). A --signal given on sbatch's command line does not reach the job: set SIGNAL_LEAD_S with it.
+lf_signal_lead() {
+    local spec lead=${SIGNAL_LEAD_S:-}
+    if [[ -z "$lead" ]]; then
+        spec=${SBATCH_SIGNAL:-$(grep -m 1 -oE '^#SBATCH[[:space:]]+--signal=[^[:space:]]+' "$0" 2>/dev/null | cut -d= -f2 || true)}
+        if [[ "$spec" =~ @([0-9]+)$ ]]; then lead=${BASH_REMATCH[1]}; elif [[ -n "$spec" ]]; then lead=60; fi
     fi
-    if [[ -n "$requeue" ]] || ((files == 0 && rc == EXIT_REQUEUE)); then  # no files: $LF_OUTCOME_DIR not writable
-        echo "job $SLURM_JOB_ID: ${requeue:-training saved a checkpoint and exited 85}"
-        return "$EXIT_REQUEUE"
-    fi
-    if [[ -n "$finished" ]]; then
-        echo "job $SLURM_JOB_ID: $finished${retry:+ (another node then: $retry)}${closed:+ (another node then: $closed)}"
-        return 0
-    fi
-    if [[ -z "$retry$closed" ]] && ((rc < 128)); then  # no decision and no signal: a launcher failed by itself
-        if ((rc != 0)); then
-            echo "job $SLURM_JOB_ID: the training step failed with code $rc before its launchers decided (the error is above); not requeued"
-        fi
-        return "$rc"
-    fi
-    lf_count_requeue "$rc" "${latest:--}" \
-        "${retry:-${closed:+a launcher ended the job without a word ($closed)}}"
-}
-
-# A requeue without a new checkpoint, counted in logs/llama-fp8-requeues_<job>, one line per requeue ("CHECKPOINT
-# requeue N of CAP: why"). The count starts again when the launchers report a later complete checkpoint than any
-# counted requeue; a first run of the job (SLURM_RESTART_COUNT 0) ignores a count an earlier job with this id left
-# (a rebuilt cluster reuses ids). A requeue that cannot be counted is not made.
-lf_count_requeue() {  # lf_count_requeue SRUN_RC CHECKPOINT|- WHY -> return 85, or not requeued
-    local rc=$1 latest=$2 line=$3 cap=${MAX_REQUEUES:-3} counter="$PWD/logs/llama-fp8-requeues_$SLURM_JOB_ID"
-    local count=0 best=-1 c _ no=$(($1 == 0 || $1 == EXIT_REQUEUE ? 1 : $1))
-    line=${line:-"the training step ended with code $rc, a launcher killed before it decided (the first node's launcher or a node lost)"}
-    [[ "$cap" =~ ^(0|[1-9][0-9]*)$ ]] || lf_die "MAX_REQUEUES=$cap: must be a whole number >= 0 without leading zeros"
-    if ((${SLURM_RESTART_COUNT:-0} == 0)); then rm -f "$counter" 2>/dev/null; fi
-    if [[ -f "$counter" ]]; then
-        while read -r c _; do
-            count=$((count + 1))
-            if [[ "$c" =~ ^[0-9]+$ ]] && ((c > best)); then best=$c; fi
-        done <"$counter"
-    fi
-    if [[ "$latest" =~ ^[0-9]+$ ]] && ((count > 0 && latest > best)); then
-        echo "job $SLURM_JOB_ID: checkpoint step $latest is newer than the last requeue's: requeues without a new checkpoint counted from 0"
-        count=0
-        : >"$counter" 2>/dev/null || true
-    fi
-    if ((count >= cap)); then
-        echo "job $SLURM_JOB_ID: $line; not requeued: $count requeue(s) without a new checkpoint already (MAX_REQUEUES=$cap)"
-        return "$no"
-    fi
-    if ! { echo "$latest requeue $((count + 1)) of $cap: $line" >>"$counter"; } 2>/dev/null; then
-        echo "job $SLURM_JOB_ID: $line; not requeued: the requeue cannot be counted in $counter (MAX_REQUEUES bounds requeues only where logs/ is writable)"
-        return "$no"
-    fi
-    echo "job $SLURM_JOB_ID: $line; requeue $((count + 1)) of $cap (MAX_REQUEUES)"
-    return "$EXIT_REQUEUE"
+    [[ -z "$lead" || "$lead" =~ ^[0-9]+$ ]] || lf_die "SIGNAL_LEAD_S=$lead: must be whole seconds"
+    if [[ -n "$lead" ]]; then export LLAMA_FP8_SIGNAL_LEAD_S=$lead; fi
 }
 
 lf_setup() {  # lf_setup TRAIN_ARGS...: everything before the first srun
     lf_check_knobs
+    lf_signal_lead
     lf_setup_devices
     lf_setup_efa
     lf_setup_runtime "$@"
@@ -381,3 +321,7 @@ lf_setup() {  # lf_setup TRAIN_ARGS...: everything before the first srun
         "rendezvous $RDZV_ADDR:$RDZV_PORT, $WHERE"
     if [[ -n "${NCCL_NET:-}" ]]; then echo "EFA: $(lf_efa_devices) device(s), NCCL_NET=$NCCL_NET"; fi
 }
+
+# The launchers' decisions after the training step, the requeue count and the nodes left behind.
+# shellcheck source=src/llama_fp8/cluster/launch/job_requeue.sh
+source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/job_requeue.sh"

@@ -108,7 +108,7 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     for sig in elastic.STOP_SIGNALS:  # Python handlers: the workers (exec'd) get the default disposition back
         signal.signal(sig, elastic.on_signal)
     elastic.JobAgent.signalled = elastic.JobAgent.last = None
-    saved_env = {k: os.environ.get(k) for k in (heartbeat.ENV, elastic.ATTEMPT_ENV)}
+    saved_env = {k: os.environ.get(k) for k in (heartbeat.ENV, elastic.ATTEMPT_ENV, elastic.SAVED_ENV)}
     code, action, line = 0, "done", "training finished on every node"
     try:
         elastic.check_torch()
@@ -129,7 +129,8 @@ def run_torchrun(torchrun_args: list[str]) -> int:
             action, line = ("requeue" if code == EXIT_REQUEUE else "fail"), f"a worker failed: exit {code}"
     except elastic.JobStop as e:
         code, action, line = e.code, e.action, e.line
-        outcome.say(line)
+        if elastic.JobAgent.last is None or elastic.JobAgent.last.decision is not e:  # not said yet
+            outcome.say(line)
     except SignalException as e:  # SIGINT/SIGHUP/SIGQUIT to the agent: workers were stopped
         code, action, line = 128 + int(e.sigval), "fail", f"stopped by {e.sigval.name}"
     except RendezvousClosedError:
@@ -144,11 +145,11 @@ def run_torchrun(torchrun_args: list[str]) -> int:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        agent, checkpoint = elastic.JobAgent.last, None
+        agent, checkpoint, failed, exclude = elastic.JobAgent.last, None, [], []
         if agent is not None:
-            checkpoint = agent.latest_checkpoint()
+            checkpoint, failed, exclude = agent.latest_checkpoint(), agent.failures(), agent.exclude
             shutil.rmtree(agent.progress_dir, ignore_errors=True)
-    outcome.write_outcome(code, action, checkpoint, line)
+    outcome.write_outcome(code, action, checkpoint, line, failed, exclude)
     return code
 
 

@@ -157,18 +157,27 @@ def main(argv: list[str]) -> int:
     node_failed = [c.name for c in checks if c.status == FAIL]
     report: dict = {"host": netcheck.node_name(), "checks": [c.__dict__ for c in checks]}
     failed = bool(node_failed)
+    bad_nodes = [netcheck.node_name()] if node_failed else []
     if own.network_test == "1" or (own.network_test == "auto" and tasks > 1):
         net_checks, res = network(own, settings, node_failed)
         failed = res.status == FAIL or bool(res.failed_nodes)
+        bad_nodes = sorted(res.failed_nodes)
         report["network"] = res.to_dict()
         if rank == 0:
             verdict = "failed" if failed else "passed"
             print("\n".join([c.line() for c in net_checks] +
                             [f"preflight of job step: {res.nodes or '?'} node(s), {res.ranks or tasks} task(s): "
                              f"{verdict}"]), flush=True)
+    report["failed_nodes"] = bad_nodes
     if own.report and rank == 0:
         Path(own.report).parent.mkdir(parents=True, exist_ok=True)
         Path(own.report).write_text(json.dumps(report, indent=1, default=str) + "\n")
+        # the nodes whose own checks failed, one per line: a requeued job leaves them behind (job_requeue.sh)
+        listed = Path(f"{own.report}.failed")
+        if bad_nodes:
+            listed.write_text("".join(f"{n}\n" for n in bad_nodes))
+        else:
+            listed.unlink(missing_ok=True)
     return 1 if failed else 0
 
 

@@ -1,0 +1,150 @@
+"""What ``JobAgent`` decides once torch reports its workers failed (elastic.py): done, fail, requeue, retry
+(requeue, possibly without a node), or restart every node's workers in place; one line saying what happened and
+what comes next."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+
+from llama_fp8.cluster.launch import peers, progress
+from llama_fp8.cluster.launch.outcome import NOT_RESTARTED, JobStop, exit_text, say
+from llama_fp8.errors import EXIT_REQUEUE
+from llama_fp8.faults.transient import KINDS
+
+MACHINE_KINDS = ("io", "network", "cuda_startup", "device_lost")
+"""Transient classes charged to the node they happened on (a peer's failure is charged to that peer's node)."""
+NODE_FAILURES = 2
+"""Failures charged to one node in a training step after which it is left behind (requeued without it)."""
+
+
+def without_progress(ckpt_at: dict[int, int | None], rnd: int) -> int:
+    """Failures in a row up to round ``rnd`` with the same latest complete checkpoint: the restarts without
+    progress (a round this agent has no record of counts as one without)."""
+    now, n = ckpt_at.get(rnd), 0
+    for r in range(rnd, -1, -1):
+        if r in ckpt_at and ckpt_at[r] != now:
+            break
+        n += 1
+    return n
+
+
+def _charged(agent, first, kind: str | None, theirs: dict | None) -> str | None:
+    """The node a failure is charged to: a hang's culprit's; a crash or a transient failure of the machine: this
+    node; a peer's failure: the node another launcher charged (None: nobody, e.g. a Python exception)."""
+    if agent.watch.hang is not None:
+        return agent.watch.hang.charged
+    if first is None or first.pid in agent.killed:
+        return theirs.get("charged") if theirs else None
+    if kind == "peer":
+        return theirs.get("charged") if theirs else None
+    if first.exitcode < 0 or kind in MACHINE_KINDS:
+        return peers.node_name()
+    return None
+
+
+def decide(agent, worker_group: WorkerGroup, result: RunResult, stuck: list[str], signalled) -> RunResult:
+    """``signalled``: the stop signal the launcher received (None: none)."""
+    recs = agent.progress()
+    own = {r: f for r, f in result.failures.items() if f.pid not in agent.killed}
+    failures = own or result.failures
+    first_rank, first = agent._first(failures, recs)
+    kind, said = progress.error_of(recs.get(first_rank, {})) if first is not None else (None, None)
+    theirs = agent.watch.peers.decision() if agent.watch.peers else None
+    theirs = theirs if theirs and theirs.get("node") != worker_group.group_rank else None
+    if agent.watch.hang is not None:
+        what = "the hang above"
+    elif first is not None:
+        shown = KINDS.get(kind) if kind else None
+        what = f"rank {first_rank} ({exit_text(first.exitcode, shown)}" + (
+            f": {said[:160]}" if said and first.exitcode not in NOT_RESTARTED else "") + ")"
+        if (kind == "peer" or first.pid in agent.killed) and theirs:
+            what += f", after another node's decision ({theirs['line'][:240]})"
+    else:
+        what = f"the workers ({result.state.name.lower()})"
+    node = f"node {worker_group.group_rank} ({peers.node_name()})"
+    if stuck:
+        say(f"{node}: {'; '.join(stuck)}; the other ranks failed waiting for it")
+    if own and all(recs.get(r, {}).get("phase") == "finished" for r in own):
+        line = f"{node}: {what} after training finished (the final checkpoint is complete): nothing to redo"
+        agent.decision = JobStop(0, "done", f"training finished on every node; {line}")
+        say(f"{line}; not restarting, this node is done")
+        return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in worker_group.workers})
+    if result.state == WorkerState.UNHEALTHY:  # torch's guard: it has set the restarts to 0 itself
+        agent.exclude.append(peers.node_name())
+        agent.stop(1, "retry", f"{node}: a worker stayed in uninterruptible sleep (D state) longer than "
+                   "TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT: it holds its device, a restarted worker here would "
+                   "find it busy; not restarting; exit 1, the batch script requeues the job without this node (at "
+                   "most MAX_REQUEUES times)")
+        return result
+    codes = {f.exitcode for f in failures.values()}
+    point = agent.watch.hang.point if agent.watch.hang is not None else progress.failure_point(own or failures, recs)
+    where = f"in step {point[1]}" if point[0] == "step" else "during start-up"
+    deterministic = sorted(c for c in codes if c in NOT_RESTARTED and c != EXIT_REQUEUE)
+    if deterministic:  # before the stop signal: a requeue would fail the same way
+        code = deterministic[0]
+        agent.stop(code, "fail", f"{node}: {what} {where}: a restart would fail the same way; not restarting, the "
+                   f"job ends with exit {code}")
+    elif signalled is not None:  # a time limit or preemption: requeue, never restart in place
+        saved = EXIT_REQUEUE in codes
+        agent.stop(EXIT_REQUEUE, "requeue" if saved else "retry", f"{node}: {what} after {signalled.name}: "
+                   f"not restarting; exit 85, the batch script requeues the job, which resumes from "
+                   f"{'that' if saved else 'the latest complete'} checkpoint")
+    elif EXIT_REQUEUE in codes:
+        agent.stop(EXIT_REQUEUE, "requeue", f"{node}: {what}: not restarting in place; the batch script requeues the "
+                   f"job, which resumes from that checkpoint")
+    else:
+        budget(agent, worker_group, what, where, point, first, _charged(agent, first, kind, theirs))
+    return result
+
+
+def budget(agent, worker_group: WorkerGroup, what: str, where: str, point: tuple, first, charged: str | None) -> None:
+    """A crash, a hang or a transient failure: restart every node's workers, unless it repeats at the same step,
+    start-up fails twice, a node has failed NODE_FAILURES times, or the restarts without progress are used up."""
+    rnd, spec = agent._round(), worker_group.spec
+    node = f"node {worker_group.group_rank} ({peers.node_name()})"
+    code = 1 if first is None else first.exitcode if first.exitcode > 0 else 128 - first.exitcode
+    before, agent.failed_at[rnd] = agent.failed_at.get(rnd - 1), point
+    agent.ckpt_at[rnd] = agent.checkpoint
+    if charged:
+        agent.charges[rnd] = charged
+    count = Counter(agent.charges.values())[charged] if charged else 0
+    streak = without_progress(agent.ckpt_at, rnd)
+    if point[0] == "step" and before == point:
+        agent.stop(code, "fail", f"{node}: {what} {where} again after a restart: the failure is deterministic (data, "
+                   f"model or code, not the machine); not restarting, the job ends with exit {code}")
+    elif point[0] == "startup" and before is not None and before[0] == "startup":
+        agent.stop(code, "retry", f"{node}: {what} during start-up again after a restart: more often the machine (a "
+                   f"GPU that does not initialize, memory a killed process still holds) than the code; not "
+                   f"restarting in place; exit {code}, the batch script requeues the job (at most MAX_REQUEUES times "
+                   f"without a new checkpoint)" + (f", without {charged}" if charged else ""))
+    elif charged and count >= NODE_FAILURES:
+        agent.stop(code, "retry", f"{node}: {what} {where}: node {charged} has failed {count} times in this training "
+                   f"step: it is left behind; not restarting in place; the batch script requeues the job without "
+                   f"{charged} (ExcNodeList)")
+    elif streak > spec.max_restarts:
+        budget_line = (f"the job's {spec.max_restarts} restart(s) without a new checkpoint are used up"
+                       if spec.max_restarts else "restarts are off (--max_restarts 0)")
+        agent.stop(code, "fail", f"{node}: {what} {where}; {budget_line}: not restarting, the job ends with exit "
+                   f"{code}")
+    else:
+        agent._remaining_restarts = spec.max_restarts - streak + 1  # _invoke_run takes one off as it restarts
+        charge = f"; charged to node {charged} ({count} of {NODE_FAILURES})" if charged else ""
+        say(f"{node}: {what} {where}{charge}; restarting the workers of every node (restart {rnd + 1} of the job, "
+            f"{streak} of {spec.max_restarts} without a new checkpoint), resuming from the latest complete "
+            f"checkpoint")
+
+
+def check_before_restart(agent, worker_group: WorkerGroup, problem: str | None) -> None:
+    """A node that fails its health check before its workers restart is left behind: JobStop (retry) with the node
+    in the outcome's exclusions."""
+    if problem is None:
+        return
+    host = peers.node_name()
+    agent.exclude.append(host)
+    line = (f"node {worker_group.group_rank} ({host}): {problem}: failed its health check before a restart; not "
+            f"restarting its workers; the batch script requeues the job without {host} (ExcNodeList)")
+    agent.decision = JobStop(1, "retry", line)
+    say(line)
+    raise agent.decision
