@@ -18,7 +18,7 @@ SHELL_FILES = sorted([*REPO.glob("*.sh"), *REPO.glob("*.sbatch"), *REPO.glob("sc
                       *REPO.glob("scripts/**/*.sbatch")])
 CLUSTER_SCRIPTS = [REPO / "1.train_llama.sbatch", REPO / "2.ab_fp8_vs_bf16.sh", REPO / "scripts" / "build_image.sh",
                    REPO / "scripts" / "slurm" / "job_lib.sh", REPO / "scripts" / "slurm" / "ab_job.sbatch",
-                   *sorted(REPO.glob("scripts/image/*.sh"))]
+                   *sorted(REPO.glob("scripts/image/*.sh")), *sorted(REPO.glob("scripts/container/**/*.sh"))]
 BATCH_SCRIPTS = [REPO / "1.train_llama.sbatch", REPO / "scripts" / "slurm" / "ab_job.sbatch"]
 DOCKERFILES = sorted(REPO.glob("*.dockerfile"))
 LAUNCHER_FILES = [*SHELL_FILES, *DOCKERFILES, REPO / "README.md"]
@@ -166,10 +166,11 @@ def test_sbatch_directives(path):
 
 
 def test_env_vars_documented():
-    """Every variable the cluster scripts read with a default (${NAME:-...}) is listed in the README."""
-    doc = (REPO / "README.md").read_text()
+    """Every variable the cluster scripts read with a default (${NAME:-...}) is listed in the README or a page of
+    docs/ (the image's build and import: docs/container.md)."""
+    doc = "\n".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
     names = set()
     for path in CLUSTER_SCRIPTS:
         names.update(re.findall(r"\$\{([A-Z][A-Z0-9_]*):[-=]", path.read_text()))
     undocumented = sorted(n for n in names if not n.startswith("SLURM_") and n != "PYTHONPATH" and n not in doc)
-    assert not undocumented, f"add to README.md (Environment variables): {undocumented}"
+    assert not undocumented, f"add to README.md (Environment variables) or docs/: {undocumented}"
