@@ -45,12 +45,13 @@ RUN { if [ -n "${STANDIN_BASE}" ]; then \
 # devices exist, like FI_PROVIDER and NCCL_SOCKET_IFNAME.
 ENV NCCL_NET_PLUGIN=/opt/llama-fp8/nccl/libnccl-net-ofi.so \
     NCCL_TUNER_PLUGIN=/opt/llama-fp8/nccl/libnccl-tuner-ofi.so \
-    LD_LIBRARY_PATH=/opt/llama-fp8/nccl/lib:/opt/amazon/efa/lib:${LD_LIBRARY_PATH} \
+    LD_LIBRARY_PATH=/opt/llama-fp8/nccl/lib:/opt/amazon/efa/lib${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}} \
     PATH=/opt/amazon/efa/bin:${PATH}
 
 WORKDIR /workspace/llama-fp8
 # 1) the dependencies NGC does not ship, under NGC's constraint file (it pins torch, TE and their dependencies),
-#    before the code: a rebuild after a code change reuses this layer instead of installing them again;
+#    before the code: a rebuild after a code change reuses this layer instead of installing them again (pytest:
+#    the GPU self-test, scripts/gpu_selftest.sbatch, runs the repository's tests in the image);
 # 2) the package alone: --no-deps, so its `torch` requirement can never pull another torch build;
 # 3) proof that torch and Transformer Engine are still the ones NGC built (before 1 and after 2), that the
 #    presets were installed, and the image's own record of its versions (read by every run's metrics.jsonl
@@ -59,7 +60,7 @@ RUN python -c "import importlib.metadata as m; print(m.version('torch'), m.versi
         >/opt/llama-fp8/base-versions && \
     pip install --no-cache-dir --constraint /etc/pip/constraint.txt \
         "transformers>=4.57" "datasets>=3.0" "tokenizers>=0.20" "safetensors>=0.4" "pyyaml>=6.0" \
-        "torchao>=0.12" "submitit>=1.5" "matplotlib>=3.7" "tensorboard>=2.14"
+        "torchao>=0.12" "submitit>=1.5" "matplotlib>=3.7" "tensorboard>=2.14" "pytest>=7.0"
 # Real files only: the repository's `configs` is a symlink into src/ (the presets are package data), so it is
 # recreated here as the same relative link instead of being copied.
 COPY pyproject.toml README.md ./

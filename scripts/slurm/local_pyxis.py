@@ -13,6 +13,7 @@ of this host would share. The registry (Debian's docker-registry) listens on 127
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import time
@@ -20,6 +21,11 @@ import urllib.request
 from pathlib import Path
 
 ENROOT_DIRS = ("data", "cache", "run", "tmp")
+# Each node's Enroot state goes on a RAM file system when there is room, as a real node's on local NVMe: on these
+# machines' disk (ext4 mounted with online discard) unpacking a ~2 GB image took 29 s and removing it 94 s,
+# on /dev/shm 5 s and 1.3 s (measured on 2 cores under load). The state folders are symlinks into it.
+RAM_DIR = Path("/dev/shm")
+RAM_NEEDED = 12 << 30  # two nodes' containers of the tests' image, an import's layers, and headroom
 # An uncompressed squashfs: `enroot import` of a ~2 GB image takes ~15 s instead of minutes with the default
 # (-comp lzo -noD) on 2 cores; the file is ~25% bigger, which a test cluster does not mind.
 SQUASH_OPTIONS = "-noI -noD -noF -noX -no-duplicates"
@@ -49,11 +55,30 @@ esac
 """
 
 
+def state_base(root: Path) -> Path | None:
+    """A folder on RAM_DIR for the nodes' Enroot state, or None (then it stays in the cluster folder)."""
+    try:
+        usage = shutil.disk_usage(RAM_DIR)
+    except OSError:
+        return None
+    if usage.free < RAM_NEEDED:
+        return None
+    base = RAM_DIR / f"llama-fp8-enroot-{root.name}-{abs(hash(str(root))) % 10**8}"
+    base.mkdir(mode=0o700, exist_ok=True)
+    return base
+
+
 def setup_nodes(root: Path, nodes: list[str], enroot: Path, pyxis_so: Path) -> Path:
     """Write the per-node wrappers, the dispatcher and plugstack.conf; return plugstack.conf's path."""
+    ram = state_base(root)
     for node in [*nodes, "head"]:
+        state = root / "nodes" / node / "enroot"
+        state.parent.mkdir(parents=True, exist_ok=True)
+        if ram is not None:
+            (ram / node).mkdir(exist_ok=True)
+            state.symlink_to(ram / node)
         for sub in ENROOT_DIRS:
-            (root / "nodes" / node / "enroot" / sub).mkdir(parents=True, exist_ok=True)
+            (state / sub).mkdir(parents=True, exist_ok=True)
         wrapper = root / "nodes" / node / "bin" / "enroot"
         wrapper.parent.mkdir(parents=True, exist_ok=True)
         wrapper.write_text(node_wrapper(root, node, enroot))
@@ -128,6 +153,13 @@ def remove_all(root: Path, nodes: list[str]) -> list[str]:
                if line.split()[1].startswith(str(root) + "/")]
     left += [f"mount {m}" for m in mounted]
     if not left:
+        ram = {(root / "nodes" / n / "enroot").resolve() for n in [*nodes, "head"]
+               if (root / "nodes" / n / "enroot").is_symlink()}
+        for state in ram:
+            shutil.rmtree(state, ignore_errors=True)
+        for base in {state.parent for state in ram}:
+            with contextlib.suppress(OSError):
+                base.rmdir()
         shutil.rmtree(root / "nodes", ignore_errors=True)
         shutil.rmtree(root / "registry" / "data", ignore_errors=True)
     return left

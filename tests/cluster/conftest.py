@@ -6,7 +6,14 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from container_helpers import ImageBuild, build_project_image, build_small_base, build_standin, builder_env
+from container_helpers import (
+    ImageBuild,
+    build_project_image,
+    build_small_base,
+    build_standin,
+    builder_env,
+    prune_storage,
+)
 from slurm_helpers import local_cluster, make_job_env, unavailable
 
 # Why the session's cluster has no containers, when it has none (the container tests skip with it).
@@ -74,6 +81,7 @@ def project_image(build_env, standin_base, tmp_path_factory) -> ImageBuild:
     build = build_project_image(build_env, standin_base, folder / "llama-fp8.sqsh")
     yield build
     shutil.rmtree(folder, ignore_errors=True)
+    prune_storage(build_env, [build.log], standin_base)
 
 
 @pytest.fixture(scope="session")

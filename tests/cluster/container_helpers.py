@@ -10,6 +10,7 @@ podman run RUN steps with --isolation chroot (BUILDAH_ISOLATION): crun fails on 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -50,8 +51,10 @@ def builder_env(cluster) -> dict[str, str]:
     env = cluster.env()
     for key in [k for k in env if k.startswith(("SLURM_", "ENROOT_")) or k == "SLURMD_NODENAME"]:
         env.pop(key)
+    # TMPDIR (the buildah path's image archive) beside the head's Enroot temp folder: in RAM when the cluster
+    # could put its Enroot state there (local_pyxis.state_base).
     env.update(CONTAINERS_STORAGE_CONF=str(storage_conf(container_kit.cache_dir())), BUILDAH_ISOLATION="chroot",
-               PYTHON=sys.executable)
+               PYTHON=sys.executable, TMPDIR=str(Path(cluster.root) / "nodes" / "head" / "enroot" / "tmp"))
     env.pop("DOCKER_HOST", None)
     return env
 
@@ -80,7 +83,7 @@ def build_standin(env: dict[str, str]) -> str:
 def build_project_image(env: dict[str, str], standin: str, out: Path) -> ImageBuild:
     log = out.parent / "build_image.log"
     proc = run_logged([str(BUILD_IMAGE), "--build-arg", f"STANDIN_BASE={standin}"],
-                      dict(env, BUILDER="buildah", OUT=str(out), TMPDIR=str(out.parent)), log)
+                      dict(env, BUILDER="buildah", OUT=str(out)), log)
     return ImageBuild(out, _ok(proc, "scripts/build_image.sh"))
 
 
@@ -140,3 +143,18 @@ def podman_containers(env: dict[str, str]) -> list[str]:
     out = subprocess.run(["podman", "ps", "-a", "--format", "{{.Names}}"], env=env, capture_output=True, text=True,
                          check=True).stdout
     return out.split()
+
+
+def prune_storage(env: dict[str, str], logs: list[str], standin: str) -> None:
+    """Bound the kept storage to this session's images: remove untagged images that no build of this session
+    used or made (the builds' "--> ID" and "--> Using cache ID" lines: kept, they are the layer cache of the next
+    session) and stand-ins of other recipes."""
+    used = {m for log in logs for m in re.findall(r"^--> (?:Using cache )?([0-9a-f]{11,64})$", log, re.M)}
+    out = subprocess.run(["buildah", "images", "--filter", "dangling=true", "--format", "{{.ID}}"], env=env,
+                         capture_output=True, text=True, check=False).stdout.split()
+    stale = [i for i in out if not any(u.startswith(i) or i.startswith(u) for u in used)]
+    tags = subprocess.run(["buildah", "images", "--format", "{{.Name}}:{{.Tag}}"], env=env, capture_output=True,
+                          text=True, check=False).stdout.split()
+    stale += [t for t in tags if t.startswith("localhost/llama-fp8-standin:") and t != standin]
+    for image in stale:
+        subprocess.run(["buildah", "rmi", image], env=env, capture_output=True, check=False)

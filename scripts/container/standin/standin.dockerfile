@@ -8,7 +8,9 @@
 #     version proof reads it; `import transformer_engine` fails, as on any machine without TE);
 #   libfabric (Debian's) at /opt/amazon/efa/lib and a stand-in aws-ofi-nccl library, so the EFA step takes its
 #     "already in the base image" path (there is no NCCL here to load a plugin);
-#   the CA certificates of the machine that built it (its package index may sit behind a TLS proxy).
+#   the CA certificates of the machine that built it (its package index may sit behind a TLS proxy);
+#   PATH from the image's environment in a login shell, as on NGC's Ubuntu: Enroot starts one, and Debian's
+#     /etc/profile would reset PATH there (the image's PATH entries would never reach a job).
 # Built by scripts/container/standin/build.sh from a debootstrap root file system (rootfs.tar) and local wheels.
 FROM scratch
 ADD rootfs.tar /
@@ -16,11 +18,15 @@ COPY ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
 COPY wheels/ /tmp/wheels/
 COPY libnccl-net-ofi.so /opt/amazon/aws-ofi-nccl/lib/libnccl-net-ofi.so
 ARG TE_VERSION
+ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # NGC's system Python takes pip installs: Debian's "externally managed" marker goes. wheels/requirements.txt pins
 # torch and numpy to the wheels beside it (build.sh wrote both).
+# hadolint ignore=SC2016
 RUN [ -n "${TE_VERSION}" ] && \
     rm -f /usr/lib/python3*/EXTERNALLY-MANAGED && \
+    sed -i -e '/^if \[ "$(id -u)" -eq 0 \]; then$/,/^export PATH$/d' /etc/profile && \
+    ! grep -q '^export PATH' /etc/profile && \
     pip install --no-cache-dir --no-index --find-links /tmp/wheels --requirement /tmp/wheels/requirements.txt && \
     rm -rf /tmp/wheels && \
     fabric="$(find /usr/lib -name libfabric.so.1 -print -quit)" && [ -n "$fabric" ] && \
