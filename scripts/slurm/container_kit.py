@@ -34,15 +34,19 @@ REPO = Path(__file__).resolve().parents[2]
 KIT_ENV = "LLAMA_FP8_CONTAINER_KIT"
 CACHE_ENV = "LLAMA_FP8_CONTAINER_CACHE"
 # Building Enroot and Pyxis (libslurm-dev must be the installed Slurm's release), running Enroot (its
-# `checkcmd` lists), building the images (buildah, debootstrap, runc: crun fails on hybrid cgroups) and the
-# local registry.
+# `checkcmd` lists), building the images (buildah and podman, debootstrap for the stand-in base, runc: crun
+# fails on hybrid cgroups; busybox: the small image of the build routes' tests) and the local registry.
 APT_PACKAGES = [
     "build-essential", "squashfs-tools", "squashfuse", "fuse-overlayfs", "makeself", "musl-tools", "libmd-dev",
     "gawk", "parallel", "pigz", "zstd", "jq", "curl", "file", "gettext-base", "libcap-dev", "libslurm-dev",
-    "buildah", "skopeo", "docker-registry", "runc", "debootstrap", "slurmd",
+    "buildah", "podman", "docker-registry", "runc", "debootstrap", "busybox-static", "slurmd",
 ]
 REQUIRED_BINARIES = ["make", "cc", "mksquashfs", "unsquashfs", "squashfuse", "fuse-overlayfs", "musl-gcc",
-                     "parallel", "pigz", "zstd", "jq", "curl", "buildah", "docker-registry", "debootstrap", "runc", "slurmd"]
+                     "parallel", "pigz", "zstd", "jq", "curl", "buildah", "podman", "docker-registry", "debootstrap",
+                     "runc", "busybox", "slurmd"]
+# The docker CLI of the docker route's test (it talks to podman's Docker-compatible API: no daemon is started),
+# installed only where there is no `docker` at all (Debian packages it with the daemon, ~150 MB).
+DOCKER_CLI = ["docker.io"]
 TARBALL = re.compile(r"^(enroot|pyxis)-(\d+(?:\.\d+)*)\.tar\.gz$")
 
 
@@ -218,6 +222,7 @@ def prepare(install: bool = True, kit_root: Path | None = None) -> Tools:
     """Everything the container cluster needs from the kit: packages, then Enroot and Pyxis (cached)."""
     kit = find_kit(kit_root)
     apt_install(APT_PACKAGES, REQUIRED_BINARIES, install)
+    apt_install(DOCKER_CLI, ["docker"], install)
     cache = cache_dir()
     with _locked(cache):
         prefix = build_enroot(kit, cache)
