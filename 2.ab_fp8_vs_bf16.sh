@@ -93,8 +93,11 @@ JOBS=() DIRS=("$AB_DIR/bf16")
 for arm in "${ARM_LIST[@]}"; do
     [[ "$arm" == bf16 ]] || DIRS+=("$AB_DIR/$arm")
 done
+AFTER=""  # the arms' job ids, colon-separated (the report's dependency)
 for arm in "${ARM_LIST[@]}"; do
-    JOBS+=("$(submit_run "$arm" "$@")")
+    job=$(submit_run "$arm" "$@")
+    JOBS+=("$job")
+    AFTER+="${AFTER:+:}$job"
 done
 COMPARE_ARMS=()
 ((${#ARM_LIST[@]} == 2)) || COMPARE_ARMS=(--arms "${#ARM_LIST[@]}")
@@ -112,7 +115,6 @@ WRAP=$(printf '%q ' "${RUN[@]}" -m llama_fp8 compare "${DIRS[@]}" ${COMPARE_ARMS
 if [[ " $* " == *" --mlflow_tracking_uri"* ]]; then  # the report as an MLflow run too (docs/metrics.md)
     WRAP+="&& { $(printf '%q ' "${RUN[@]}" -m llama_fp8 publish "$AB_DIR/report")|| echo 'warning: llama_fp8 publish could not log the report to MLflow' >&2; }"
 fi
-AFTER=$(IFS=:; echo ${JOBS[*]+"${JOBS[*]}"})
 REPORT_JOB=$(sbatch --parsable ${EXTRA[@]+"${EXTRA[@]}"} --job-name=llama-fp8-report --nodes=1 --ntasks=1 \
     --output=logs/%x_%j.out --dependency="afterany:$AFTER" --wrap="$WRAP")
 

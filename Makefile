@@ -29,12 +29,12 @@ test: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu and not te"
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu and not te and not slow and not slurm"
+	$(PY) -m pytest -q -m "not gpu and not te and not slow and not slurm and not container"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
-	$(VENV)/bin/shellcheck -S warning scripts/*.sh $(wildcard *.sbatch *.sh scripts/*.sbatch scripts/image/*.sh scripts/slurm/*.sh scripts/slurm/*.sbatch scripts/gpu/*.sh scripts/offline/*.sh)
-	$(VENV)/bin/hadolint $(wildcard *.dockerfile)
+	$(VENV)/bin/shellcheck -S warning scripts/*.sh $(wildcard *.sbatch *.sh scripts/*.sbatch scripts/image/*.sh scripts/slurm/*.sh scripts/slurm/*.sbatch scripts/gpu/*.sh scripts/offline/*.sh scripts/container/*.sh scripts/container/standin/*.sh)
+	$(VENV)/bin/hadolint $(wildcard *.dockerfile scripts/container/standin/*.dockerfile tests/cluster/container/*.dockerfile)
 
 bench: $(STAMP)
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
@@ -81,7 +81,7 @@ TORCH214_TESTS ?= \
 test-torch214:
 	@$(MAKE) --no-print-directory install VENV=$(TORCH214_VENV) TORCH_SPEC="$(TORCH214_SPEC)" EXTRAS=torchao,dev
 	CUDA_VISIBLE_DEVICES= $(TORCH214_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=15 \
-		-m "not gpu and not te and not slurm" $(TORCH214_TESTS)
+		-m "not gpu and not te and not slurm and not container" $(TORCH214_TESTS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,19 +1,37 @@
 #!/bin/bash
-# Build the training image and import it for Enroot/Pyxis:
+# Build the training image and import it for Enroot/Pyxis, with docker, podman or buildah (no daemon needed):
 #   scripts/build_image.sh                         # -> ./llama-fp8.sqsh (+ llama-fp8.sqsh.sha256)
+#   BUILDER=podman scripts/build_image.sh          # the builder: docker when its daemon answers, else podman,
+#                                                  # else buildah, unless BUILDER names one
+#   REGISTRY=registry.example.com:5000 scripts/build_image.sh   # push there, import from there
 #   TAG=llama-fp8:26.09 OUT=/fsx/images/llama-fp8.sqsh scripts/build_image.sh --build-arg NGC_TAG=26.09-py3
-#   scripts/build_image.sh --print-context         # the files docker would get, one per line (no docker needed)
+#   scripts/build_image.sh --print-context         # the files the builder would get, one per line (no builder needed)
 #   scripts/build_image.sh --context-tar ctx.tar   # write that build context as a tar and stop
-# Extra arguments go to `docker build`. Put OUT on a file system every node can read.
+# DOCKERFILE: another Dockerfile of the repository (a relative path), built with the same context and imported
+# the same way. Extra arguments go to the builder's build command (e.g. --isolation chroot for buildah/podman where RUN steps
+# fail under crun: docs/container.md). Put OUT on a file system every node can read.
 #
-# The build context is an explicit list of regular files, streamed as a tar (`docker build -`): never the
-# repository folder itself, which holds .venv, runs/, old .sqsh images (gigabytes sent to the daemon on every
-# build) and the `configs` symlink, whose COPY behaviour differs between builders. Symlinked files are
-# dereferenced (tar --dereference), so the image gets their content.
+# How the image reaches Enroot (`enroot import`, docs/container.md):
+#   docker   dockerd://TAG: from the Docker daemon's images
+#   podman   podman://TAG: from podman's image storage
+#   buildah  an image archive: pushed (Docker v2 schema 2, uncompressed) into a temporary folder, served read-only
+#            on 127.0.0.1 by scripts/container/serve_image.py for docker://127.0.0.1:PORT#TAG, then deleted
+#   REGISTRY=HOST[:PORT] (any builder): pushed there, imported from docker://HOST[:PORT]#NAME:TAG;
+#            http://HOST[:PORT] for a registry without TLS (e.g. one on this host). PUSH_ARGS: extra arguments for
+#            the push (e.g. --creds, or --disable-compression for a registry on this host).
+#
+# The build context is an explicit list of regular files: never the repository folder itself, which holds .venv,
+# runs/, old .sqsh images (gigabytes sent to the builder on every build) and the `configs` symlink, whose COPY
+# behaviour differs between builders. Symlinked files are dereferenced (tar --dereference): the image gets their
+# content.
 set -euo pipefail
 
 REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-DOCKERFILE=0.transformer-engine.dockerfile
+DOCKERFILE=${DOCKERFILE:-0.transformer-engine.dockerfile}
+[[ "$DOCKERFILE" != /* && "$DOCKERFILE" != *..* && -f "$REPO_DIR/$DOCKERFILE" ]] || {
+    echo "error: DOCKERFILE=$DOCKERFILE: a Dockerfile inside the repository, relative to it" >&2
+    exit 2
+}
 TAG=${TAG:-llama-fp8:latest}
 OUT=$(realpath -m "${OUT:-llama-fp8.sqsh}")
 # What the Dockerfile COPYs (tests/cluster/test_image.py checks that every COPY source is here).
@@ -33,22 +51,81 @@ case "${1:-}" in
                    context_tar "$2"; exit 0 ;;
 esac
 
-need() {  # need COMMAND HINT: exit with a clear message when COMMAND is missing
-    if ! command -v "$1" >/dev/null; then
-        echo "error: '$1' not found. $2" >&2
-        exit 1
-    fi
-}
-need docker "Install Docker (or run this on a machine that has it, e.g. the head node)."
-need enroot "Install Enroot: https://github.com/NVIDIA/enroot (it ships with AWS ParallelCluster/HyperPod Slurm AMIs)."
-if ! docker info >/dev/null 2>&1; then
-    echo "error: cannot talk to the Docker daemon (is it running? are you in the docker group?)" >&2
+# shellcheck source=scripts/container/builder.sh
+source "$REPO_DIR/scripts/container/builder.sh"
+command -v enroot >/dev/null || {
+    echo "error: 'enroot' not found. Install Enroot: https://github.com/NVIDIA/enroot (it ships with AWS" \
+        "ParallelCluster/HyperPod Slurm AMIs)." >&2
     exit 1
+}
+builder=$(builder_pick)
+registry=${REGISTRY:-}
+insecure=""
+if [[ "$registry" == http://* ]]; then insecure=1; registry=${registry#http://}; fi
+registry=${registry#https://}
+registry=${registry%/}
+read -r -a push_args <<<"${PUSH_ARGS:-}"
+name=${TAG%:*}
+[[ "$name" != "$TAG" && "${TAG##*:}" != */* ]] || { echo "error: TAG=$TAG: give a name and a tag, e.g. llama-fp8:latest" >&2; exit 2; }
+tag=${TAG##*:}
+name=${name##*/}  # the repository name without a registry host: llama-fp8
+
+work=$(mktemp -d)
+server=""
+cleanup() {
+    if [[ -n "$server" ]]; then kill "$server" 2>/dev/null || true; fi
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+echo "build: $TAG from $DOCKERFILE with $builder"
+if [[ "$builder" == docker ]]; then
+    context_tar - | docker build -f "$DOCKERFILE" -t "$TAG" "$@" -
+else
+    mkdir "$work/context"
+    context_tar - | tar -C "$work/context" -xf -
+    builder_build "$builder" -f "$work/context/$DOCKERFILE" -t "$TAG" "$@" "$work/context"
 fi
 
-context_tar - | docker build -f "$DOCKERFILE" -t "$TAG" "$@" -
 rm -f "$OUT" "$OUT.sha256"  # enroot import refuses to overwrite
-enroot import -o "$OUT" "dockerd://$TAG"
+enroot_import() {  # enroot_import URI [VAR=VALUE...]: the image at URI into $OUT
+    echo "import: $1 -> $OUT"
+    env "${@:2}" enroot import -o "$OUT" "$1"
+}
+if [[ -n "$registry" ]]; then
+    remote="$registry/$name:$tag"
+    echo "push: $TAG -> $remote"
+    if [[ "$builder" == docker ]]; then
+        docker tag "$TAG" "$remote"
+        docker push ${push_args[@]+"${push_args[@]}"} "$remote"
+    else
+        "$builder" push --format v2s2 ${insecure:+--tls-verify=false} ${push_args[@]+"${push_args[@]}"} \
+            "$TAG" "docker://$remote"
+    fi
+    enroot_import "docker://$registry#$name:$tag" ${insecure:+ENROOT_ALLOW_HTTP=yes}
+elif [[ "$builder" == docker ]]; then
+    enroot_import "dockerd://$TAG"
+elif [[ "$builder" == podman ]]; then
+    # Enroot's podman:// import removes its temporary container with `docker rm` (its exit trap, whatever the
+    # engine): without a Docker daemon that fails, the import exits 1 after writing the image and the container
+    # stays. A `docker` that is podman, for this one command, lets the trap do its work.
+    mkdir "$work/bin"
+    printf '#!/bin/sh\nexec podman "$@"\n' >"$work/bin/docker"
+    chmod +x "$work/bin/docker"
+    enroot_import "podman://$TAG" PATH="$work/bin:$PATH"
+else
+    echo "archive: $TAG -> $work/image (uncompressed: it never leaves this host)"
+    buildah push --format v2s2 --disable-compression ${push_args[@]+"${push_args[@]}"} "$TAG" "dir:$work/image"
+    python3 "$REPO_DIR/scripts/container/serve_image.py" "$work/image" "$name:$tag" >"$work/port" &
+    server=$!
+    for _ in $(seq 100); do
+        [[ -s "$work/port" ]] && break
+        kill -0 "$server" 2>/dev/null || { echo "error: serve_image.py stopped (message above)" >&2; exit 1; }
+        sleep 0.1
+    done
+    [[ -s "$work/port" ]] || { echo "error: serve_image.py did not start within 10 s" >&2; exit 1; }
+    enroot_import "docker://127.0.0.1:$(cat "$work/port")#$name:$tag" ENROOT_ALLOW_HTTP=yes
+fi
 # The digest, once, next to the image: every run records it (metrics.jsonl meta -> the A/B report).
 (cd "$(dirname "$OUT")" && sha256sum "$(basename "$OUT")" >"$OUT.sha256")
 

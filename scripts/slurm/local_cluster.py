@@ -10,6 +10,9 @@ Everything lives in one directory: slurm.conf + cgroup.conf, state/spool/log/pid
 munged socket and a `bin/sacct` stand-in (there is no accounting database; submitit needs sacct).
 Daemons are stopped by the PIDs recorded at start-up. Needs root (munged runs as the munge user,
 slurmd as root); missing packages are installed with apt-get (Debian/Ubuntu).
+With --container, the nodes also run containers: Pyxis (plugstack.conf) and Enroot with each node's own state,
+built from the container kit (container_kit.py), and a registry on 127.0.0.1 (local_pyxis.py); `down` then
+removes every container and the registry too.
 Standard library only, so it runs with any python3.
 """
 
@@ -28,6 +31,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import container_kit  # noqa: E402 - beside this file
+import local_pyxis  # noqa: E402
 
 APT_PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 REQUIRED_BINARIES = ["slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "munged", "munge"]
@@ -49,6 +56,14 @@ class Cluster:
     ctld_port: int
     munge_dir: str = ""
     pids: dict[str, int] = field(default_factory=dict)
+    enroot: str = ""
+    """The Enroot binary the nodes' wrappers run (--container), else empty."""
+    registry: str = ""
+    """host:port of the local registry (--container)."""
+
+    @property
+    def container(self) -> bool:
+        return bool(self.enroot)
 
     @property
     def conf(self) -> Path:
@@ -141,6 +156,7 @@ KillWait=10
 SchedulerType=sched/backfill
 # schedule every few seconds instead of every minute: tests wait on it
 SchedulerParameters=sched_interval=3,bf_interval=2
+{f"PlugStackConfig={root / 'plugstack.conf'}" if cluster.container else ""}
 {chr(10).join(node_lines)}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 # a second partition on the same nodes: tests check that --partition reaches every job of a script
@@ -201,7 +217,8 @@ def start_slurm(cluster: Cluster) -> None:
         raise ClusterUnavailable(f"slurmctld failed (rc {proc.returncode}): {proc.stderr.strip()}")
     cluster.pids["slurmctld"] = _read_pid(root / "run" / "slurmctld.pid")
     for name in cluster.nodes:
-        proc = _run(["slurmd", "-f", str(cluster.conf), "-N", name], env=env)
+        node_env = dict(env, PATH=local_pyxis.node_path(root, name, env["PATH"])) if cluster.container else env
+        proc = _run(["slurmd", "-f", str(cluster.conf), "-N", name], env=node_env)
         if proc.returncode != 0:
             raise ClusterUnavailable(f"slurmd -N {name} failed (rc {proc.returncode}): {proc.stderr.strip()}")
         cluster.pids[f"slurmd.{name}"] = _read_pid(root / "run" / f"slurmd.{name}.pid")
@@ -224,13 +241,18 @@ def install_sacct_standin(cluster: Cluster) -> None:
     target.chmod(0o755)
 
 
-def up(root: str | Path, nodes: int = 1, install: bool = True) -> Cluster:
-    """Bring a cluster up in `root` (created, must not exist or be empty). Tears down what started on failure."""
+def up(root: str | Path, nodes: int = 1, install: bool = True, container: bool = False) -> Cluster:
+    """Bring a cluster up in `root` (created, must not exist or be empty). Tears down what started on failure.
+    container: Pyxis + Enroot on the nodes and a local registry (container_kit.KitMissing without the kit)."""
     if nodes not in (1, 2, 3):
         raise ValueError(f"--nodes must be 1, 2 or 3, got {nodes}")
     if os.geteuid() != 0:
         raise ClusterUnavailable("a local Slurm needs root (slurmd runs jobs as any user; munged as munge)")
     ensure_installed(install)
+    try:
+        tools = container_kit.prepare(install) if container else None
+    except container_kit.KitError as e:
+        raise ClusterUnavailable(str(e)) from e
     root = Path(root).resolve()
     root.mkdir(parents=True, exist_ok=True)
     if any(root.iterdir()):
@@ -241,9 +263,16 @@ def up(root: str | Path, nodes: int = 1, install: bool = True) -> Cluster:
     ports = [free_port(p) for p in SLURMD_PORTS[:nodes]]
     cluster = Cluster(root=str(root), nodes=[f"n{i + 1}" for i in range(nodes)], ctld_port=free_port(None),
                       munge_dir=tempfile.mkdtemp(prefix="llama-fp8-munge-", dir="/tmp"))
-    write_configs(cluster, ports)
     install_sacct_standin(cluster)
+    if tools is not None:
+        cluster.enroot = str(tools.enroot)
+        local_pyxis.setup_nodes(root, cluster.nodes, tools.enroot, tools.pyxis_so)
+    write_configs(cluster, ports)
     try:
+        if tools is not None:
+            port = free_port(None)
+            cluster.pids["registry"] = local_pyxis.start_registry(root, port)
+            cluster.registry = f"127.0.0.1:{port}"
         start_munged(cluster)
         cluster.save()
         start_slurm(cluster)
@@ -274,8 +303,9 @@ def _stop_pid(pid: int, timeout: float = 15) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def down(cluster: Cluster | str | Path, timeout: float = 60) -> None:
-    """Cancel every job, wait for the queue to drain (job steps survive a shutdown), stop daemons by PID."""
+def down(cluster: Cluster | str | Path, timeout: float = 60) -> list[str]:
+    """Cancel every job, wait for the queue to drain (job steps survive a shutdown), stop daemons by PID; with
+    containers, remove every node's containers and the registry's storage. Returns what was left behind."""
     if not isinstance(cluster, Cluster):
         cluster = Cluster.load(cluster)
     env = cluster.env()
@@ -290,7 +320,9 @@ def down(cluster: Cluster | str | Path, timeout: float = 60) -> None:
     cluster.pids.clear()
     if cluster.munge_dir:
         shutil.rmtree(cluster.munge_dir, ignore_errors=True)
+    left = local_pyxis.remove_all(Path(cluster.root), cluster.nodes) if cluster.container else []
     cluster.save()
+    return left
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,18 +333,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=1, choices=[1, 2, 3],
                         help="slurmd daemons (n1, n2, n3: a third one lets a 2-node job leave a node behind)")
     parser.add_argument("--no-install", action="store_true", help="do not apt-get install missing packages")
+    parser.add_argument("--container", action="store_true",
+                        help="Pyxis + Enroot on the nodes and a registry on 127.0.0.1 (needs the container kit)")
     args = parser.parse_args(argv)
     try:
-        cluster = up(args.dir, args.nodes, not args.no_install) if args.action == "up" else Cluster.load(args.dir)
-    except (ClusterUnavailable, ValueError, FileNotFoundError) as e:
+        cluster = (up(args.dir, args.nodes, not args.no_install, args.container) if args.action == "up"
+                   else Cluster.load(args.dir))
+    except (ClusterUnavailable, container_kit.KitMissing, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if args.action == "down":
-        down(cluster)
-        print(f"stopped the cluster in {cluster.root}")
-        return 0
+        left = down(cluster)
+        print(f"stopped the cluster in {cluster.root}" + "".join(f"\nleft behind: {x}" for x in left))
+        return 1 if left else 0
     env = cluster.env()
     print(f"export SLURM_CONF={env['SLURM_CONF']}\nexport PATH={env['PATH']}")
+    if cluster.registry:
+        print(f"export LOCAL_REGISTRY={cluster.registry}")
     return 0
 
 

@@ -398,6 +398,61 @@ def test_dcp_metadata_is_read_with_an_allow_list(tmp_path):
     assert not marker.exists()
 
 
+class _ByName:
+    """Pickles as ``getattr(target, name)``: how Python 3.11.2 (Debian 12's) pickles an enum member."""
+
+    def __init__(self, target, name):
+        self.target, self.name = target, name
+
+    def __reduce__(self):
+        return getattr, (self.target, self.name)
+
+
+def test_dcp_metadata_with_enum_members_pickled_by_name_is_read(tmp_path):
+    """Python 3.11.2 (Debian 12's; not 3.11.7 nor 3.12) pickles an enum member as ``builtins.getattr(cls, name)``:
+    DCP metadata written there holds its memory-format enum that way, and the allow-list refused every
+    checkpoint's read-back (found running the image on a Debian-based base under Pyxis). ``getattr`` is taken for
+    exactly that, an enum member of an allowed class by its name, and refused for anything else."""
+    import enum
+    import io
+    import pathlib
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import (
+        _MEM_FORMAT_ENCODING,
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from llama_fp8.checkpoint import dcp_read
+
+    class Python3112Pickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            return (getattr, (type(obj), obj.name)) if isinstance(obj, enum.Enum) else NotImplemented
+
+    def write(folder: str, obj) -> pathlib.Path:
+        buf = io.BytesIO()
+        Python3112Pickler(buf, protocol=4).dump(obj)
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / ".metadata").write_bytes(buf.getvalue())
+        return tmp_path / folder
+
+    chunk = ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))
+    meta = Metadata(state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16),
+                                                                      torch.Size([2]), [chunk])}, storage_data={})
+    folder = write("by-name", meta)
+    assert b"getattr" in (folder / ".metadata").read_bytes()
+    got = dcp_read.read_dcp_metadata(folder)
+    assert got.state_dict_metadata == meta.state_dict_metadata
+    assert got.state_dict_metadata["w"].properties.memory_format == torch.contiguous_format
+    for i, (target, name) in enumerate([(pathlib.PosixPath, "unlink"), (_MEM_FORMAT_ENCODING, "__class__"),
+                                        (_MEM_FORMAT_ENCODING, "_missing_"), (_MEM_FORMAT_ENCODING, 0)]):
+        with pytest.raises(K.UnsafeCheckpointFile, match="getattr"):
+            dcp_read.read_dcp_metadata(write(f"bad{i}", [_ByName(target, name)]))
+
+
 def test_fault_specs_are_checked_and_inert_when_unset(monkeypatch):
     from llama_fp8 import faults
 

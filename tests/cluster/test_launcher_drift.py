@@ -18,7 +18,7 @@ SHELL_FILES = sorted([*REPO.glob("*.sh"), *REPO.glob("*.sbatch"), *REPO.glob("sc
                       *REPO.glob("scripts/**/*.sbatch")])
 CLUSTER_SCRIPTS = [REPO / "1.train_llama.sbatch", REPO / "2.ab_fp8_vs_bf16.sh", REPO / "scripts" / "build_image.sh",
                    REPO / "scripts" / "slurm" / "job_lib.sh", REPO / "scripts" / "slurm" / "ab_job.sbatch",
-                   *sorted(REPO.glob("scripts/image/*.sh"))]
+                   *sorted(REPO.glob("scripts/image/*.sh")), *sorted(REPO.glob("scripts/container/**/*.sh"))]
 BATCH_SCRIPTS = [REPO / "1.train_llama.sbatch", REPO / "scripts" / "slurm" / "ab_job.sbatch"]
 DOCKERFILES = sorted(REPO.glob("*.dockerfile"))
 DOC_PAGES = [REPO / "README.md", *sorted(REPO.glob("docs/*.md"))]
@@ -168,7 +168,8 @@ def test_sbatch_directives(path):
 
 def test_env_vars_documented():
     """Every variable the cluster scripts read with a default (${NAME:-...}) is documented: in docs/cluster.md or
-    another page of docs/ (the recovery knobs in docs/reliability.md)."""
+    another page of docs/ (the recovery knobs in docs/reliability.md, the image's build and import in
+    docs/container.md)."""
     doc = "\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
     names = set()
     for path in CLUSTER_SCRIPTS:

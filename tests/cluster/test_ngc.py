@@ -208,6 +208,34 @@ def test_check_image_on_the_default_pair_prints_no_note(monkeypatch, capsys):
     assert "note:" not in capsys.readouterr().out
 
 
+def test_check_image_on_the_stand_in_base_records_it_and_compares_nothing(tmp_path, monkeypatch, capsys):
+    """The tests' stand-in base (scripts/container/standin/) has CPU torch and only a record of TE: its build
+    says so, compares nothing with the NGC row (no "update the row" advice) and records base "stand-in", which
+    the A/B report shows instead of an NGC tag; the requirements still apply."""
+    import json
+
+    row = ngc.release(ngc.DEFAULT_TAG)
+    marker = tmp_path / "standin-base"
+    marker.write_text("torch 2.13.0+cpu (CPU), Transformer Engine record 2.19.0: the image tests stand-in\n")
+    monkeypatch.setattr(ngc, "STANDIN_MARKER", marker)
+    found = {"torch": "2.13.0+cpu", "cuda": None, "cudnn": None, "nccl": None,
+             "transformer_engine": row.transformer_engine.value, "python": "3.11.2"}
+    monkeypatch.setattr(ngc, "installed_versions", lambda: found)
+    out = tmp_path / "image.json"
+    assert ngc.main(["check-image", "--tag", row.tag, "--efa", row.efa_installer, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"stand-in for NGC {row.tag}: torch 2.13.0+cpu" in printed
+    assert "the tests' stand-in base (torch 2.13.0+cpu (CPU)" in printed and "update the row" not in printed
+    assert json.loads(out.read_text())["base"] == "stand-in"
+    monkeypatch.setattr(ngc, "installed_versions", lambda: {**found, "transformer_engine": None})
+    assert ngc.main(["check-image", "--tag", row.tag, "--efa", row.efa_installer]) == 1
+
+    from llama_fp8.report import hardware
+
+    text = hardware._image({"image": "/x/llama-fp8.sqsh", "image_build": json.loads(out.read_text())})
+    assert f"stand-in for NGC {row.tag} (tests)" in text
+
+
 def test_cudnn_version_number_is_read_as_major_minor_patch():
     assert ngc._cudnn_text(92600) == "9.26.0" and ngc._cudnn_text(92401) == "9.24.1" and ngc._cudnn_text(None) is None
 

@@ -1,15 +1,14 @@
 """The cluster recipe on a real Slurm (two slurmd on this host, CPU): the preflight all-reduce over both nodes,
-the same-allocation A/B, the requeue of a submitit job whose tasks have no Slurm tools (as in a container), and
-the image path of the batch script (named container, mounts checked before any srun) through a Pyxis stand-in."""
+the same-allocation A/B, and the requeue of a submitit job whose tasks have no Slurm tools (as in a container).
+The image path of the batch scripts (named container, mounts, environment) runs under real Pyxis + Enroot in
+test_container_jobs.py: the srun stand-in that only recorded --container-* options is gone."""
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -158,72 +157,3 @@ def test_submitit_requeue_without_slurm_tools_in_the_task(job_env, tmp_path):
     starts = [r["start_step"] for r in records if r["type"] == "meta"]
     assert len(starts) == 2 and starts[0] == 0 and starts[1] == 3, starts  # the second attempt resumed
     assert not (folder / job / "llama-fp8-requeue").exists()  # the trap consumed the marker
-
-
-def fake_pyxis(tmp_path: Path) -> tuple[Path, Path]:
-    """A `srun` that says it has Pyxis (--container-image in --help), records every call, and runs the step with
-    the real srun minus the --container-* options (the venv's `python` stands in for the image's)."""
-    bindir, calls = tmp_path / "fake-pyxis", tmp_path / "srun.calls"
-    bindir.mkdir()
-    real = subprocess.run(["which", "srun"], capture_output=True, text=True, check=True).stdout.strip()
-    (bindir / "srun").write_text(f"""#!/bin/bash
-if [[ "$*" == *--help* ]]; then echo "      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH"; exit 0; fi
-printf '%s\\x1f' "$@" >>{calls}; printf '\\x1e' >>{calls}
-args=()
-for a in "$@"; do [[ "$a" == --container-* ]] || args+=("$a"); done
-exec {real} "${{args[@]}}"
-""")
-    (bindir / "srun").chmod(0o755)
-    (bindir / "python").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")  # the image's `python`
-    (bindir / "python").chmod(0o755)
-    return bindir, calls
-
-
-def srun_calls(calls: Path) -> list[list[str]]:
-    return [c.split("\x1f")[:-1] for c in calls.read_text().split("\x1e")[:-1]] if calls.exists() else []
-
-
-def test_image_mode_named_container_and_computed_mounts(job_env, tmp_path, request):
-    """IMAGE given as a relative .sqsh: made absolute; one container name for the preflight and training steps
-    (and removed at the end); a run dir outside the repository and the submit dir is mounted (its nearest
-    existing folder); the in-container preflight re-checks the resolved paths against the same mounts."""
-    (tmp_path / "logs").mkdir()
-    (tmp_path / "img.sqsh").write_bytes(b"hsqs")
-    outside = Path(tempfile.mkdtemp(prefix="llama-fp8-mounts-"))  # not under the submit dir nor the repo
-    request.addfinalizer(lambda: shutil.rmtree(outside, ignore_errors=True))
-    bindir, calls = fake_pyxis(tmp_path)
-    env = dict(job_env, IMAGE="img.sqsh", NPROC_PER_NODE="1", PATH=f"{bindir}:{job_env['PATH']}",
-               CONTAINER_NAME="set-by-some-other-tool")  # must not name our container
-    env.pop("VENV")
-    run = outside / "run"
-    job = sbatch(["--nodes=1", SBATCH, *SMALL, "--max_steps", "2", "--fp8=0", "--run_dir", str(run)], env, tmp_path)
-    info = wait_job(job, env, timeout=240)
-    log = tmp_path / "logs" / f"llama-fp8_{job}.out"
-    assert_completed(info, log)
-    steps = srun_calls(calls)
-    assert len(steps) == 3, steps  # preflight, training, container removal
-    image = [a for a in steps[0] if a.startswith("--container-image=")]
-    assert image == [f"--container-image={tmp_path}/img.sqsh"]
-    names = [[a for a in s if a.startswith("--container-name=")] for s in steps[:2]]
-    assert names == [[f"--container-name=llama-fp8-{job}"]] * 2
-    mounts = next(a for a in steps[1] if a.startswith("--container-mounts=")).split("=", 1)[1].split(",")
-    assert f"{REPO}:{REPO}" in mounts and f"{tmp_path}:{tmp_path}" in mounts and f"{outside}:{outside}" in mounts
-    assert "enroot remove" in steps[2][-1] and f"llama-fp8-{job}" in steps[2][-1]
-    assert "[  OK] mounts:" in log.read_text()
-    assert read_jsonl(run / "metrics.jsonl")[0]["environment"]["image"] == f"{tmp_path}/img.sqsh"
-
-
-def test_image_mode_refuses_an_unmounted_path_before_any_srun(job_env, tmp_path):
-    """With CONTAINER_MOUNTS chosen by the user, a --run_dir outside them is refused on the host, naming it,
-    and no step starts (results would otherwise vanish with the container)."""
-    (tmp_path / "logs").mkdir()
-    (tmp_path / "img.sqsh").write_bytes(b"hsqs")
-    bindir, calls = fake_pyxis(tmp_path)
-    env = dict(job_env, IMAGE=str(tmp_path / "img.sqsh"), CONTAINER_MOUNTS=f"{REPO}:{REPO},{tmp_path}:{tmp_path}",
-               PATH=f"{bindir}:{job_env['PATH']}")
-    job = sbatch(["--nodes=1", SBATCH, *SMALL, "--run_dir", "/var/tmp/llama-fp8-lost-run"], env, tmp_path)
-    info = wait_job(job, env, timeout=120)
-    log = tmp_path / "logs" / f"llama-fp8_{job}.out"
-    assert info["JobState"] == "FAILED", info
-    assert "error: --run_dir /var/tmp/llama-fp8-lost-run is outside the container mounts" in log.read_text()
-    assert srun_calls(calls) == []

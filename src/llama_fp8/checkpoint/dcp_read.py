@@ -10,6 +10,7 @@ verified block by block against the manifest before any tensor is loaded from th
 
 from __future__ import annotations
 
+import enum
 import io
 import logging
 import pickle
@@ -44,6 +45,16 @@ _CONTAINERS = {pickle.SETITEM[0]: (dict, OrderedDict), pickle.SETITEMS[0]: (dict
                pickle.APPEND[0]: (list,), pickle.APPENDS[0]: (list,), pickle.ADDITEMS[0]: (set,)}
 
 
+def _enum_member(cls: Any, name: Any) -> Any:
+    """``builtins.getattr`` in DCP metadata, taken only as Python 3.11.2 (Debian 12's; not 3.11.7 nor 3.12) pickles
+    an enum member: ``getattr(EnumClass, member_name)``. The class on the stack came through find_class, so it is
+    an allowed one; anything but one of its members by name is refused."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls.__members__[name]
+    raise pickle.UnpicklingError(f"builtins.getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}) in "
+                                 "DCP metadata: only an enum member by its name is allowed")
+
+
 class _MetadataUnpickler(pickle._Unpickler):
     """Resolves only the classes DCP metadata is made of (the "restricting globals" recipe of the pickle
     docs): ``os.system``, ``builtins.eval``, a class with a ``__reduce__`` payload are refused before they
@@ -63,6 +74,8 @@ class _MetadataUnpickler(pickle._Unpickler):
         self._made: dict[int, Any] = {}  # id -> object created by this load (kept alive, so ids stay unique)
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")

@@ -59,7 +59,9 @@ def _image(e: dict[str, Any]) -> str:
         parts.append(f"modified {e['image_mtime']}")
     build = e.get("image_build") or {}
     if build.get("ngc_tag"):
-        parts.append(f"NGC {build['ngc_tag']}, EFA installer {build.get('efa_installer') or '?'}")
+        base = f"stand-in for NGC {build['ngc_tag']} (tests)" if build.get("base") == "stand-in" else \
+            f"NGC {build['ngc_tag']}"
+        parts.append(f"{base}, EFA installer {build.get('efa_installer') or '?'}")
     return ", ".join(parts)
 
 

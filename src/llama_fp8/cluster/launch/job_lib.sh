@@ -117,7 +117,9 @@ lf_container_mounts() {  # lf_container_mounts TRAIN_ARGS... -> the --container-
 lf_setup_runtime() {  # lf_setup_runtime TRAIN_ARGS...
     CONTAINER_ARGS=()
     if [[ -n "${IMAGE:-}" ]]; then
-        if ! srun --help 2>&1 | grep -q -- --container-image; then
+        local help
+        help=$(srun --help 2>&1 || true)
+        if [[ "$help" != *--container-image* ]]; then
             echo "error: IMAGE=$IMAGE is set but srun has no --container-image (Pyxis is not installed)." >&2
             lf_die "      Unset IMAGE to use the virtualenv $REPO_DIR/.venv, or install Pyxis + Enroot."
         fi
@@ -130,9 +132,17 @@ lf_setup_runtime() {  # lf_setup_runtime TRAIN_ARGS...
         LF_CONTAINER=${LLAMA_FP8_CONTAINER:-llama-fp8-$SLURM_JOB_ID}
         CONTAINER_ARGS=(--container-image="$IMAGE" --container-name="$LF_CONTAINER"
             --container-mounts="$mounts" --container-workdir="$PWD")
+        lf_container_env "$help"
         PY=(python)
         WHERE="image $IMAGE (container $LF_CONTAINER, mounts $mounts)"
         trap lf_remove_containers EXIT
+        # A requeued run of the job (same id, same name) must not reuse what an earlier run left on a node: its
+        # removal can be cut short by the requeue itself or by a lost node, and Pyxis would take a half-removed
+        # or half-unpacked folder as the container. Unless it is kept on purpose, it goes before the first step.
+        if ((${SLURM_RESTART_COUNT:-0} > 0)) && [[ "${KEEP_CONTAINER:-0}" != 1 ]]; then
+            lf_remove_containers quiet || true
+            LF_CONTAINER=${LLAMA_FP8_CONTAINER:-llama-fp8-$SLURM_JOB_ID}
+        fi
     else
         VENV=${VENV:-$REPO_DIR/.venv}
         [[ -x "$VENV/bin/python" ]] || lf_die "no $VENV/bin/python: set VENV=/path/to/venv or IMAGE=/path/to/image.sqsh"
@@ -142,13 +152,32 @@ lf_setup_runtime() {  # lf_setup_runtime TRAIN_ARGS...
     fi
 }
 
-lf_remove_containers() {  # the job's named containers, on every node (Pyxis keeps named containers otherwise)
+# Pyxis sets every exported variable in the container, but where the image sets one too (its ENV: this image sets
+# NCCL_NET_PLUGIN and NCCL_TUNER_PLUGIN, NGC's sets more) the image's value wins, silently, unless --container-env
+# names it (pyxis_slurmstepd.c, spank_import_container_env). The network settings exported here, by this script
+# (lf_setup_efa, lf_setup_devices) or by the user, are meant to win: NCCL_*, FI_* and TORCH_NCCL_* are named.
+lf_container_env() {  # lf_container_env SRUN_HELP: adds --container-env to CONTAINER_ARGS
+    local names
+    names=$(compgen -e | { grep -E '^(NCCL|FI|TORCH_NCCL)_' || true; } | paste -sd, -)
+    [[ -n "$names" ]] || return 0
+    if [[ "$1" == *--container-env* ]]; then
+        CONTAINER_ARGS+=(--container-env="$names")
+    else  # Pyxis < 0.15
+        echo "warning: this Pyxis has no --container-env: where the image sets one of $names, its value wins" >&2
+    fi
+}
+
+lf_remove_containers() {  # [quiet]: the job's named containers, on every node (Pyxis keeps named containers)
     local rc=$?
     if [[ "${KEEP_CONTAINER:-0}" != 1 && -n "$LF_CONTAINER" ]]; then
         # pyxis names them pyxis_<name> (container_scope=global) or pyxis_<jobid>_<name> (scope=job).
-        srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 bash -c "command -v enroot >/dev/null || exit 0;
+        if srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 bash -c "command -v enroot >/dev/null || exit 0;
             enroot list | grep -E '^pyxis_(${SLURM_JOB_ID}_)?${LF_CONTAINER}\$' | xargs -r -n 1 enroot remove -f" \
-            >/dev/null 2>&1 || echo "warning: could not remove container $LF_CONTAINER on every node" >&2
+            >/dev/null 2>&1; then
+            LF_CONTAINER=""  # removed: nothing left for the EXIT trap
+        elif [[ "${1:-}" != quiet ]]; then
+            echo "warning: could not remove container $LF_CONTAINER on every node" >&2
+        fi
     fi
     return "$rc"
 }

@@ -133,6 +133,9 @@ lf_release_script() {  # lf_release_script JOB NODES -> the helper's script on s
 
 lf_requeue() {  # requeue this job (it resumes from its latest complete checkpoint), leaving its bad nodes behind
     local bad excluded helper old args=()
+    # The containers go first, while the job still has its nodes (`scontrol requeue` ends every step at once:
+    # removing them afterwards, in the EXIT trap, no longer can).
+    lf_remove_containers || true
     bad=$(lf_bad_nodes)
     if [[ -z "$bad" || "${BAD_NODE_ACTION:-exclude}" == none ]]; then
         scontrol requeue "$SLURM_JOB_ID"
