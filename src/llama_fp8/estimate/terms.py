@@ -91,8 +91,9 @@ SOURCES = {
             "NVSwitch nodes (H100, H200) 288 MiB more for the NVLS buffers of a group with 2+ GPUs of the node (288 MiB "
             "per rank on 8 x H200: vllm-project/vllm#9699; NCCL_NVLS_ENABLE=0 saves it: "
             "NVIDIA/NeMo-Framework-Launcher#127)",
-    "cublas": "allocated through PyTorch's allocator by the GEMM library, not by an op the tracker sees; "
-              "torch.backends.cuda.cublas_workspace_size() on the node gives it; 32 MiB assumed",
+    "cublas": "allocated through PyTorch's allocator by the GEMM library, not by an op the tracker sees; PyTorch "
+              "sizes it per cuBLAS handle and stream (the environment variable CUBLAS_WORKSPACE_CONFIG overrides it); "
+              "the GPU visit's memory probe measures it; 32 MiB assumed",
     "fp8": "the dispatch mode does not enter a tensor subclass's own dispatch: one-byte copies of both operands of the "
            "largest FP8 linear (tokens x (in + out features)), an upper bound",
     "compile": "estimated eager; compiled blocks fuse elementwise ops and usually need less activation memory "
