@@ -144,7 +144,7 @@ def test_trains_and_resumes_through_a_restart_and_a_requeue(trained):
     assert_completed(trained.info, trained.log)
     text = trained.log.read_text()
     assert sorted(set(batch_lines(trained.log))) == list(range(1, STEPS + 1))
-    assert "restarting the workers of every node" in text and "(restart 1 of 2 for the job)" in text
+    assert "restarting the workers of every node (restart 1 of the job, 1 of 2 without a new checkpoint)" in text
     assert f"requeueing job {trained.job}" in text and trained.info["Restarts"] == "1"
     records = read_jsonl(trained.run / "metrics.jsonl")
     starts = [r["start_step"] for r in records if r["type"] == "meta"]
@@ -250,8 +250,10 @@ def test_same_allocation_ab_under_pyxis_writes_its_report(pyxis, project_image, 
     ab = tmp_path / "ab"
     env = {k: v for k, v in job_env.items() if k not in ("VENV", "PYTHONPATH")}
     env.update(IMAGE=str(project_image.sqsh), SBATCH_ARGS="--nodes=1", NPROC_PER_NODE="2", AB_DIR=str(ab))
-    proc = subprocess.run([str(REPO / "2.ab_fp8_vs_bf16.sh"), *SMALL, "--max_steps", "3"], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60, check=False)
+    # --compile=0: the A/B preset compiles both arms for torchao's FP8 on CPU, and Inductor's CPU code needs a C++
+    # compiler that NGC's image has and the stand-in base has not (the preset itself runs in the host A/B test).
+    proc = subprocess.run([str(REPO / "2.ab_fp8_vs_bf16.sh"), *SMALL, "--max_steps", "3", "--compile=0"], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     job = next(ln.split()[2] for ln in proc.stdout.splitlines() if ln.startswith("ab job:"))
     info = wait_job(job, env, timeout=900)
@@ -266,8 +268,8 @@ def test_same_allocation_ab_under_pyxis_writes_its_report(pyxis, project_image, 
     assert summary["environment"]["same_hardware"] is True
     report = (ab / "report" / "report.md").read_text()
     assert "stand-in for NGC 26.09-py3 (tests)" in report and str(project_image.sqsh) in report
-    assert job_info(job, env)["NodeList"] in ("n1", "n2")
-    assert node_containers(pyxis, "n1") == [] and node_containers(pyxis, "n2") == []
+    assert job_info(job, env)["NodeList"] in pyxis.nodes
+    assert all(node_containers(pyxis, node) == [] for node in pyxis.nodes)
 
 
 def test_image_mode_refuses_an_unmounted_path_before_any_srun(pyxis, project_image, job_env, tmp_path):
