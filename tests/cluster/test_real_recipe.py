@@ -70,9 +70,12 @@ def test_same_allocation_ab(job_env, tmp_path):
     assert_completed(info, log)
     assert info["Partition"] == "alt" and info["NodeList"] == "n[1-2]"
     text = log.read_text()
-    arms = re.findall(r"^== run (\w+) \(--fp8=(\d) --seed=(\d+)\) on n\[1-2\]$", text, re.M)
-    assert [(name, fp8) for name, fp8, _ in arms] == [("bf16", "0"), ("fp8", "1")], arms  # one pair, in order
-    assert arms[0][2] == arms[1][2]  # both arms of a pair train with the same seed
+    arms = re.findall(r"^== run (\w+) \((.*?)--fp8=(\d) --seed=(\d+)\) on n\[1-2\]$", text, re.M)
+    assert [(name, fp8) for name, _, fp8, _ in arms] == [("bf16", "0"), ("fp8", "1")], arms  # one pair, in order
+    assert arms[0][3] == arms[1][3]  # both arms of a pair train with the same seed
+    # the A/B preset on CPU (torchao FP8, whose speed-up needs torch.compile): both arms compiled alike, and the FP8
+    # arm all-gathers its weights in FP8
+    assert [flags.split() for _, flags, _, _ in arms] == [["--compile=1"], ["--compile=1", "--fp8_all_gather=1"]]
     assert text.count("preflight of job step: 2 node(s)") == 1  # one preflight for both arms
     for name, fp8 in (("fp8", True), ("bf16", False)):
         assert yaml.safe_load((ab / name / "config.yaml").read_text())["asked"]["fp8"] is fp8

@@ -170,3 +170,32 @@ def test_rank_monitor_window_in_one_process_carries_fake_nvml_readings():
     assert r["step_s"] == pytest.approx(1.25) and r["data_wait_s"] == pytest.approx(0.25)
     assert r["throttle_thermal"] == 1.0 and w["throttled"] is True and w["stragglers"] == []
     assert w["gpu_nodes"][socket.gethostname()]["throttle_thermal"] is True
+
+
+def test_the_comm_sampler_keeps_no_frame_of_the_training_thread_alive():
+    """The sampler looks at the training thread's frames; a frame it still holds between looks keeps the locals of
+    every caller alive (on a GPU: activations past their last use, a higher and run-dependent memory peak; it made
+    the estimate differ from a tracked `train` step). Found inside torch.distributed, it must let go at once."""
+    import time
+    import weakref
+
+    namespace: dict = {}
+    fake_dist = "def wait():\n    import time\n    time.sleep(0.35)\n"  # a frame whose file is in torch.distributed
+    exec(compile(fake_dist, "/site-packages/torch/distributed/fake.py", "exec"), namespace)
+
+    class Activation:
+        pass
+
+    def step() -> weakref.ref:
+        activation = Activation()
+        namespace["wait"]()  # the sampler looks while this frame (holding `activation`) waits in a collective
+        return weakref.ref(activation)
+
+    sampler = stragglers.CommSampler(interval=0.1)
+    try:
+        ref = step()
+        alive = ref() is not None  # at once: a look in the next 0.1 s would hide a frame held until then
+        assert sampler.take() > 0, "the sampler saw no look inside torch.distributed"
+        assert not alive, "the sampler still holds the frame of a step that returned"
+    finally:
+        sampler.close()

@@ -54,12 +54,20 @@ class CommSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            frame = sys._current_frames().get(self.ident)
+            self.inside += self._in_collective()
+
+    def _in_collective(self) -> bool:
+        """One look. No frame outlives it: a frame held until the next look would keep every caller's locals (the
+        step's activations) alive past their last use."""
+        frame = sys._current_frames().get(self.ident)
+        try:
             while frame is not None:
                 if "torch/distributed/" in frame.f_code.co_filename.replace("\\", "/"):
-                    self.inside += 1
-                    break
+                    return True
                 frame = frame.f_back
+            return False
+        finally:
+            del frame
 
     def take(self) -> float:
         """Seconds found inside collectives since the last take."""
