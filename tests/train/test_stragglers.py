@@ -176,7 +176,6 @@ def test_the_comm_sampler_keeps_no_frame_of_the_training_thread_alive():
     """The sampler looks at the training thread's frames; a frame it still holds between looks keeps the locals of
     every caller alive (on a GPU: activations past their last use, a higher and run-dependent memory peak; it made
     the estimate differ from a tracked `train` step). Found inside torch.distributed, it must let go at once."""
-    import time
     import weakref
 
     namespace: dict = {}
