@@ -14,6 +14,7 @@ from helpers import build_meta
 from llama_fp8 import config, models, precision
 from llama_fp8.errors import ConfigError
 from llama_fp8.models.te.fp8 import recipes as te_recipes
+from llama_fp8.parallel.loss import OutputHead
 from llama_fp8.precision import exclude, fp8_stats, recipes, torchao_mx
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -236,7 +237,7 @@ def test_nvfp4_layers_draw_their_hadamard_signs_and_rounding_seeds_from_the_seed
     assert not torch.equal(signs, other) or not torch.equal(sa[f"{layer}._sr_seed"],
                                                             dict(c.named_buffers())[f"{layer}._sr_seed"])
     assert not torch.equal(sa[f"{layer}._sr_seed"], sa["model.layers.0.mlp.down_proj._sr_seed"])  # per layer
-    assert type(a.get_submodule(layer)).__name__ == "NVFP4Linear" and type(a.lm_head) is nn.Linear
+    assert type(a.get_submodule(layer)).__name__ == "NVFP4Linear" and type(a.lm_head) is OutputHead
 
 
 def test_the_tables_docs_show_list_every_format_where_it_runs():
