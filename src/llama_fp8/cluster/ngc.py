@@ -329,7 +329,7 @@ def check_image(tag: str, efa: str, plugin_env: Path | None, out: Path | None) -
     print(f"{'stand-in for ' if standin else ''}NGC {tag}: " + ", ".join(f"{k} {v}" for k, v in found.items()))
     if standin:
         print(f"note: the tests' stand-in base ({standin}): its versions are not NGC's and are not compared "
-              "with llama_fp8/cluster/ngc.py")
+              "with src/llama_fp8/cluster/ngc.py")
     elif row is None:
         print(f"note: {tag} is not in src/llama_fp8/cluster/ngc.py; add a row with the versions above")
     else:
