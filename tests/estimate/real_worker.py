@@ -82,7 +82,12 @@ def main(out: str, configs: str, train_args: str | None = None, run_dir: str | N
         cfg = config.parse_args(args)
         if env is None:
             env = parallel.init_distributed(cfg)
-        measured.append(record(run.measure(cfg, env, fake_run=False)))
+        # Twice, and the lower peak kept: a gloo worker thread can drop its reference to a collective's buffer after
+        # the wait on it returned, so on a busy machine a buffer may still be alive at the peak (seen: 58,112 bytes
+        # in 1 of 4 tensor-parallel runs beside two busy processes). A late free only ever raises the peak; two
+        # runs both late is rare, and the test then fails rather than passing wrongly.
+        runs = [record(run.measure(cfg, env, fake_run=False)) for _ in range(2)]
+        measured.append(min(runs, key=lambda r: r["peak_bytes"]))
     trained = train_record(json.loads(train_args), run_dir) if train_args else None
     if os.environ["RANK"] == "0":
         with open(out, "w") as f:
