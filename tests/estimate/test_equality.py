@@ -15,6 +15,9 @@ parameter elements. One gloo artefact is kept out of the peak by the choice of s
 input into a buffer of its own, which the tracker sees when the work is waited on (NCCL has none); the shapes
 below (a 4096-token vocabulary, 2 x 128 tokens) put the peak in the loss, far above that moment, as in any real
 LLM configuration.
+Another is measured away: gloo's worker thread can release a collective's buffer after the wait on it returned,
+late on a busy machine, which only ever raises a real run's peak; each real configuration is tracked twice and
+the lower peak kept (real_worker.py).
 """
 
 from __future__ import annotations
