@@ -70,14 +70,21 @@ startup = StartupParts()
 """This process's start-up (one per process: the training code marks it as it goes, train/cli.py, train/state.py)."""
 
 
+def _tail(path: Path, max_bytes: int) -> str | None:
+    """The file's last ``max_bytes`` as text (a hostile or huge file costs no more than that); None if unreadable."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - max_bytes))
+            return f.read(max_bytes).decode("utf-8", errors="replace")
+    except OSError:
+        return None
+
+
 def last_logged_step(metrics_path: Path, max_bytes: int = 64 << 20) -> int:
     """The highest train step an earlier attempt logged in metrics.jsonl (0 if none); reads at most the
     file's last ``max_bytes`` (a hostile or huge file costs no more than that)."""
-    try:
-        with metrics_path.open("rb") as f:
-            f.seek(max(0, metrics_path.stat().st_size - max_bytes))
-            text = f.read(max_bytes).decode("utf-8", errors="replace")
-    except OSError:
+    text = _tail(metrics_path, max_bytes)
+    if text is None:
         return 0
     last = 0
     for line in text.splitlines():
@@ -94,11 +101,8 @@ def earlier_attempts(metrics_path: Path, max_bytes: int = 64 << 20) -> int:
     """How many attempts of this run came before this one (a restart inside the allocation and a requeue alike): each
     attempt's meta record in metrics.jsonl counts, the last one with its own count (``restarts``) + 1 when it has one.
     Reads at most the file's last ``max_bytes``."""
-    try:
-        with metrics_path.open("rb") as f:
-            f.seek(max(0, metrics_path.stat().st_size - max_bytes))
-            text = f.read(max_bytes).decode("utf-8", errors="replace")
-    except OSError:
+    text = _tail(metrics_path, max_bytes)
+    if text is None:
         return 0
     count, last = 0, None
     for line in text.splitlines():
