@@ -7,6 +7,9 @@ import os
 
 import pytest
 
+# Per-test wall, CPU, shared-fixture and training-run times when LLAMA_FP8_TEST_TIMES is set (tests/timing.py).
+pytest_plugins = ("timing",)
+
 
 def _te_importable() -> bool:
     if importlib.util.find_spec("transformer_engine") is None:

@@ -1,0 +1,109 @@
+"""Where the suite's time goes, test by test (a pytest plugin, loaded by tests/conftest.py).
+
+With ``LLAMA_FP8_TEST_TIMES=PATH`` set, each test appends one JSON line to PATH:
+
+- ``wall_s``: setup + call + teardown; ``cpu_s``: CPU seconds of the test process and of every child process it
+  waited for (their children too, when each level waits: torchrun's workers, a subprocess's own subprocesses);
+  processes of a Slurm job are slurmd's children and not counted;
+- ``fixtures``: seconds spent setting up shared (module/session) fixtures during this test's setup, by name: the
+  first test that needs the local cluster or the image pays for them;
+- ``runs``: the training attempts that wrote a goodput record under this test's ``tmp_path`` (metrics.jsonl: rank 0
+  of each run), with their wall time split as the run itself measured it: ``imports`` (interpreter start to the end
+  of the imports), the rest of ``startup`` (process group, model build, checkpoint load...), ``training`` (warm-up,
+  productive steps, data wait, redone steps), ``checkpoints``, ``evaluation``.
+
+``scripts/test_times.py`` turns the file into the table of docs/testing.md. Without the variable this plugin does
+nothing but two clock reads per test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from pathlib import Path
+
+import pytest
+
+OUT_ENV = "LLAMA_FP8_TEST_TIMES"
+_SHARED = ("module", "package", "session")
+
+
+def _cpu() -> float:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _runs(folder: Path, since: float) -> list[dict]:
+    """Goodput records of the attempts whose metrics.jsonl under ``folder`` changed during the test."""
+    out = []
+    for path in folder.rglob("metrics.jsonl"):
+        try:
+            if path.stat().st_mtime < since:
+                continue
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            if '"goodput"' not in line:
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(rec, dict) or rec.get("type") != "goodput":
+                continue
+            parts = rec.get("startup_parts") or {}
+            imports = float(parts.get("imports", 0.0))
+            out.append({
+                "imports": imports,
+                "startup": max(float(rec.get("startup_s", 0.0)) - imports, 0.0),
+                "training": sum(float(rec.get(k, 0.0)) for k in ("warmup_s", "productive_s", "data_wait_s",
+                                                                   "restart_loss_s")),
+                "checkpoints": float(rec.get("checkpoint_sync_s", 0.0)) + float(rec.get("checkpoint_async_s", 0.0)),
+                "evaluation": float(rec.get("evaluation_s", 0.0)),
+            })
+    return out
+
+
+class Timer:
+    def __init__(self, path: Path):
+        self.path = path
+        self.current: dict | None = None
+        self.tmp: Path | None = None
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        t0 = time.monotonic()
+        yield
+        if self.current is not None and fixturedef.scope in _SHARED:
+            fixtures = self.current["fixtures"]
+            fixtures[fixturedef.argname] = round(fixtures.get(fixturedef.argname, 0.0) + time.monotonic() - t0, 2)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        self.current, self.tmp = {"id": item.nodeid, "fixtures": {}, "outcome": "passed"}, None
+        t0, c0, started = time.monotonic(), _cpu(), time.time()
+        yield
+        rec, self.current = self.current, None
+        rec.update(wall_s=round(time.monotonic() - t0, 2), cpu_s=round(_cpu() - c0, 2))
+        rec["runs"] = _runs(self.tmp, started - 1) if self.tmp is not None and self.tmp.is_dir() else []
+        with self.path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_setup(self, item):
+        yield
+        tmp = (getattr(item, "funcargs", None) or {}).get("tmp_path")  # gone after teardown: read it now
+        self.tmp = Path(tmp) if tmp is not None else None
+
+    def pytest_runtest_logreport(self, report):
+        if self.current is not None and report.outcome != "passed" and self.current["outcome"] == "passed":
+            self.current["outcome"] = report.outcome
+
+
+def pytest_configure(config):
+    out = os.environ.get(OUT_ENV)
+    if out:  # one line per test, appended in one write: several pytest processes may share the file
+        config.pluginmanager.register(Timer(Path(out)), "llama_fp8_timer")
