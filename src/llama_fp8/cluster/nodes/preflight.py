@@ -46,6 +46,7 @@ from llama_fp8.cluster.nodes.node_checks import (  # noqa: F401 - the checks, im
     efa_devices,
     fp8_recipes,
 )
+from llama_fp8.cluster.nodes.platform_checks import check_nvlink  # noqa: F401 - importable from here
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,7 +112,7 @@ def run_checks(s: Settings) -> list[Check]:
     """Every check, in report order; a check that crashes is reported as FAIL, not raised."""
     checks = []
     for fn in (check_gpus, check_model_impl, check_fp8_backends, check_fp8_features, check_layout, check_nccl,
-               check_efa, check_mounts, check_writable):
+               check_efa, check_nvlink, check_mounts, check_writable):
         try:
             out = fn(s)
         except Exception as e:  # noqa: BLE001 - report and keep going
@@ -128,10 +129,11 @@ def node_summary(checks: list[Check]) -> str:
             f"{len(failed)} failed{': ' + ', '.join(failed) if failed else ''}")
 
 
-def network(own: argparse.Namespace, s: Settings, node_failed: list[str]) -> tuple[list[Check], netcheck.NetResult]:
+def network(own: argparse.Namespace, s: Settings, node_failed: list[str],
+            node_fabric: dict | None = None) -> tuple[list[Check], netcheck.NetResult]:
     device = torch_device(s.cfg.device).type
     res = netcheck.run(device, own.allreduce_mb or netcheck.default_megabytes(device), own.allreduce_iters,
-                       own.timeout, len(efa_devices()), node_failed)
+                       own.timeout, len(efa_devices()), node_failed, node_fabric)
     checks = [Check(name, status, message) for name, status, message in netcheck.result_lines(res)]
     for host, names in res.failed_nodes.items():
         checks.append(Check(f"node {host}", FAIL, f"failed: {', '.join(names)}"))
@@ -159,8 +161,9 @@ def main(argv: list[str]) -> int:
     failed = bool(node_failed)
     bad_nodes = [netcheck.node_name()] if node_failed else []
     if own.network_test == "1" or (own.network_test == "auto" and tasks > 1):
-        net_checks, res = network(own, settings, node_failed)
-        failed = res.status == FAIL or bool(res.failed_nodes)
+        node_fabric = next((c.data for c in checks if c.name == "nvlink_domain"), None)
+        net_checks, res = network(own, settings, node_failed, node_fabric)
+        failed = res.failed
         bad_nodes = sorted(res.failed_nodes)
         report["network"] = res.to_dict()
         if rank == 0:
