@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from llama_fp8.cluster.nodes import fabric
+from llama_fp8.cluster.nodes import fabric, lustre
+from llama_fp8.cluster.nodes.config_checks import task_position
 from llama_fp8.cluster.nodes.node_checks import OK, WARN, Check, Settings
 
 
@@ -23,3 +24,30 @@ def check_nvlink(_: Settings) -> Check:
     if node is None and status == OK and _has_gpu():
         status = WARN  # GPUs but no nvidia-smi: the domain cannot be read, so it cannot be vouched for
     return Check("nvlink_domain", status, message, asdict(node) if node is not None else None)
+
+
+def check_lustre(s: Settings) -> Check:
+    """The run's checkpoint and data folders on FSx for Lustre: each one's mount and options, the checkpoint folder's
+    stripe count against one rank's shard (the ``lfs setstripe`` that fixes a count of 1), and the test write that
+    proves LNet moves the bytes over EFA (``lustre.py``). Nothing to check off Lustre."""
+    from llama_fp8.data.files import is_local
+
+    folders = {"checkpoint_dir": s.checkpoint_dir}
+    if s.cfg is not None and s.cfg.dataset and s.cfg.dataset != "synthetic" and is_local(s.cfg.dataset):
+        folders["dataset"] = s.cfg.dataset
+    on = {name: (lustre.existing(path), m) for name, path in folders.items()
+          if (m := lustre.lustre_mount(str(lustre.existing(path)))) is not None}
+    if not on:
+        return Check("lustre", OK, f"{' and '.join(folders)} not on Lustre (nothing to check)")
+    mounts = [f"{name} on Lustre {m.source} at {m.target} ({m.options})" for name, (_, m) in on.items()]
+    findings = []
+    if "checkpoint_dir" in on:
+        folder = on["checkpoint_dir"][0]
+        shard = lustre.shard_bytes(s.cfg, task_position()[2]) if s.train_given else None
+        findings += [lustre.stripe_finding(folder, shard), lustre.lnet_finding(folder)]
+    else:
+        findings.append((OK, "LNet over EFA not proven: only the data is on Lustre, and preflight writes nowhere but "
+                             "the checkpoint folder"))
+    status = fabric.worst(st for st, _ in findings)
+    shown = [m for st, m in findings if st != OK] if status != OK else [m for _, m in findings]
+    return Check("lustre", status, "; ".join(mounts + shown))

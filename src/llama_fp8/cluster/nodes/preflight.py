@@ -46,7 +46,7 @@ from llama_fp8.cluster.nodes.node_checks import (  # noqa: F401 - the checks, im
     efa_devices,
     fp8_recipes,
 )
-from llama_fp8.cluster.nodes.platform_checks import check_nvlink  # noqa: F401 - importable from here
+from llama_fp8.cluster.nodes.platform_checks import check_lustre, check_nvlink  # noqa: F401 - importable from here
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,7 +112,7 @@ def run_checks(s: Settings) -> list[Check]:
     """Every check, in report order; a check that crashes is reported as FAIL, not raised."""
     checks = []
     for fn in (check_gpus, check_model_impl, check_fp8_backends, check_fp8_features, check_layout, check_nccl,
-               check_efa, check_nvlink, check_mounts, check_writable):
+               check_efa, check_nvlink, check_mounts, check_writable, check_lustre):
         try:
             out = fn(s)
         except Exception as e:  # noqa: BLE001 - report and keep going
