@@ -248,6 +248,13 @@ lf_estimate() {  # lf_estimate TRAIN_ARGS...
     else
         echo "warning: estimate: nvidia-smi reported no memory.total ('${mib}'): checking against an H100's memory" >&2
     fi
+    # The GPU's row (its NVLink and network, its nodes' NVLink domain: GB200 NVL72) from nvidia-smi's name, with this
+    # host's python3 (estimate/gpus.py imports nothing else); no row: the estimate's default bandwidths
+    local name row src
+    src=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/../../.." && pwd)  # this library is src/llama_fp8/...
+    name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1) || true
+    row=$(PYTHONPATH="$src" "${HOST_PYTHON:-python3}" -m llama_fp8.estimate.gpus "$name" 2>/dev/null) || true
+    if [[ "$row" =~ ^[A-Z0-9-]+$ ]]; then mem_args+=(--gpu "$row"); fi
     srun --nodes=1 --ntasks=1 --cpus-per-task="$CPUS" --time=30 ${CONTAINER_ARGS[@]+"${CONTAINER_ARGS[@]}"} \
         "${PY[@]}" -m llama_fp8 estimate --nodes "$SLURM_JOB_NUM_NODES" --gpus_per_node "$NPROC_PER_NODE" \
         ${mem_args[@]+"${mem_args[@]}"} --suggest 0 "$@" || rc=$?
