@@ -7,10 +7,12 @@ the checks use the resolved values (device, fp8, fp8_backend, dataset, tokenizer
 before `--` win.
 
 1.train_llama.sbatch runs it as one task per GPU on every node (SKIP_PREFLIGHT=1 skips it). The first task of
-each node checks the node (GPUs and FP8 recipes, TE/torchao, NCCL, EFA and the OFI plugin, the container mounts,
-write access, data paths); then all tasks run a short all-reduce (netcheck.py) that reports the bus bandwidth
-and the network NCCL chose, and fails when EFA devices exist but NCCL is on TCP sockets. Every task exits
-with the same code. Started as a single process (no Slurm step, no torchrun) it checks this node only.
+each node checks the node (GPUs and FP8 recipes, TE/torchao, NCCL, EFA and the OFI plugin, the NVLink domain and
+IMEX of GB200/GB300 trays, the container mounts, write access, FSx for Lustre, data paths); then all tasks run a
+short all-reduce (netcheck.py) that reports the bus bandwidth and the network NCCL chose, fails when EFA devices
+exist but NCCL is on TCP sockets, and proves from NCCL's lines that a shared NVLink domain was used (nvlink.py).
+Every task exits with the same code. Started as a single process (no Slurm step, no torchrun) it checks this node
+only.
 """
 
 from __future__ import annotations
