@@ -236,6 +236,9 @@ def test_no_mnnvl_line_is_a_warning_and_one_node_has_nothing_to_prove():
     ranks[1]["log"] = "x:1:1 [0] NCCL INFO Using network IB\n"
     res = decide(ranks)
     assert res.status == "WARN" and "no 'comm ... MNNVL' line from rank(s) [1]" in res.message
+    ranks[1]["log"] = log("ib.log")  # NCCL 2.19.3: no multi-node NVLink for GB200 yet
+    res = decide(ranks)
+    assert res.status == "WARN" and "NCCL 2.19.3+cuda12.3 is older than 2.25.2" in res.message
     res = decide([rank("gb-1"), rank("gb-1", checked=False)])
     assert res.status == "OK" and "one node in NVLink domain" in res.message and res.used is None
 

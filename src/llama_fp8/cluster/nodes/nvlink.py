@@ -103,8 +103,11 @@ def proof(per_rank: list[dict], nets: list[nccl.NcclNet], nodes: dict[str, dict]
     values = [n.mnnvl for n in nets]
     if any(v is None for v in values):
         missing = [i for i, v in enumerate(values) if v is None]
+        version = _version(nets[missing[0]].nccl_version)
+        why = (f"NCCL {nets[missing[0]].nccl_version} is older than 2.25.2, the first with GB200 multi-node NVLink"
+               if version is not None and version < MIN_NCCL else "NCCL_DEBUG_SUBSYS without INIT?")
         return (fabric.WARN, f"could not tell whether NCCL used the NVLink domain: no 'comm ... MNNVL' line from "
-                             f"rank(s) {missing[:8]} (NCCL_DEBUG_SUBSYS without INIT?)", None)
+                             f"rank(s) {missing[:8]} ({why})", None)
     if all(v == 1 for v in values):
         first = nets[0]
         channels = sum(n.p2p_mnnvl for n in nets)

@@ -54,7 +54,8 @@ from llama_fp8.cluster.nodes.platform_checks import check_lustre, check_nvlink  
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m llama_fp8 preflight", allow_abbrev=False,
                                 usage="%(prog)s [own flags] [-- TRAIN_FLAGS...]",
-                                description="Check GPUs/FP8, TE, torchao, NCCL, EFA, checkpoint dir, data paths.",
+                                description="Check GPUs/FP8, TE, torchao, NCCL, EFA, the NVLink domain (GB200/GB300), "
+                                            "checkpoint dir, FSx for Lustre, data paths.",
                                 epilog="docs: docs/cluster.md")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="as train --device (default auto)")
     p.add_argument("--fp8", choices=["0", "1"], help="FP8 wanted: a GPU without FP8 fails (default 0)")
