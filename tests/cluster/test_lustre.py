@@ -4,16 +4,19 @@ stand-in ``lnetctl`` whose counters move as the real ones would). Every pass, wa
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from helpers import build_meta
+from helpers import REPO, build_meta
 from llama_fp8 import config
 from llama_fp8.cluster.nodes import lustre, platform_checks, preflight
 
+GIB = 2**30
 # the mount options of an FSx for Lustre client as `findmnt` listed them in a public HyperPod setup log
 FSX_OPTIONS = "rw,relatime,seclabel,checksum,flock,nouser_xattr,lruresize,lazystatfs,nouser_fid2path,verbose,encrypt"
 PLAIN_1 = "stripe_count:  1 stripe_size:   1048576 pattern:       0 stripe_offset: -1\n"  # Lustre wiki, lfs getstripe -d
@@ -204,3 +207,83 @@ def test_the_test_io_writes_reads_and_removes_its_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(OSError):
         lustre.test_io(tmp_path / "missing")
+
+
+# ---- the host's tools, where the image has none (job_lib.sh lf_lustre_on_hosts) ---------------------------------
+
+def test_in_an_image_without_lustre_tools_the_host_step_is_named(fsx, monkeypatch):
+    monkeypatch.setenv("PATH", str(fsx["bin"]))  # no lfs, no lnetctl: an image
+    monkeypatch.setenv(lustre.ON_HOST_ENV, "1")
+    check = platform_checks.check_lustre(settings(fsx["mnt"] / "runs", ["--model", "tiny"]))
+    assert check.status == "OK"
+    assert "stripe count: checked with the host's Lustre tools after this step" in check.message
+    assert "LNet over EFA: checked with the host's Lustre tools after this step" in check.message
+    assert check.data["folder"] == str(fsx["mnt"] / "runs") and check.data["shard_bytes"] > 0
+
+
+def test_the_host_step_reads_the_folder_and_shard_from_the_report(fsx, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SLURMD_NODENAME", "gb-3")
+    report = tmp_path / "pf.json"
+    report.write_text(json.dumps({"checks": [{"name": "lustre", "status": "OK", "message": "m",
+                                              "data": {"folder": str(fsx["mnt"] / "runs"), "shard_bytes": 4 * GIB}}]}))
+    fsx["lfs"](PLAIN_1)
+    fsx["lnetctl"](lnet_yaml(900, 100), lnet_yaml(900, 4200))
+    assert lustre.main(["--from_report", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("[WARN] lustre (host gb-3): each rank's checkpoint shard (~4.0 GiB) would be written to 1 OST")
+    assert "Lustre fell back to TCP" in out
+    fsx["lnetctl"](lnet_yaml(900, 100, status="down"), lnet_yaml(900, 100))
+    (fsx["tmp"] / "lnet.n").unlink()
+    assert lustre.main(["--from_report", str(report)]) == 1  # a FAIL fails the step
+    assert "[FAIL] lustre (host gb-3)" in capsys.readouterr().out
+    report.write_text(json.dumps({"checks": [{"name": "lustre", "status": "OK", "message": "not on Lustre"}]}))
+    assert lustre.main(["--from_report", str(report)]) == 0 and capsys.readouterr().out == ""  # nothing to do
+    assert lustre.main(["--from_report", str(tmp_path / "missing.json")]) == 0
+
+
+def test_the_module_runs_on_an_old_hosts_python3():
+    """Login and compute hosts may have Python 3.7 (Amazon Linux 2) without PyYAML: 3.7's grammar, stdlib only."""
+    import ast
+    import sys
+
+    for path in (REPO / "src/llama_fp8/cluster/nodes/lustre.py", REPO / "src/llama_fp8/cluster/nodes/__init__.py"):
+        tree = ast.parse(path.read_text(), feature_version=(3, 7))
+        names = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+                 for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+        assert names <= set(sys.stdlib_module_names) | {"__future__"}, (path, names)
+
+
+def run_preflight_step(tmp_path: Path, lfs: bool, preflight_rc: int = 0) -> tuple[subprocess.CompletedProcess, list]:
+    """job_lib.sh's lf_preflight with srun recorded (and returning ``preflight_rc`` for the preflight step)."""
+    calls, bin_dir = tmp_path / "srun.calls", tmp_path / "hostbin"
+    bin_dir.mkdir(exist_ok=True)
+    if lfs:
+        (bin_dir / "lfs").write_text("#!/bin/sh\nexit 0\n")
+        (bin_dir / "lfs").chmod(0o755)
+    harness = f"""
+set -euo pipefail
+source {REPO}/scripts/slurm/job_lib.sh
+srun() {{ printf '%s\\n' "$*" >>{calls}; if [[ "$*" == *"llama_fp8 preflight"* ]]; then return {preflight_rc}; fi; }}
+SLURM_JOB_NUM_NODES=2 SLURM_JOB_ID=7 CPUS=2 NPROC_PER_NODE=4 DEVICE=cuda PY=(python) CONTAINER_ARGS=() RDZV_ADDR=n1
+RDZV_PORT=29500 IMAGE=/fsx/img.sqsh PREFLIGHT_REPORT={tmp_path}/pf.json
+rc=0; lf_preflight --model tiny || rc=$?
+echo "rc=$rc on_host=${{LLAMA_FP8_LUSTRE_ON_HOST:-0}}"
+"""
+    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    proc = subprocess.run(["bash", "-c", harness], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    return proc, calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_the_batch_script_checks_lustre_with_the_hosts_tools_after_preflight(tmp_path):
+    proc, calls = run_preflight_step(tmp_path, lfs=True)
+    assert "rc=0 on_host=1" in proc.stdout, proc.stderr
+    assert len(calls) == 2 and "-m llama_fp8 preflight" in calls[0]
+    assert calls[1] == (f"--nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 env PYTHONPATH={REPO / 'src'} python3 -m "
+                        f"llama_fp8.cluster.nodes.lustre --from_report {tmp_path / 'pf.json'}")
+    no_lfs, failed = tmp_path / "no_lfs", tmp_path / "failed"
+    no_lfs.mkdir()
+    failed.mkdir()
+    proc, calls = run_preflight_step(no_lfs, lfs=False)
+    assert "rc=0 on_host=0" in proc.stdout and len(calls) == 1  # no lfs on this host: preflight's own finding stands
+    proc, calls = run_preflight_step(failed, lfs=True, preflight_rc=3)
+    assert "rc=3 on_host=1" in proc.stdout and len(calls) == 1  # a failed preflight keeps its code, no host step

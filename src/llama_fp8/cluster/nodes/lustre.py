@@ -15,19 +15,22 @@ What is read, and from where:
   client is set up for it, and falls back to TCP silently otherwise. The proof is awsome-distributed-ai's
   (#989, ``verify_efa_transport``; #1203 sums the counters of every EFA NI): write 64 MiB with O_DIRECT, read it
   back, and the EFA counters must have moved.
+
+Standard library only and Python 3.7's grammar: the batch script runs this module with the host's python3 where
+the image has no Lustre tools (``python3 -m llama_fp8.cluster.nodes.lustre --folder DIR``; job_lib.sh).
 """
 
 from __future__ import annotations
 
+import argparse
 import mmap
 import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-
-import yaml
 
 MOUNTS = "/proc/self/mounts"  # module constant: tests point it at a stand-in table
 GIB = 2**30
@@ -36,6 +39,8 @@ BIG_SHARD = GIB
 FIX = "lfs setstripe -E 100M -c 1 -E 10G -c 8 -E -1 -c -1 {dir}"
 """The FSx guide's progressive file layout ("Striping data in your file system"); applies to files created after."""
 TEST_BYTES = 64 * 2**20
+ON_HOST_ENV = "LLAMA_FP8_LUSTRE_ON_HOST"
+"""Set to 1 by the batch script when it runs this module with the host's tools after preflight (job_lib.sh)."""
 BYTES_PER_PARAM = 12
 """One rank's checkpoint: its FP32 parameters and AdamW's two FP32 moments (checkpoint/: DCP, one file per rank)."""
 
@@ -88,12 +93,15 @@ def parse_layout(text: str) -> list[tuple[int, int | None, int]]:
     comps: list[tuple[int, int | None, int]] = []
     start, end = 0, None
     for line in text.splitlines():
-        if m := re.search(r"lcme_extent\.e_start:\s*(\d+)", line):
-            start = int(m[1])
-        elif m := re.search(r"lcme_extent\.e_end:\s*(\d+|EOF)", line):
-            end = None if m[1] == "EOF" else int(m[1])
-        elif m := re.search(r"(?:lmm_)?stripe_count:\s*(-?\d+)", line):
-            comps.append((start, end, int(m[1])))
+        first = re.search(r"lcme_extent\.e_start:\s*(\d+)", line)
+        last = re.search(r"lcme_extent\.e_end:\s*(\d+|EOF)", line)
+        count = re.search(r"(?:lmm_)?stripe_count:\s*(-?\d+)", line)
+        if first:
+            start = int(first.group(1))
+        elif last:
+            end = None if last.group(1) == "EOF" else int(last.group(1))
+        elif count:
+            comps.append((start, end, int(count.group(1))))
             start, end = 0, None
     return comps
 
@@ -135,18 +143,24 @@ def run_tool(args: list[str], timeout: float = 60.0) -> tuple[int, str]:
 
 
 def lnet_counters(text: str) -> dict[str, dict[str, int]]:
-    """Per LNet net type: the sum of its NIs' send_count and recv_count, and how many NIs are not up."""
-    data = yaml.safe_load(text) or {}
+    """Per LNet net type: the sum of its NIs' send_count and recv_count, and how many NIs are not up. Read line by
+    line (the YAML lnetctl prints: "- net type:", "- nid:", "status:", "send_count:", "recv_count:"), as
+    awsome-distributed-ai's mount_fsx.sh reads it with awk: no YAML library on the host needed."""
     out: dict[str, dict[str, int]] = {}
-    for net in (data.get("net") if isinstance(data, dict) else None) or []:
-        kind = str(net.get("net type", ""))
-        sums = out.setdefault(kind, {"send": 0, "recv": 0, "nis": 0, "down": 0})
-        for ni in net.get("local NI(s)") or []:
-            stats = ni.get("statistics") or {}
-            sums["send"] += int(stats.get("send_count", 0) or 0)
-            sums["recv"] += int(stats.get("recv_count", 0) or 0)
+    sums = None
+    for line in text.splitlines():
+        key, _, value = line.strip().lstrip("- ").partition(":")
+        value = value.strip()
+        if key == "net type":
+            sums = out.setdefault(value, {"send": 0, "recv": 0, "nis": 0, "down": 0})
+        elif sums is None:
+            continue
+        elif key == "nid":
             sums["nis"] += 1
-            sums["down"] += str(ni.get("status", "up")) != "up"
+        elif key == "status" and sums["nis"]:
+            sums["down"] += value != "up"
+        elif key in ("send_count", "recv_count") and value.isdigit():
+            sums[key[:4]] += int(value)
     return out
 
 
@@ -176,7 +190,8 @@ def test_io(folder: Path, nbytes: int = TEST_BYTES) -> None:
             os.close(fd)
     finally:
         buf.close()
-        path.unlink(missing_ok=True)
+        if path.exists():
+            path.unlink()
 
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
@@ -239,3 +254,49 @@ def lnet_finding(folder: Path) -> tuple[str, str]:
     return WARN, (f"the {TEST_BYTES // 2**20} MiB test moved no EFA counter (tcp send_count +{tcp['send']}, recv_count "
                   f"+{tcp['recv']}): Lustre fell back to TCP; check that the security groups allow EFA traffic with "
                   "the file system, that it is in this AZ and has EFA enabled (awsome-distributed-ai#989)")
+
+
+def worst(statuses) -> str:
+    statuses = list(statuses)
+    return FAIL if FAIL in statuses else WARN if WARN in statuses else OK
+
+
+def from_report(path: str) -> tuple[str, int | None] | None:
+    """(folder, shard bytes) that preflight's lustre check recorded in its JSON report, or None (not on Lustre, or
+    no report)."""
+    import json
+
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    data = next((c.get("data") for c in report.get("checks") or [] if c.get("name") == "lustre"), None)
+    return (str(data["folder"]), data.get("shard_bytes")) if isinstance(data, dict) and data.get("folder") else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The stripe and LNet findings with this host's tools, for the folder and shard preflight reported (or given):
+    one line; exit 1 on a FAIL."""
+    p = argparse.ArgumentParser(prog="python3 -m llama_fp8.cluster.nodes.lustre",
+                                description="FSx for Lustre with this host's lfs and lnetctl: the stripe count new "
+                                            "files in a folder get against one rank's shard, and LNet over EFA.")
+    p.add_argument("--from_report", help="preflight's JSON report: the folder and shard its lustre check recorded")
+    p.add_argument("--folder", help="the checkpoint folder (instead of --from_report)")
+    p.add_argument("--shard_bytes", type=int, default=None, help="one rank's checkpoint file, in bytes")
+    a = p.parse_args(argv)
+    found = from_report(a.from_report) if a.from_report else (a.folder, a.shard_bytes) if a.folder else None
+    if found is None:
+        return 0  # nothing on Lustre (or no report): nothing to check here
+    folder = existing(found[0])
+    where = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+    if lustre_mount(str(folder)) is None:
+        print(f"[WARN] lustre (host {where}): {folder} is not on a Lustre mount of this host", flush=True)
+        return 0
+    findings = [stripe_finding(folder, found[1]), lnet_finding(folder)]
+    status = worst(s for s, _ in findings)
+    print(f"[{status:>4}] lustre (host {where}): " + "; ".join(m for _, m in findings), flush=True)
+    return 1 if status == FAIL else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
