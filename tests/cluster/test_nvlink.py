@@ -149,6 +149,9 @@ def test_no_channel_device_or_daemon_fails_naming_it(node):
 
 
 def test_nvidia_smi_missing_or_failing(node, monkeypatch):
+    node["tool"]("nvidia-smi", "Failed to initialize NVML: Driver/library version mismatch\n", code=9)
+    check = platform_checks.check_nvlink(preflight.Settings())
+    assert check.status == "WARN" and "nvidia-smi -q exited 9: Failed to initialize NVML" in check.message
     monkeypatch.setenv("PATH", str(Path(node["dev"])))  # nothing on PATH
     check = platform_checks.check_nvlink(preflight.Settings())
     assert check.status == "WARN" and "no nvidia-smi on PATH" in check.message and check.data is None
