@@ -19,7 +19,8 @@
 #                   runs too long for one allocation (one repeat, no preset). The report says "not the same hardware"
 #                   when they differ.
 # Environment: SBATCH_ARGS (extra sbatch options for every job, the report job included, e.g. partition and
-# account), AB_DIR (default runs/ab_<date-time>), AB_ORDER (same mode: the arms' run order, e.g. "fp8 bf16"),
+# account), SEGMENT (sbatch --segment=N for the training jobs: N nodes that must share one block of Slurm's
+# topology/block, e.g. one GB200 NVL72 NVLink domain; Slurm 24.05+, docs/gb200.md), AB_DIR (default runs/ab_<date-time>), AB_ORDER (same mode: the arms' run order, e.g. "fp8 bf16"),
 # AB_PRESET (same mode: ab, the default, compiles every arm alike where a backend needs it and turns FP8 all-gather
 # on where a recipe allows it; none leaves the flags as given), plus
 # everything 1.train_llama.sbatch reads (IMAGE, VENV, CONTAINER_MOUNTS, ...). With --mlflow_tracking_uri among the
@@ -48,6 +49,25 @@ export AB_DIR
 AB_DIR=$(realpath -m "${AB_DIR:-runs/ab_$(date +%Y%m%d-%H%M%S)}")
 AB_MODE=${AB_MODE:-same}
 read -r -a EXTRA <<<"${SBATCH_ARGS:-}"
+TRAIN_EXTRA=()  # the training jobs' own options (placement): not the report job's
+if [[ -n "${SEGMENT:-}" ]]; then
+    [[ "$SEGMENT" =~ ^[1-9][0-9]{0,3}$ ]] || { echo "error: SEGMENT='$SEGMENT': a number of nodes >= 1 (sbatch --segment)" >&2; exit 2; }
+    nodes=""  # the node count SBATCH_ARGS asks for, if it says (else the batch script's #SBATCH --nodes)
+    for i in "${!EXTRA[@]}"; do
+        case "${EXTRA[$i]}" in
+            --nodes=*) nodes=${EXTRA[$i]#--nodes=} ;;
+            --nodes | -N) nodes=${EXTRA[$((i + 1))]:-} ;;
+            -N*) nodes=${EXTRA[$i]#-N} ;;
+        esac
+    done
+    # Slurm's rule (Topology Guide, --segment): a node count above the segment size must be a multiple of it
+    if [[ "$nodes" =~ ^[0-9]+$ ]] && ((nodes > SEGMENT && nodes % SEGMENT != 0)); then
+        echo "error: SEGMENT=$SEGMENT does not divide the $nodes nodes of SBATCH_ARGS: Slurm requires a node count" \
+            "above the segment size to be a multiple of it" >&2
+        exit 2
+    fi
+    TRAIN_EXTRA=(--segment="$SEGMENT")
+fi
 command -v sbatch >/dev/null || { echo "error: sbatch not found: run this on a Slurm login node" >&2; exit 1; }
 if [[ -n "${IMAGE:-}" && -e "$IMAGE" ]]; then
     IMAGE=$(realpath "$IMAGE")  # a relative .sqsh would be taken for a registry name by Pyxis
@@ -56,7 +76,7 @@ fi
 mkdir -p logs "$AB_DIR"
 {  # the exact command, for `python -m llama_fp8 compare --repro` (it prints a script that re-runs the A/B)
     printf 'cd %q\n' "$PWD"
-    for var in SBATCH_ARGS IMAGE AB_MODE AB_ORDER AB_PRESET CONTAINER_MOUNTS VENV; do
+    for var in SBATCH_ARGS SEGMENT IMAGE AB_MODE AB_ORDER AB_PRESET CONTAINER_MOUNTS VENV; do
         if [[ -n "${!var:-}" ]]; then printf '%s=%q ' "$var" "${!var}"; fi
     done
     ARMS_ARG=()
@@ -66,7 +86,8 @@ mkdir -p logs "$AB_DIR"
 } >"$AB_DIR/ab_command.sh"
 
 if [[ "$AB_MODE" == same ]]; then
-    JOB=$(sbatch --parsable ${EXTRA[@]+"${EXTRA[@]}"} "$REPO_DIR/scripts/slurm/ab_job.sbatch" "$@")
+    JOB=$(sbatch --parsable ${EXTRA[@]+"${EXTRA[@]}"} ${TRAIN_EXTRA[@]+"${TRAIN_EXTRA[@]}"} \
+        "$REPO_DIR/scripts/slurm/ab_job.sbatch" "$@")
     cat <<EOF
 ab job:     $JOB   log logs/llama-fp8-ab_$JOB.out   (every arm on the same nodes, ${AB_ORDER:-${AB_ARMS//,/ }})
 pairs:      $AB_REPEATS (run dirs: $AB_DIR/bf16 $AB_DIR/fp8 for one pair of bf16,fp8, else $AB_DIR/pair<i>/<arm>)
@@ -86,7 +107,8 @@ submit_run() {  # submit_run NAME TRAIN_ARGS... -> prints the job id (an arm oth
         fp8) flags=(--fp8=1) ;;
         *) flags=(--fp8_recipe="$name" --fp8=1) ;;
     esac
-    sbatch --parsable --job-name="llama-fp8-$name" ${EXTRA[@]+"${EXTRA[@]}"} "$REPO_DIR/1.train_llama.sbatch" \
+    sbatch --parsable --job-name="llama-fp8-$name" ${EXTRA[@]+"${EXTRA[@]}"} ${TRAIN_EXTRA[@]+"${TRAIN_EXTRA[@]}"} \
+        "$REPO_DIR/1.train_llama.sbatch" \
         "$@" "${flags[@]}" --run_dir="$AB_DIR/$name"
 }
 JOBS=() DIRS=("$AB_DIR/bf16")

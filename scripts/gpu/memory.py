@@ -105,11 +105,11 @@ def last_json(text: str) -> dict | None:
 
 # --- estimate/... --------------------------------------------------------------------------------------------
 def estimate_gpu(gpu_name: str) -> str:
-    """The estimate's --gpu for the node's GPU (its table: H100, H200, ...); H100 where the name says nothing."""
+    """The estimate's --gpu for the node's GPU (its table: H100, H200, B200, GB200, ...); H100 where the name says
+    nothing (``gpus.for_device``: "NVIDIA GB200" is GB200, not B200)."""
     from llama_fp8.estimate import gpus
 
-    upper = gpu_name.upper()
-    return next((n for n in gpus.names() if n.upper() in upper), gpus.DEFAULT_GPU)
+    return gpus.for_device(gpu_name) or gpus.DEFAULT_GPU
 
 
 def estimate_cmd(ctx: Context, unit: units.Unit, run_dir: Path) -> list[str]:

@@ -47,6 +47,10 @@ def test_preflight_all_reduce_on_two_nodes(job_env, tmp_path):
     text = log.read_text()
     assert "preflight on n1:" in text and "preflight on n2:" in text  # each node's own checks
     assert "[  OK] network: gloo over TCP (CPU run)" in text
+    # the GB200 / FSx checks on nodes with neither: each node says so, and the job step adds no NVLink line
+    assert text.count("[  OK] nvlink_domain: NVLink fabric not read: no nvidia-smi on PATH") == 2
+    assert text.count("[  OK] lustre: checkpoint_dir not on Lustre (nothing to check)") == 2
+    assert text.count("nvlink_domain") == 2
     assert "all_reduce: 4 MiB x 10 over 4 ranks on 2 node(s): busbw" in text
     assert "preflight of job step: 2 node(s), 4 task(s): passed" in text
     report = json.loads((tmp_path / "logs" / f"llama-fp8-preflight_{job}.json").read_text())

@@ -63,7 +63,7 @@ def test_each_estimate_flag_has_one_help_text_with_its_default():
     shown = {a.dest: " ".join(a.help.split()) for a in build_estimate_parser()._actions if a.help}
     for f in dataclasses.fields(EstimateOptions):
         assert shown[f.name].startswith(f.metadata["help"]), f.name
-    assert shown["nodes"].endswith("(default: 1)") and shown["gpus_per_node"].endswith("(default: 8)")
+    assert shown["nodes"].endswith("(default: 1)") and shown["gpus_per_node"].endswith("8, 4 on GB200 and GB300)")
     assert shown["gpu"].endswith("(default: H100)") and shown["suggest"].endswith("(default: 1)")
     assert "default" not in shown["gpu_memory_gib"] + shown["json"]
 
@@ -116,6 +116,10 @@ def test_cluster_shape_sets_the_world_and_the_links(capsys):
     assert links["tp"] == (2, "NVLink") and links["dp_shard"] == (6, "network")  # dp_shard crosses the 3 nodes
     _, out, _ = run_main(capsys, *TINY, "--nodes", "1", "--gpus_per_node", "4", "--json")
     assert {c["link"] for c in json.loads(out)["collectives"]} == {"NVLink"}
+    _, out, _ = run_main(capsys, *TINY, "--nodes", "2", "--gpu", "GB200", "--json")  # the GPU's nodes: 4 GPUs each
+    d = json.loads(out)
+    assert d["gpus_per_node"] == 4 and d["world_size"] == 8
+    assert {c["link"] for c in d["collectives"]} == {"NVLink (multi-node)"}  # 2 trays, one NVLink domain
 
 
 def test_gpu_and_its_memory_decide_the_verdict(capsys):

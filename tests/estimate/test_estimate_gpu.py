@@ -93,8 +93,8 @@ def test_the_gpus_memory_as_pytorch_sees_it_is_its_rows():
     from llama_fp8.estimate import gpus
 
     props = torch.cuda.get_device_properties(0)
-    rows = {"H100 80GB HBM3": "H100", "H200": "H200", "A100-SXM4-80GB": "A100-80GB", "A100-SXM4-40GB": "A100-40GB"}
-    row = next((gpus.GPUS[r] for name, r in rows.items() if name in props.name), None)
+    name = gpus.for_device(props.name)  # the row of this device name (H100, ..., B200, GB200)
+    row = gpus.GPUS[name] if name else None
     if row is None:
         pytest.skip(f"{props.name} is not a GPU of estimate/gpus.py")
     print(f"{props.name}: total_memory {props.total_memory} bytes, the row's {row.memory_bytes}")

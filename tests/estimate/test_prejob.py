@@ -55,6 +55,17 @@ def test_the_estimate_step_gets_the_jobs_shape_and_the_gpus_memory(tmp_path):
     assert "--gpu_memory_gib 79.6475 " in srun_calls(tmp_path)[1]
 
 
+def test_the_estimate_checks_against_the_row_of_the_nodes_gpu(tmp_path):
+    """nvidia-smi's name picks the row (estimate/gpus.py for_device): a GB200 node is estimated with GB200's NVLink
+    domain and 4 GPUs per node; a name not in the table leaves the default."""
+    gb200 = '[[ "$*" == *name* ]] && { echo "NVIDIA GB200"; return 0; }; echo "189471, 738"'
+    run_lib(tmp_path, f"lf_estimate {TINY}", srun="return 0", smi=gb200)
+    assert "--gpu_memory_gib 184.31 --gpu GB200 --suggest 0" in srun_calls(tmp_path)[0]
+    l40s = '[[ "$*" == *name* ]] && { echo "NVIDIA L40S"; return 0; }; echo "46068, 0"'
+    run_lib(tmp_path, f"lf_estimate {TINY}", srun="return 0", smi=l40s)
+    assert "--gpu_memory_gib 44.9883 --suggest 0" in srun_calls(tmp_path)[1]
+
+
 def test_without_nvidia_smis_memory_the_estimate_says_which_gpu_it_checks_against(tmp_path):
     r = run_lib(tmp_path, f"lf_estimate {TINY}", srun="return 0", smi_mib="N/A")
     (call,) = srun_calls(tmp_path)

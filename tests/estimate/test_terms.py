@@ -59,8 +59,10 @@ def test_the_gpus_memory_is_what_pytorch_sees_not_nvidia_smis_total():
     """nvidia-smi's memory.total includes what the driver keeps: 81,559 MiB on an H100 80GB HBM3, of which PyTorch
     can allocate 79.11 GiB (pytorch/torchtitan#1789); each row states both and its source."""
     mib = 2**20
-    smi = {"H100": 81559, "H200": 143771, "A100-80GB": 81920, "A100-40GB": 40960}
-    seen = {"H100": 79.11, "H200": 139.80, "A100-80GB": 79.15, "A100-40GB": 39.50}
+    smi = {"H100": 81559, "H200": 143771, "A100-80GB": 81920, "A100-40GB": 40960, "B200": 183359, "B300": 275040,
+           "GB200": 189471, "GB300": 284208}
+    seen = {"H100": 79.11, "H200": 139.80, "A100-80GB": 79.15, "A100-40GB": 39.50, "B200": 178.35, "B300": 267.69,
+            "GB200": 184.31, "GB300": 276.50}
     for name, gpu in gpus.GPUS.items():
         assert round(gpu.memory_bytes / GIB, 2) == seen[name], name
         assert gpu.memory_bytes < smi[name] * mib, name

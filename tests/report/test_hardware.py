@@ -46,7 +46,9 @@ def test_same_allocation_runs_are_the_same_hardware(tmp_path, capsys):
     assert row.count("AWS Libfabric / efa, preflight busbw 362.4 GB/s (NCCL_NET=AWS Libfabric)") == 2
     image = next(ln for ln in report.splitlines() if ln.startswith("| image |"))
     assert "`/fsx/llama-fp8.sqsh`, sha256 abababababababab..., 20.00 GiB" in image and "NGC 25.12-py3" in image
-    assert "hardware: same (p5-[1-2], 8 x NVIDIA H100 80GB HBM3 per node)" in capsys.readouterr().out
+    assert ("hardware: same (p5-[1-2], 8 x NVIDIA H100 80GB HBM3 per node (H100 SXM: 989.4 dense BF16 TFLOPS))"
+            in capsys.readouterr().out)
+    assert "| NVLink domain |" not in report  # nodes without multi-node NVLink: no such row
 
 
 def test_different_nodes_and_driver_say_not_the_same_hardware(tmp_path, capsys):
@@ -115,7 +117,48 @@ def test_describe_never_raises_on_a_broken_preflight_file(tmp_path):
     assert d["nccl_network"] is None
 
 
-@pytest.mark.parametrize("key", environment.HARDWARE_KEYS)
+GB200 = {**H100, "nodes": "gb-[1-18]", "gpu": "NVIDIA GB200", "gpu_count": 4, "cpu": "ARM Neoverse-V2 (aarch64)",
+         "nvlink_domains": 1, "nvlink_used": True}
+
+
+def test_gb200_runs_show_their_nvlink_domain_and_compare_it(tmp_path, capsys):
+    make_run(tmp_path / "bf16", "bf16", peak=2500.0, seed=1)
+    make_run(tmp_path / "fp8", "fp8-te-current", peak=2500.0, seed=2)
+    with_environment(tmp_path / "bf16", GB200)
+    with_environment(tmp_path / "fp8", {**GB200, "nvlink_domains": 2, "nvlink_used": False})
+    _, summary, report = run_compare(str(tmp_path / "bf16"), str(tmp_path / "fp8"), "--out", str(tmp_path / "o"))
+    env = summary["environment"]
+    assert env["hardware_differences"] == ["nvlink_domains: 1 vs 2"]
+    assert env["software_differences"] == ["nvlink_used: True vs False"]
+    row = next(ln for ln in report.splitlines() if ln.startswith("| NVLink domain |"))
+    assert row == ("| NVLink domain | 1 multi-node NVLink domain, NCCL used it between nodes | 2 multi-node NVLink "
+                   "domains, NCCL did NOT use it between nodes |")
+    assert "| GPU | 4 x NVIDIA GB200 per node (GB200: 2500 dense BF16 TFLOPS) |" in report
+    assert "| CPU | ARM Neoverse-V2 (aarch64) |" in report
+    # a run from before the NVLink line (no value) is not "not the same" for that alone
+    old = {k: v for k, v in GB200.items() if k not in ("nvlink_domains", "nvlink_used")}
+    assert hardware.compare_environments([GB200], [old])["same_hardware"] is True
+
+
+def test_the_cpu_of_an_arm_node_is_named(tmp_path):
+    """aarch64's /proc/cpuinfo has no "model name": the implementer and part say which core (Grace: Neoverse-V2)."""
+    f = tmp_path / "cpuinfo"
+    f.write_text("processor\t: 0\nBogoMIPS\t: 2000.00\nFeatures\t: fp asimd sve2\nCPU implementer\t: 0x41\n"
+                 "CPU architecture: 8\nCPU variant\t: 0x0\nCPU part\t: 0xd4f\nCPU revision\t: 0\n")
+    assert environment.cpu_model(str(f)) == "ARM Neoverse-V2 (aarch64)"
+    f.write_text(f.read_text().replace("0xd4f", "0xd99"))
+    assert environment.cpu_model(str(f)) == "ARM part 0xd99 (aarch64)"
+
+
+def test_the_preflight_reports_nvlink_domains_go_to_the_description(tmp_path):
+    pre = tmp_path / "pf.json"
+    pre.write_text(json.dumps({"network": {"network": "Libfabric", "status": "OK", "nvlink": {
+        "status": "OK", "message": "m", "domains": {"u/4026": ["gb-1", "gb-2"]}, "used": True}}}))
+    d = environment.describe("cpu", {"LLAMA_FP8_PREFLIGHT": str(pre)})
+    assert (d["nvlink_domains"], d["nvlink_used"]) == (1, True)
+
+
+@pytest.mark.parametrize("key", [k for k in environment.HARDWARE_KEYS if k not in environment.IF_BOTH])
 def test_every_hardware_key_is_compared(key):
     other = {**H100, key: "something else"}
     env = hardware.compare_environments([H100], [other])

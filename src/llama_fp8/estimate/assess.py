@@ -40,9 +40,12 @@ class Estimate:
 
 
 def link_of(ranks: list[int], gpus_per_node: int, gpu: gpus.Gpu) -> tuple[str, float]:
-    """("NVLink" or "network", GB/s per GPU and direction) for a group of ranks."""
+    """(the link, GB/s per GPU and direction) for a group of ranks: "NVLink" within a node, "NVLink (multi-node)"
+    within one NVLink domain of several nodes (GB200 / GB300 NVL72), "network" across domains."""
+    if len({gpus.domain_of(r, gpus_per_node, gpu) for r in ranks}) > 1:
+        return "network", gpu.network_gbs
     nodes = {r // gpus_per_node for r in ranks}
-    return ("network", gpu.network_gbs) if len(nodes) > 1 else ("NVLink", gpu.nvlink_gbs)
+    return ("NVLink (multi-node)" if len(nodes) > 1 else "NVLink"), gpu.nvlink_gbs
 
 
 def timed(collectives: list[dict], group_ranks: dict[str, list[int]], gpus_per_node: int,

@@ -31,7 +31,8 @@ class EstimateOptions:
     flag's help."""
 
     nodes: int = _opt(1, "nodes the job gets")
-    gpus_per_node: int = _opt(8, "GPUs (training processes) per node")
+    gpus_per_node: int = _opt(None, "GPUs (training processes) per node (default: the --gpu's nodes have: 8, 4 on "
+                                    "GB200 and GB300)")
     gpu: str = _opt("H100", "GPU to check against: its memory and its NVLink/network bandwidths")
     gpu_memory_gib: float | None = _opt(None, "memory per GPU in GiB as PyTorch sees it (total_memory; nvidia-smi's "
                                               "memory.total less memory.reserved), for a GPU not in the table "
@@ -39,6 +40,12 @@ class EstimateOptions:
     suggest: bool = _opt(True, "1: when it does not fit, estimate what would make it fit (each is one more "
                                "estimate)")
     json: bool = _opt(False, "print one JSON object (the same numbers) instead of the report")
+
+    def __post_init__(self):
+        if self.gpus_per_node is None:  # the GPU's own nodes (a frozen dataclass: set once, here)
+            from llama_fp8.estimate import gpus
+
+            object.__setattr__(self, "gpus_per_node", gpus.GPUS[self.gpu].gpus_per_node)
 
     @property
     def world_size(self) -> int:

@@ -25,6 +25,8 @@ REVISION = 3  # 2: the NCCL term per communicator and the world's communicator; 
 # the embedding and head sharded on their own, the GPUs' memory as PyTorch sees it, NVLS
 GPU = "H100"
 GPUS_PER_NODE = 8
+GPU_FIELDS = ("name", "memory_bytes", "nvlink_gbs", "network_gbs", "source", "nvls")
+"""What the table's estimates read of the GPU row (its nodes and domain are GPUS_PER_NODE and one node here)."""
 NODES = (1, 2, 4, 8, 16, 32, 64)
 AC_SEARCH = ("full", "selective", "none")  # full first (the least memory), then less recomputation while it fits
 MARKERS = ("<!-- fit-table:start -->", "<!-- fit-table:end -->")
@@ -39,7 +41,8 @@ def _inputs() -> dict:
     from llama_fp8 import config
     from llama_fp8.estimate import gpus, terms
 
-    return {"revision": REVISION, "gpu": dataclasses.asdict(gpus.GPUS[GPU]), "gpus_per_node": GPUS_PER_NODE,
+    gpu = {k: v for k, v in dataclasses.asdict(gpus.GPUS[GPU]).items() if k in GPU_FIELDS}
+    return {"revision": REVISION, "gpu": gpu, "gpus_per_node": GPUS_PER_NODE,
             "nodes": NODES, "ac": AC_SEARCH,
             "terms": [terms.CONTEXT_BYTES, terms.NCCL_PER_COMMUNICATOR, terms.NCCL_NVLS_PER_COMMUNICATOR,
                       terms.CUBLAS_WORKSPACE, terms.ALLOCATOR_MARGIN],

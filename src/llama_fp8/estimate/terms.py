@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from llama_fp8.estimate.gpus import GIB, MIB, Gpu
+from llama_fp8.estimate.gpus import GIB, MIB, Gpu, domain_of
 
 CONTEXT_BYTES = 1 * GIB
 NCCL_PER_COMMUNICATOR = 640 * MIB
@@ -48,12 +48,13 @@ def communicators(collectives: list[dict], group_ranks: dict[str, list[int]]) ->
 
 def nccl_bytes(comms: list[str], group_ranks: dict[str, list[int]], gpu: Gpu, gpus_per_node: int) -> int:
     """NCCL's buffers on this rank: ``NCCL_PER_COMMUNICATOR`` for each communicator, and on a GPU with NVLS the NVLS
-    buffers of each communicator whose group has more than one GPU on this rank's node."""
+    buffers of each communicator whose group has more than one GPU in this rank's NVLink domain (its node; the rack
+    of an NVL72: NCCL uses NVLS across the domain once multi-node NVLink is on)."""
     total = 0
     for dim in comms:
         ranks = group_ranks.get(dim, [])
-        same_node = sum(1 for r in ranks if r // gpus_per_node == 0)  # rank 0's node
-        total += NCCL_PER_COMMUNICATOR + (NCCL_NVLS_PER_COMMUNICATOR if gpu.nvls and same_node > 1 else 0)
+        same_domain = sum(1 for r in ranks if domain_of(r, gpus_per_node, gpu) == 0)  # rank 0's domain
+        total += NCCL_PER_COMMUNICATOR + (NCCL_NVLS_PER_COMMUNICATOR if gpu.nvls and same_domain > 1 else 0)
     return total
 
 
@@ -88,7 +89,8 @@ SOURCES = {
             "protocol (SIMPLE's NCCL_BUFFSIZE, 4 MiB by default, LL, LL128); it grows with the channels NCCL opens for "
             "the link's bandwidth. Reported: 544 MB (2 GPUs) and 688 MB (4) per group on 4 x A100 NVLink "
             "(NVIDIA/nccl#964), about 1.6 GB for one communicator (NVIDIA/nccl#864). 640 MiB per communicator, and on "
-            "NVSwitch nodes (H100, H200) 288 MiB more for the NVLS buffers of a group with 2+ GPUs of the node (288 MiB "
+            "NVSwitch nodes (H100, H200, B200, B300) 288 MiB more for the NVLS buffers of a group with 2+ GPUs of the "
+            "node, or of the NVLink domain on GB200 / GB300 NVL72 (288 MiB "
             "per rank on 8 x H200: vllm-project/vllm#9699; NCCL_NVLS_ENABLE=0 saves it: "
             "NVIDIA/NeMo-Framework-Launcher#127)",
     "cublas": "allocated through PyTorch's allocator by the GEMM library, not by an op the tracker sees; PyTorch "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from llama_fp8.telemetry import peaks
 from llama_fp8.telemetry.environment import HARDWARE_KEYS, SOFTWARE_KEYS, differences
 
 NOT_RECORDED = "not recorded"
@@ -42,9 +43,24 @@ def compare_environments(envs_a: list[dict[str, Any]], envs_b: list[dict[str, An
 
 
 def _gpu(e: dict[str, Any]) -> str:
+    """"4 x NVIDIA GB200 per node (GB200: 2500 dense BF16 TFLOPS)": the SKU of the peak table MFU is measured
+    against (telemetry/peaks.py), where the name is one."""
     if e.get("gpu"):
-        return f"{e.get('gpu_count') or '?'} x {e['gpu']} per node"
+        peak, _ = peaks.lookup(str(e["gpu"]))
+        sku = f" ({peak.sku}: {peak.bf16:g} dense BF16 TFLOPS)" if peak else ""
+        return f"{e.get('gpu_count') or '?'} x {e['gpu']} per node{sku}"
     return f"none (CPU: {e.get('cpu') or 'unknown'})"
+
+
+def _nvlink(e: dict[str, Any]) -> str | None:
+    """The NVLink domains preflight saw the job's nodes in, and whether NCCL used them (None: no multi-node NVLink,
+    or not recorded)."""
+    n = e.get("nvlink_domains")
+    if n is None:
+        return None
+    used = {True: "NCCL used it between nodes", False: "NCCL did NOT use it between nodes",
+            None: "NCCL's use not proven"}[e.get("nvlink_used")]
+    return f"{n} multi-node NVLink domain{'s' if n != 1 else ''}, {used}"
 
 
 def _image(e: dict[str, Any]) -> str:
@@ -75,7 +91,8 @@ def _network(e: dict[str, Any]) -> str:
     return text
 
 
-ROWS = (("nodes", lambda e: str(e.get("nodes"))), ("GPU", _gpu), ("driver", lambda e: str(e.get("driver"))),
+ROWS = (("nodes", lambda e: str(e.get("nodes"))), ("GPU", _gpu), ("NVLink domain", _nvlink),
+        ("CPU", lambda e: str(e.get("cpu"))), ("driver", lambda e: str(e.get("driver"))),
         ("image", _image), ("torch", lambda e: str(e.get("torch"))), ("CUDA", lambda e: str(e.get("cuda"))),
         ("NCCL", lambda e: str(e.get("nccl"))), ("Transformer Engine", lambda e: str(e.get("transformer_engine"))),
         ("torchao", lambda e: str(e.get("torchao"))), ("NCCL network", _network))
@@ -86,7 +103,7 @@ def verdict_lines(env: dict[str, Any]) -> list[str]:
     if env.get("same_hardware") is None:
         return [f"Hardware: {NOT_RECORDED} for both runs (plain logs or an older version): the ratio assumes "
                 "the same nodes."]
-    hw = ("same hardware (nodes, GPU model and count, driver)" if env["same_hardware"] else
+    hw = ("same hardware (nodes, GPU model and count, driver, CPU, NVLink domains)" if env["same_hardware"] else
           "**not the same hardware**: " + "; ".join(env["hardware_differences"]) +
           " (node quality and placement can move the ratio: use the same-allocation A/B mode)")
     sw = ("same software (image and library versions)" if env["same_software"] else
@@ -101,7 +118,10 @@ def markdown(env: dict[str, Any] | None, label_a: str, label_b: str) -> list[str
     lines = ["## Hardware and software", "", f"| | A: {label_a} | B: {label_b} |", "|---|---|---|"]
     a, b = env.get("a") or {}, env.get("b") or {}
     for name, fmt in ROWS:
-        lines.append(f"| {name} | {fmt(a) if a else NOT_RECORDED} | {fmt(b) if b else NOT_RECORDED} |")
+        cells = [fmt(e) if e else NOT_RECORDED for e in (a, b)]
+        if cells == [None, None]:  # a row only some nodes have (the NVLink domain): left out where neither has it
+            continue
+        lines.append(f"| {name} | {cells[0] or 'none'} | {cells[1] or 'none'} |")
     return lines + [""] + verdict_lines(env) + [""]
 
 
@@ -110,5 +130,6 @@ def one_line(env: dict[str, Any]) -> str:
     if env.get("same_hardware") is None:
         return NOT_RECORDED
     if env["same_hardware"]:
-        return f"same ({env['a'].get('nodes')}, {_gpu(env['a'])})"
+        nvlink = _nvlink(env["a"])
+        return f"same ({env['a'].get('nodes')}, {_gpu(env['a'])}{', ' + nvlink if nvlink else ''})"
     return "NOT THE SAME: " + "; ".join(env["hardware_differences"])

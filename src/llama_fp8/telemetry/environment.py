@@ -24,9 +24,17 @@ from pathlib import Path
 from typing import Any
 
 IMAGE_INFO = Path("/opt/llama-fp8/image.json")
-HARDWARE_KEYS = ("nodes", "gpu", "gpu_count", "driver", "cpu")
+HARDWARE_KEYS = ("nodes", "gpu", "gpu_count", "driver", "cpu", "nvlink_domains")
 """What must match for two runs to count as "the same hardware"."""
-SOFTWARE_KEYS = ("image", "image_digest", "torch", "cuda", "nccl", "transformer_engine", "torchao", "nccl_network")
+SOFTWARE_KEYS = ("image", "image_digest", "torch", "cuda", "nccl", "transformer_engine", "torchao", "nccl_network",
+                 "nvlink_used")
+IF_BOTH = frozenset({"nvlink_domains", "nvlink_used"})
+"""Recorded only where the nodes have multi-node NVLink (preflight's nvlink_domain line), and only by runs since:
+compared when both runs have a value."""
+# ARM's CPU part numbers (/proc/cpuinfo "CPU part", implementer 0x41: Linux arch/arm64/include/asm/cputype.h);
+# aarch64's /proc/cpuinfo has no "model name". Grace is a Neoverse-V2, Graviton2/3/4 are N1/V1/V2.
+ARM_PARTS = {"0xd0c": "Neoverse-N1", "0xd40": "Neoverse-V1", "0xd49": "Neoverse-N2", "0xd4f": "Neoverse-V2",
+             "0xd84": "Neoverse-V3"}
 
 
 def _safe(fn, *args) -> Any:
@@ -56,9 +64,18 @@ def driver_version(proc_file: str = "/proc/driver/nvidia/version") -> str | None
 
 
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """x86's "model name"; on aarch64 (no model name) "ARM <core> (aarch64)" from the first CPU's implementer/part."""
+    fields: dict[str, str] = {}
     for line in Path(cpuinfo).read_text().splitlines():
-        if line.lower().startswith("model name"):
-            return line.split(":", 1)[1].strip()
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key == "model name":
+            return value.strip()
+        fields.setdefault(key, value.strip().lower())
+    if fields.get("cpu implementer") == "0x41" and "cpu part" in fields:
+        return f"ARM {ARM_PARTS.get(fields['cpu part'], 'part ' + fields['cpu part'])} (aarch64)"
+    if "cpu implementer" in fields:
+        return f"implementer {fields['cpu implementer']} part {fields.get('cpu part', '?')} (aarch64)"
     return platform.processor() or None
 
 
@@ -101,8 +118,11 @@ def preflight_fields(env: dict[str, str]) -> dict[str, Any]:
     path = env.get("LLAMA_FP8_PREFLIGHT")
     report = _safe(lambda: json.loads(Path(path).read_text())) if path else None
     net = (report or {}).get("network") or {}
+    nvlink = net.get("nvlink") or {}
     return {"nccl_network": net.get("network"), "nccl_provider": net.get("provider"),
-            "preflight_busbw_gbps": net.get("busbw_gbps"), "preflight_status": net.get("status")}
+            "preflight_busbw_gbps": net.get("busbw_gbps"), "preflight_status": net.get("status"),
+            "nvlink_domains": len(nvlink["domains"]) if nvlink.get("domains") else None,
+            "nvlink_used": nvlink.get("used")}
 
 
 def describe(device_type: str, env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -124,5 +144,7 @@ def describe(device_type: str, env: dict[str, str] | None = None) -> dict[str, A
 
 
 def differences(a: dict[str, Any], b: dict[str, Any], keys: tuple[str, ...]) -> list[str]:
-    """``key: A vs B`` for each key whose values differ (missing on both sides is not a difference)."""
-    return [f"{k}: {a.get(k)} vs {b.get(k)}" for k in keys if a.get(k) != b.get(k)]
+    """``key: A vs B`` for each key whose values differ (missing on both sides is not a difference, nor, for the
+    keys of IF_BOTH, missing on one)."""
+    return [f"{k}: {a.get(k)} vs {b.get(k)}" for k in keys if a.get(k) != b.get(k)
+            and not (k in IF_BOTH and (a.get(k) is None or b.get(k) is None))]

@@ -149,6 +149,7 @@ def test_the_estimates_gpu_is_the_nodes():
     assert memory.estimate_gpu("NVIDIA H200") == "H200"
     assert memory.estimate_gpu("NVIDIA H100 80GB HBM3") == "H100"
     assert memory.estimate_gpu("no GPU") == "H100"
+    assert memory.estimate_gpu("NVIDIA GB200") == "GB200" and memory.estimate_gpu("NVIDIA B200") == "B200"
 
 
 # --- the results page ----------------------------------------------------------------------------------------

@@ -210,11 +210,26 @@ lf_preflight() {  # lf_preflight TRAIN_ARGS...
     fi
     export LLAMA_FP8_PREFLIGHT=${PREFLIGHT_REPORT:-$PWD/logs/llama-fp8-preflight_$SLURM_JOB_ID.json}
     mkdir -p "$(dirname "$LLAMA_FP8_PREFLIGHT")"
+    # FSx for Lustre: the image has no Lustre client tools; where this host has them, preflight leaves the stripe
+    # count and the LNet proof to lf_lustre_on_hosts (llama_fp8/cluster/nodes/lustre.py)
+    if [[ -n "${IMAGE:-}" ]] && command -v lfs >/dev/null; then export LLAMA_FP8_LUSTRE_ON_HOST=1; fi
     local per_task=$((CPUS / NPROC_PER_NODE))
     MASTER_ADDR="$RDZV_ADDR" MASTER_PORT=$((RDZV_PORT + 1)) \
         srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node="$NPROC_PER_NODE" --cpus-per-task=$((per_task > 0 ? per_task : 1)) \
         --kill-on-bad-exit=1 ${CONTAINER_ARGS[@]+"${CONTAINER_ARGS[@]}"} \
-        "${PY[@]}" -m llama_fp8 preflight --device "$DEVICE" --report "$LLAMA_FP8_PREFLIGHT" -- "$@"
+        "${PY[@]}" -m llama_fp8 preflight --device "$DEVICE" --report "$LLAMA_FP8_PREFLIGHT" -- "$@" || return $?
+    lf_lustre_on_hosts
+}
+
+# The FSx for Lustre findings preflight could not make in the image (lfs, lnetctl), made on every node with the
+# host's tools and python3 (stdlib only) for the folder and shard size preflight reported; nothing when the run's
+# checkpoint folder is not on Lustre. A FAIL (lfs not answering, an EFA NI down, the test write failing) fails it.
+lf_lustre_on_hosts() {
+    [[ "${LLAMA_FP8_LUSTRE_ON_HOST:-0}" == 1 ]] || return 0
+    local src
+    src=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/../../.." && pwd)  # this library is src/llama_fp8/...
+    srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 env PYTHONPATH="$src" \
+        "${HOST_PYTHON:-python3}" -m llama_fp8.cluster.nodes.lustre --from_report "$LLAMA_FP8_PREFLIGHT"
 }
 
 # ---- estimate: will the run fit the GPUs' memory? `llama_fp8 estimate` (a fake process group and fake tensors: no
@@ -248,6 +263,13 @@ lf_estimate() {  # lf_estimate TRAIN_ARGS...
     else
         echo "warning: estimate: nvidia-smi reported no memory.total ('${mib}'): checking against an H100's memory" >&2
     fi
+    # The GPU's row (its NVLink and network, its nodes' NVLink domain: GB200 NVL72) from nvidia-smi's name, with this
+    # host's python3 (estimate/gpus.py imports nothing else); no row: the estimate's default bandwidths
+    local name row src
+    src=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/../../.." && pwd)  # this library is src/llama_fp8/...
+    name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1) || true
+    row=$(PYTHONPATH="$src" "${HOST_PYTHON:-python3}" -m llama_fp8.estimate.gpus "$name" 2>/dev/null) || true
+    if [[ "$row" =~ ^[A-Z0-9-]+$ ]]; then mem_args+=(--gpu "$row"); fi
     srun --nodes=1 --ntasks=1 --cpus-per-task="$CPUS" --time=30 ${CONTAINER_ARGS[@]+"${CONTAINER_ARGS[@]}"} \
         "${PY[@]}" -m llama_fp8 estimate --nodes "$SLURM_JOB_NUM_NODES" --gpus_per_node "$NPROC_PER_NODE" \
         ${mem_args[@]+"${mem_args[@]}"} --suggest 0 "$@" || rc=$?

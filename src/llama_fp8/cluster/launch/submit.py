@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--account", default=None, help="Slurm account")
     p.add_argument("--qos", default=None, help="Slurm quality of service")
     p.add_argument("--constraint", default=None, help="Slurm node features, e.g. p5.48xlarge")
+    p.add_argument("--segment", type=int, default=None,
+                   help="Slurm --segment: nodes that must share one block of the topology/block plugin, e.g. one "
+                        "NVLink domain of a GB200 NVL72 rack (at most 18; Slurm 24.05+ with topology/block)")
     p.add_argument("--job_name", default="llama-fp8", help="Slurm job name (default llama-fp8)")
     p.add_argument("--folder", default="logs/submitit", help="submitit folder: logs and pickles (default logs/submitit)")
     p.add_argument("--python", default=None,
@@ -113,6 +116,11 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--gpus_per_node must be >= 0, got {args.gpus_per_node}")
     if args.tasks_per_node is not None and args.tasks_per_node < 1:
         raise ValueError(f"--tasks_per_node must be >= 1, got {args.tasks_per_node}")
+    if args.segment is not None and args.segment < 1:
+        raise ValueError(f"--segment must be >= 1, got {args.segment}")
+    if args.segment is not None and args.nodes > args.segment and args.nodes % args.segment:
+        raise ValueError(f"--segment {args.segment} does not divide --nodes {args.nodes}: Slurm requires a node count "
+                         "above the segment size to be a multiple of it (Topology Guide, --segment)")
     from llama_fp8.estimate import gpus  # the GPU table (imports nothing else)
 
     if args.estimate_gpu not in gpus.names():
@@ -185,6 +193,8 @@ def executor_parameters(args: argparse.Namespace, train_args: list[str] | None =
     }
     if args.gpus_per_node:
         params["gpus_per_node"] = args.gpus_per_node
+    if args.segment is not None:  # submitit writes it as #SBATCH --segment=N
+        params["additional_parameters"]["segment"] = args.segment
     for name in ("cpus_per_task", "partition", "account", "qos", "constraint"):
         if getattr(args, name) is not None:
             params[name] = getattr(args, name)

@@ -14,6 +14,12 @@ tests/cluster/nccl_logs/ with their sources):
   ``"Selected provider is %s, fabric is %s (found %d nics)"`` (1.14+; "Selected Provider is %s (found %d nics)"
   before), every message prefixed with "NET/OFI ".
 - NCCL net_socket.cc ``"NET/Socket : Using%s"`` and net_ib ``"NET/IB : Using%s %s; OOB %s:%s"``.
+- Multi-node NVLink (NCCL src/init.cc, src/mnnvl.cc, src/transport/p2p.cc and nvls.cc, 2.21 to 2.30):
+  ``"MNNVL busId 0x%lx fabric UUID %lx.%lx cliqueId 0x%x state %d healthMask 0x%x"`` (each rank's GPU),
+  ``"MNNVL %d cliqueId %x cliqueSize %d cliqueRank %d"`` (+ ``" nvlDomainSize %d"`` from 2.28) once it is on,
+  ``"comm %p rank %d nRanks %d nNodes %d localRanks %d localRank %d MNNVL %d"`` (every communicator),
+  ``"Channel %02d/%01d : %d[%d] -> %d[%d] via P2P/MNNVL"`` and ``"NVLS multicast support is %savailable on dev %d"``;
+  the one loud failure is the WARN ``"MNNVL (cliqueSize %d) is available but not working on this system. ..."``.
 """
 
 from __future__ import annotations
@@ -50,6 +56,14 @@ _PLUGIN_FAIL_RE = re.compile(r"NET/Plugin\s*:?.*(?:[Nn]o plugin found|[Cc]ould n
                              r"version `[^']+' not found|Failed to initialize)|"
                              r"NET/OFI .*(?:initialization failed|Initializing plugin failed|No eligible providers)")
 _WARN_RE = re.compile(r"NCCL WARN (?P<text>.+?)\s*$")
+_COMM_RE = re.compile(r"comm 0x[0-9a-fA-F]+ rank \d+ nRanks (?P<ranks>\d+) nNodes (?P<nodes>\d+) localRanks \d+ "
+                      r"localRank \d+ MNNVL (?P<mnnvl>\d+)")
+_CLIQUE_RE = re.compile(r"MNNVL (?P<on>\d+) cliqueId (?P<clique>[0-9a-fA-Fx]+) cliqueSize (?P<size>\d+) "
+                        r"cliqueRank \d+(?: nvlDomainSize (?P<domain>\d+))?")
+_FABRIC_RE = re.compile(r"MNNVL busId 0x[0-9a-fA-F]+ fabric UUID (?P<uuid>[0-9a-fA-F]+\.[0-9a-fA-F]+) "
+                        r"cliqueId (?P<clique>0x[0-9a-fA-F]+) state (?P<state>\d+)")
+_NVLS_RE = re.compile(r"NVLS multicast support is (?P<not>not )?available")
+NVML_FABRIC_COMPLETED = 3  # NVML_GPU_FABRIC_STATE_COMPLETED (nvml.h): what NCCL requires of every rank
 
 
 @dataclass
@@ -70,6 +84,17 @@ class NcclNet:
     plugin_errors: list[str] = field(default_factory=list)
     """Lines saying the net plugin did not load or initialize (the reason behind a sockets fallback)."""
     warnings: list[str] = field(default_factory=list)
+    mnnvl: int | None = None
+    """The "MNNVL" of the last "comm ... MNNVL n" line: 1 when NCCL uses the NVLink domain between nodes."""
+    clique: str | None = None
+    clique_size: int | None = None
+    fabric: str | None = None
+    """This rank's GPU as NCCL read it: "UUID cliqueId state n" (UUID 0.0: no multi-node NVLink)."""
+    fabric_state: int | None = None
+    nvls: bool | None = None
+    p2p_mnnvl: int = 0
+    """Channels connected "via P2P/MNNVL" (through the NVLink domain)."""
+    mnnvl_errors: list[str] = field(default_factory=list)
 
     @property
     def kind(self) -> str:
@@ -119,11 +144,28 @@ def parse(text: str) -> NcclNet:
             out.socket_interfaces = m["ifaces"]
         elif m := _IB_RE.search(line):
             out.ib_devices = m["devices"]
+        _parse_mnnvl(line, out)
         if _PLUGIN_FAIL_RE.search(line):
             out.plugin_errors.append(_after_prefix(line))
         elif m := _WARN_RE.search(line):
             out.warnings.append(m["text"])
     return out
+
+
+def _parse_mnnvl(line: str, out: NcclNet) -> None:
+    """The multi-node NVLink lines (module docstring) into ``out``."""
+    if m := _COMM_RE.search(line):
+        out.mnnvl = int(m["mnnvl"])
+    elif m := _CLIQUE_RE.search(line):
+        out.clique, out.clique_size = m["clique"], int(m["size"])
+    elif m := _FABRIC_RE.search(line):
+        out.fabric, out.fabric_state = f"{m['uuid']} cliqueId {m['clique']} state {m['state']}", int(m["state"])
+    elif m := _NVLS_RE.search(line):
+        out.nvls = not m["not"]
+    elif "via P2P/MNNVL" in line:
+        out.p2p_mnnvl += 1
+    if "NCCL WARN" in line and "MNNVL" in line:
+        out.mnnvl_errors.append(_after_prefix(line))
 
 
 def _after_prefix(line: str) -> str:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llama_fp8.cluster.nodes import nccl
+from llama_fp8.cluster.nodes import fabric, nccl, nvlink
 
 
 @dataclass
@@ -47,6 +47,13 @@ class NetResult:
     """Every rank got the exact sum (a transport that corrupts data fails here, not in training)."""
     failed_nodes: dict[str, list[str]] = field(default_factory=dict)
     """host -> the node checks that failed there (every rank learns them, so all exit with the same code)."""
+    nvlink: dict[str, Any] | None = None
+    """The job's NVLink domain (``nvlink.NvlinkResult``), where its nodes have one or its ranks disagree."""
+
+    @property
+    def failed(self) -> bool:
+        """The job step fails: the network, a node, or the NVLink domain."""
+        return self.status == "FAIL" or bool(self.failed_nodes) or (self.nvlink or {}).get("status") == "FAIL"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,9 +111,10 @@ def _timed_all_reduce(x, iters: int, device) -> float:
 
 
 def run(device_type: str, megabytes: float, iters: int, timeout_s: float, efa_devices: int,
-        node_failures: list[str] | None = None) -> NetResult:
-    """Join the step's process group, check and time an all-reduce, agree on the network and on the node
-    checks that failed (``node_failures`` of this task's node); every rank returns the same result."""
+        node_failures: list[str] | None = None, node_fabric: dict | None = None) -> NetResult:
+    """Join the step's process group, check and time an all-reduce, agree on the network, on the node checks that
+    failed (``node_failures`` of this task's node) and on the NVLink domain (``node_fabric``: what this task's node
+    check found, None on the node's other tasks); every rank returns the same result."""
     import torch.distributed as dist
 
     from llama_fp8.parallel import dist as pdist
@@ -123,10 +131,11 @@ def run(device_type: str, megabytes: float, iters: int, timeout_s: float, efa_de
     except Exception as e:  # noqa: BLE001 - any failure to form the group is the finding
         return NetResult("FAIL", f"could not form the process group ({type(e).__name__}: {str(e)[:300]})")
     try:
-        return _measure_and_agree(env, megabytes, iters, log_path, efa_devices, node_failures or [])
+        return _measure_and_agree(env, megabytes, iters, log_path, efa_devices, node_failures or [], node_fabric)
     except Exception as e:  # noqa: BLE001 - e.g. NCCL_NET names a network that did not initialize
         said = nccl.parse(log_path.read_text(errors="replace")) if log_path and log_path.exists() else None
-        why = f"; NCCL said: {said.plugin_errors[0]}" if said and said.plugin_errors else ""
+        errors = (said.mnnvl_errors + said.plugin_errors) if said else []
+        why = f"; NCCL said: {errors[0]}" if errors else ""
         return NetResult("FAIL", f"all-reduce failed ({type(e).__name__}: {str(e).splitlines()[0][:300]}){why}",
                          backend=dist.get_backend() if dist.is_initialized() else "")
     finally:
@@ -135,7 +144,7 @@ def run(device_type: str, megabytes: float, iters: int, timeout_s: float, efa_de
 
 
 def _measure_and_agree(env, megabytes: float, iters: int, log_path: Path | None, efa_devices: int,
-                       node_failures: list[str]) -> NetResult:
+                       node_failures: list[str], node_fabric: dict | None = None) -> NetResult:
     import torch
     import torch.distributed as dist
 
@@ -148,7 +157,8 @@ def _measure_and_agree(env, megabytes: float, iters: int, log_path: Path | None,
     dist.all_reduce(x)
     seconds = _timed_all_reduce(x, iters, env.device)
     mine = {"host": node_name(), "efa": efa_devices, "wrong": wrong, "failed": node_failures,
-            "log": log_path.read_text(errors="replace") if log_path and log_path.exists() else ""}
+            "log": log_path.read_text(errors="replace") if log_path and log_path.exists() else "",
+            "fabric": node_fabric, "settings": fabric.settings()}
     everyone: list[Any] = [None] * env.world_size
     dist.all_gather_object(everyone, mine)
     return summarize(everyone, dist.get_backend(), numel * 4, iters, seconds, expected)
@@ -174,8 +184,12 @@ def summarize(per_rank: list[dict[str, Any]], backend: str, nbytes: int, iters: 
     if backend != "nccl":
         res.network, res.network_kind = f"{backend} (TCP)", "socket"
         res.message = f"{backend} over TCP (CPU run)"
+        domain = nvlink.decide(per_rank, None)
+        res.nvlink = domain.to_dict() if domain else None
         return res
     nets = [nccl.parse(r["log"]) for r in per_rank]
+    domain = nvlink.decide(per_rank, nets)
+    res.nvlink = domain.to_dict() if domain else None
     first = nets[0]
     res.network, res.network_kind, res.provider, res.nccl_version = (first.network, first.kind, first.provider,
                                                                     first.nccl_version)
@@ -196,6 +210,8 @@ def summarize(per_rank: list[dict[str, Any]], backend: str, nbytes: int, iters: 
 def result_lines(res: NetResult) -> list[tuple[str, str, str]]:
     """(check name, status, message) lines for the preflight report."""
     lines = [] if not res.values_ok else [("network", res.status, res.message or "")]
+    if res.nvlink:
+        lines.append(("nvlink_domain", res.nvlink["status"], res.nvlink["message"]))
     if res.busbw_gbps is not None:
         where = f"{res.ranks} ranks on {res.nodes} node(s)"
         note = "" if res.nodes > 1 else " (one node: intra-node links, not the network)"

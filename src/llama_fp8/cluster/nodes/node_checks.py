@@ -25,6 +25,8 @@ class Check:
     name: str
     status: str
     message: str
+    data: dict | None = None
+    """What the check found, for the job step's comparison (JSON-able; NVLink domain: ``fabric.NodeFabric``)."""
 
     def line(self) -> str:
         return f"[{self.status:>4}] {self.name}: {self.message}"

@@ -7,10 +7,12 @@ the checks use the resolved values (device, fp8, fp8_backend, dataset, tokenizer
 before `--` win.
 
 1.train_llama.sbatch runs it as one task per GPU on every node (SKIP_PREFLIGHT=1 skips it). The first task of
-each node checks the node (GPUs and FP8 recipes, TE/torchao, NCCL, EFA and the OFI plugin, the container mounts,
-write access, data paths); then all tasks run a short all-reduce (netcheck.py) that reports the bus bandwidth
-and the network NCCL chose, and fails when EFA devices exist but NCCL is on TCP sockets. Every task exits
-with the same code. Started as a single process (no Slurm step, no torchrun) it checks this node only.
+each node checks the node (GPUs and FP8 recipes, TE/torchao, NCCL, EFA and the OFI plugin, the NVLink domain and
+IMEX of GB200/GB300 trays, the container mounts, write access, FSx for Lustre, data paths); then all tasks run a
+short all-reduce (netcheck.py) that reports the bus bandwidth and the network NCCL chose, fails when EFA devices
+exist but NCCL is on TCP sockets, and proves from NCCL's lines that a shared NVLink domain was used (nvlink.py).
+Every task exits with the same code. Started as a single process (no Slurm step, no torchrun) it checks this node
+only.
 """
 
 from __future__ import annotations
@@ -46,12 +48,14 @@ from llama_fp8.cluster.nodes.node_checks import (  # noqa: F401 - the checks, im
     efa_devices,
     fp8_recipes,
 )
+from llama_fp8.cluster.nodes.platform_checks import check_lustre, check_nvlink  # noqa: F401 - importable from here
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m llama_fp8 preflight", allow_abbrev=False,
                                 usage="%(prog)s [own flags] [-- TRAIN_FLAGS...]",
-                                description="Check GPUs/FP8, TE, torchao, NCCL, EFA, checkpoint dir, data paths.",
+                                description="Check GPUs/FP8, TE, torchao, NCCL, EFA, the NVLink domain (GB200/GB300), "
+                                            "checkpoint dir, FSx for Lustre, data paths.",
                                 epilog="docs: docs/cluster.md")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="as train --device (default auto)")
     p.add_argument("--fp8", choices=["0", "1"], help="FP8 wanted: a GPU without FP8 fails (default 0)")
@@ -111,7 +115,7 @@ def run_checks(s: Settings) -> list[Check]:
     """Every check, in report order; a check that crashes is reported as FAIL, not raised."""
     checks = []
     for fn in (check_gpus, check_model_impl, check_fp8_backends, check_fp8_features, check_layout, check_nccl,
-               check_efa, check_mounts, check_writable):
+               check_efa, check_nvlink, check_mounts, check_writable, check_lustre):
         try:
             out = fn(s)
         except Exception as e:  # noqa: BLE001 - report and keep going
@@ -128,10 +132,11 @@ def node_summary(checks: list[Check]) -> str:
             f"{len(failed)} failed{': ' + ', '.join(failed) if failed else ''}")
 
 
-def network(own: argparse.Namespace, s: Settings, node_failed: list[str]) -> tuple[list[Check], netcheck.NetResult]:
+def network(own: argparse.Namespace, s: Settings, node_failed: list[str],
+            node_fabric: dict | None = None) -> tuple[list[Check], netcheck.NetResult]:
     device = torch_device(s.cfg.device).type
     res = netcheck.run(device, own.allreduce_mb or netcheck.default_megabytes(device), own.allreduce_iters,
-                       own.timeout, len(efa_devices()), node_failed)
+                       own.timeout, len(efa_devices()), node_failed, node_fabric)
     checks = [Check(name, status, message) for name, status, message in netcheck.result_lines(res)]
     for host, names in res.failed_nodes.items():
         checks.append(Check(f"node {host}", FAIL, f"failed: {', '.join(names)}"))
@@ -159,8 +164,9 @@ def main(argv: list[str]) -> int:
     failed = bool(node_failed)
     bad_nodes = [netcheck.node_name()] if node_failed else []
     if own.network_test == "1" or (own.network_test == "auto" and tasks > 1):
-        net_checks, res = network(own, settings, node_failed)
-        failed = res.status == FAIL or bool(res.failed_nodes)
+        node_fabric = next((c.data for c in checks if c.name == "nvlink_domain"), None)
+        net_checks, res = network(own, settings, node_failed, node_fabric)
+        failed = res.failed
         bad_nodes = sorted(res.failed_nodes)
         report["network"] = res.to_dict()
         if rank == 0:
