@@ -91,7 +91,8 @@ def test_a_stale_table_and_a_lost_table_are_found(tmp_path):
     fp8 = tmp_path / "docs" / "fp8.md"
     fp8.write_text(fp8.read_text().replace("| `tensorwise`", "| `old`"))
     (tmp_path / "docs" / "flags.md").write_text("# flags\nthe table was deleted\n")
-    assert reference.stale(tmp_path) == ["docs/flags.md: flags (no markers)", "docs/fp8.md: recipes"]
+    assert reference.stale(tmp_path) == ["docs/flags.md: flags (no markers)", "docs/flags.md: presets (no markers)",
+                                         "docs/fp8.md: recipes"]
 
 
 def test_readme_shows_the_two_commands_first():
