@@ -188,3 +188,19 @@ def test_a_config_yaml_written_with_0_or_1_still_replays(tmp_path, recorded, nam
     f.write_text(yaml.safe_dump({"asked": {"model": "tiny", "activation_checkpointing": recorded},
                                  "resolved": {"model_impl": "hf"}}))
     assert parse("--config", str(f)).activation_checkpointing == name
+
+
+def test_the_run_dirs_default_is_said_as_the_code_makes_it(monkeypatch):
+    """docs/flags.md (the field's help) said runs/<SLURM_JOB_ID or timestamp>; the code makes runs/job_<id>."""
+    import re
+    import time
+
+    from llama_fp8.config.fields import TrainConfig
+
+    text = config.help_of(TrainConfig.__dataclass_fields__["run_dir"])
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    assert config.default_run_dir() == "runs/job_123" and "runs/job_<SLURM_JOB_ID> in a Slurm job" in text
+    monkeypatch.delenv("SLURM_JOB_ID")
+    made = config.default_run_dir()
+    assert re.fullmatch(r"runs/\d{8}-\d{6}", made) and "else runs/<YYYYmmdd-HHMMSS>" in text
+    assert abs(time.mktime(time.strptime(made, "runs/%Y%m%d-%H%M%S")) - time.time()) < 5
