@@ -57,7 +57,7 @@ class Server:
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, (self.folder / "server.log").read_text()[-3000:]
             try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=30) as r:
                     if r.status == 200:
                         return
             except OSError:
@@ -84,13 +84,17 @@ def mlflow_server(tmp_path_factory):
     server.kill()
 
 
-def train(run_dir: Path, uri: str, steps: int) -> subprocess.Popen:
+# A live server on a loaded machine may take longer than the run's default 5 s per request; a dead one refuses at once.
+LIVE = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "60"}
+
+
+def train(run_dir: Path, uri: str, steps: int, **env: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "llama_fp8", "train", "--model", "tiny", "--device", "cpu", "--num_layers", "1",
            "--max_context_width", "32", "--max_steps", str(steps), "--run_dir", str(run_dir),
            "--mlflow_tracking_uri", uri, "--mlflow_experiment", "server-tests"]
     run_dir.mkdir(parents=True)
     err = open(run_dir.parent / f"{run_dir.name}.stderr", "w")  # noqa: SIM115 - the child writes it
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=cli_env(), cwd=REPO)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=cli_env(**env), cwd=REPO)
 
 
 def finish(proc: subprocess.Popen, run_dir: Path) -> SimpleNamespace:
@@ -153,7 +157,7 @@ def test_a_server_killed_mid_run_then_publish_completes_and_closes_the_run(mlflo
     from llama_fp8.report import compare
 
     run_dir = tmp_path / "fp8"
-    proc = train(run_dir, mlflow_server.uri, 60)
+    proc = train(run_dir, mlflow_server.uri, 60, **LIVE)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:  # the third logged step: the server has seen some
@@ -179,7 +183,7 @@ def test_a_server_killed_mid_run_then_publish_completes_and_closes_the_run(mlflo
     assert compare.main([str(base), str(run_dir), "--out", str(tmp_path / "report")]) == 0
     proc = subprocess.run([sys.executable, "-m", "llama_fp8", "publish", str(tmp_path / "report"),
                            "--mlflow_tracking_uri", mlflow_server.uri], capture_output=True, text=True,
-                          env=cli_env(), cwd=REPO, timeout=300)
+                          env=cli_env(**LIVE), cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "fp8's run was incomplete" in proc.stdout and f"{60 - len(seen)} of 60 logged training steps filled in" \
         in proc.stdout, proc.stdout
@@ -197,7 +201,7 @@ def test_a_run_on_the_server_carries_the_standard_tags_and_closes(mlflow_server,
 
     from llama_fp8.telemetry import repro
 
-    r = finish(train(tmp_path / "run", mlflow_server.uri, 3), tmp_path / "run")
+    r = finish(train(tmp_path / "run", mlflow_server.uri, 3, **LIVE), tmp_path / "run")
     assert r.code == 0 and mlflow_lines(r.err) == [], r.err[-2000:]
     run = MlflowClient(mlflow_server.uri).get_run(json.loads((tmp_path / "run" / "mlflow_run.json").read_text())["run_id"])
     assert run.info.status == "FINISHED" and run.data.tags[MLFLOW_USER]

@@ -77,10 +77,11 @@ def cause(error: BaseException) -> str:
 
 @contextlib.contextmanager
 def _one_try() -> Iterator[None]:
-    """MLflow's requests without retries and with PROBE_TIMEOUT_S, while the context is open (single-threaded use)."""
+    """MLflow's requests without retries and with PROBE_TIMEOUT_S (or the user's own MLFLOW_HTTP_REQUEST_TIMEOUT), while
+    the context is open (single-threaded use)."""
     keys = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
     saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(dict(zip(keys, ("0", str(PROBE_TIMEOUT_S)))))
+    os.environ.update(dict(zip(keys, ("0", saved[keys[1]] or str(PROBE_TIMEOUT_S)))))
     try:
         yield
     finally:

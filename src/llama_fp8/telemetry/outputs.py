@@ -9,6 +9,7 @@ cannot start is reported and the run goes on without it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -44,8 +45,18 @@ class Origin:
                    env.get("SLURMD_NODENAME") or socket.gethostname())
 
     def labels(self) -> dict[str, str]:
-        return {"slurm_job_id": self.slurm_job_id, "node": self.node, "run": self.run_dir.name,
+        return {"slurm_job_id": self.slurm_job_id, "node": self.node, "run": self.run_name, "run_id": self.run_id,
                 "precision": self.precision}
+
+    @property
+    def run_name(self) -> str:
+        """The run folder's parent and name (``pair2/bf16``: an A/B's pairs in one job tell apart)."""
+        return f"{self.run_dir.parent.name}/{self.run_dir.name}" if self.run_dir.parent.name else self.run_dir.name
+
+    @property
+    def run_id(self) -> str:
+        """8 hex digits of the run folder's full path: unique where folder names repeat (two runs outside Slurm)."""
+        return hashlib.sha256(str(self.run_dir.resolve()).encode()).hexdigest()[:8]
 
     def board(self) -> Board:
         return Board(self.labels(), self.rank, self.local_rank, self.is_main)
@@ -75,7 +86,7 @@ def open_writer(cfg, origin: Origin, params: dict[str, Any]) -> sinks.MetricsWri
     if cfg.prometheus_textfile_dir:
         from llama_fp8.telemetry import prometheus
 
-        name = prometheus.file_name(origin.slurm_job_id, origin.run_dir.name, origin.rank)
+        name = prometheus.file_name(origin.slurm_job_id, f"{origin.run_name}_{origin.run_id}", origin.rank)
         add("prometheus textfile", lambda: prometheus.TextfileSink(cfg.prometheus_textfile_dir, origin.board(),
                                                                    origin.run_dir, name))
     if cfg.otlp_endpoint:
