@@ -1,6 +1,6 @@
 """The command line: ``llama-fp8 train``'s parser (one flag per field, help and choices from the field
 metadata, exit 2 with a suggestion for a mistyped flag), ``parse_args`` (defaults < --model preset <
---config FILE.yaml < flags, then ``rules.resolve``) and the README's flag table from the same fields."""
+--config FILE.yaml < flags, then ``rules.resolve``) and docs/flags.md's flag table from the same fields."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def config_from_flags(ns: dict[str, str]) -> TrainConfig:
 
 
 def flag_reference_markdown() -> str:
-    """The README's flag table, generated from the dataclass so that the two cannot drift."""
+    """docs/flags.md's flag table, generated from the dataclass so that the two cannot drift."""
     rows, group = [], None
     for f in fields(TrainConfig):
         if f.metadata["group"] != group:
