@@ -239,3 +239,10 @@ def test_the_hand_written_crash_table_quotes_no_measurement_of_its_own():
 def test_the_readme_says_the_image_was_built_on_a_stand_in():
     text = " ".join((REPO / "README.md").read_text().split())
     assert "under real Pyxis + Enroot, built on a stand-in for the NGC base" in text
+
+
+def test_the_published_band_is_said_to_be_in_sample():
+    """The margin was set from the four rows the band test checks: the page and the test say so."""
+    page = " ".join((REPO / "docs/estimate.md").read_text().split())
+    assert "**In-sample:** the 20 % margin was chosen from these same four rows" in page
+    assert "In-sample:" in (REPO / "tests/estimate/test_published.py").read_text()
