@@ -47,6 +47,9 @@ def layer_errors(mutate=None) -> dict[str, tuple[float, float, float]]:
     seen: dict[str, dict[str, torch.Tensor]] = {}
 
     def watch(name: str, layer: nn.Module) -> None:
+        # q/k/v (and gate/up) share one input tensor, whose gradient is their sum: each layer gets its own copy
+        layer.register_forward_pre_hook(lambda module, args: (args[0].clone(), *args[1:]))
+
         def forward(module, args, output):
             got = seen[name] = {"x": args[0].detach(), "y": output.detach()}
             args[0].register_hook(lambda g: got.__setitem__("dx", g.detach()))
