@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 import yaml
 
-from helpers import run_cli
+from helpers import REPO, run_cli
 from llama_fp8 import config
+from llama_fp8.errors import ConfigError
 
 
 def parse(*args: str) -> config.TrainConfig:
@@ -31,6 +32,26 @@ def test_model_can_come_from_config_file(tmp_path):
     f.write_text("model: llama2-7b\n")
     cfg = parse("--config", str(f))
     assert cfg.model == "llama2-7b" and cfg.hidden_width == 4096 and cfg.rope_theta == 10000.0
+
+
+@pytest.mark.parametrize("preset", config.available_presets())
+def test_a_preset_file_given_with_config_runs_as_the_preset_named_with_model(preset):
+    """`--config configs/llama2-7b.yaml` (docs/cluster.md, the batch script's header) is the same run as `--model
+    llama2-7b`: before, the file did not select its preset and the run took tiny's training settings (its warm-up and
+    micro-batch) under llama2-7b's shape."""
+    by_name = dataclasses.asdict(parse("--model", preset))
+    by_file = dataclasses.asdict(parse("--config", str(REPO / "configs" / f"{preset}.yaml")))
+    assert by_file.pop("config") == str(REPO / "configs" / f"{preset}.yaml") and by_name.pop("config") is None
+    assert by_file == by_name
+
+
+def test_a_preset_file_names_its_own_preset(tmp_path, monkeypatch):
+    from llama_fp8.config import values
+
+    (tmp_path / "a.yaml").write_text("model: b\nlr: 1.0e-3\n")
+    monkeypatch.setattr(values, "PRESET_DIR", tmp_path)
+    with pytest.raises(ConfigError, match=r"preset a: model: b does not name this preset \(a.yaml\); write model: a"):
+        values.load_preset("a")
 
 
 def test_both_flag_forms_and_bools():
@@ -167,3 +188,19 @@ def test_a_config_yaml_written_with_0_or_1_still_replays(tmp_path, recorded, nam
     f.write_text(yaml.safe_dump({"asked": {"model": "tiny", "activation_checkpointing": recorded},
                                  "resolved": {"model_impl": "hf"}}))
     assert parse("--config", str(f)).activation_checkpointing == name
+
+
+def test_the_run_dirs_default_is_said_as_the_code_makes_it(monkeypatch):
+    """docs/flags.md (the field's help) said runs/<SLURM_JOB_ID or timestamp>; the code makes runs/job_<id>."""
+    import re
+    import time
+
+    from llama_fp8.config.fields import TrainConfig
+
+    text = config.help_of(TrainConfig.__dataclass_fields__["run_dir"])
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    assert config.default_run_dir() == "runs/job_123" and "runs/job_<SLURM_JOB_ID> in a Slurm job" in text
+    monkeypatch.delenv("SLURM_JOB_ID")
+    made = config.default_run_dir()
+    assert re.fullmatch(r"runs/\d{8}-\d{6}", made) and "else runs/<YYYYmmdd-HHMMSS>" in text
+    assert abs(time.mktime(time.strptime(made, "runs/%Y%m%d-%H%M%S")) - time.time()) < 5

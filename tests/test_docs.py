@@ -91,7 +91,8 @@ def test_a_stale_table_and_a_lost_table_are_found(tmp_path):
     fp8 = tmp_path / "docs" / "fp8.md"
     fp8.write_text(fp8.read_text().replace("| `tensorwise`", "| `old`"))
     (tmp_path / "docs" / "flags.md").write_text("# flags\nthe table was deleted\n")
-    assert reference.stale(tmp_path) == ["docs/flags.md: flags (no markers)", "docs/fp8.md: recipes"]
+    assert reference.stale(tmp_path) == ["docs/flags.md: flags (no markers)", "docs/flags.md: presets (no markers)",
+                                         "docs/fp8.md: recipes"]
 
 
 def test_readme_shows_the_two_commands_first():
@@ -179,3 +180,66 @@ def test_the_architecture_page_draws_the_layer_order_the_test_enforces():
     missing = [room for layer in LAYERS for room in layer
                if not any(r.split("/")[0].removesuffix(".py") == room for r in rows)]
     assert not missing, f"docs/architecture.md's rooms table lacks {missing}"
+
+
+# --- facts the docs state once, as the code and the tests have them ------------------------------------------------
+def test_te_delayed_scalings_state_is_said_to_resume_as_fp8_md_and_the_code_have_it():
+    """reliability.md said TE's delayed-scaling history is not in checkpoints; fp8.md's "What resumes exactly" and the
+    code (models/te/fp8/state.py) restore it in place."""
+    for page in ("docs/reliability.md", "tests/reliability/decisions.md"):
+        text = (REPO / page).read_text()
+        assert "not in checkpoints" not in text and "fp8.md#what-resumes-exactly" in text, page
+    assert "| `delayed` | per module: scale and amax history" in (REPO / "docs/fp8.md").read_text()
+
+
+def test_the_fp8_all_gather_test_is_said_to_run_where_it_runs():
+    tests = (REPO / "tests/precision/test_fp8_check.py").read_text()
+    assert "def test_all_gather_bytes_of_fp8_weights_halve_with_fp8_all_gather_on_2_gloo_ranks(" in tests
+    scale = (REPO / "docs/scale.md").read_text()
+    assert "torchao on one process" not in scale and "torchao on 2 gloo ranks" in scale
+
+
+def test_each_troubleshooting_error_is_one_the_scripts_print_with_its_cause():
+    text = (REPO / "docs/cluster.md").read_text().split("## Troubleshooting")[1].split("\n## ")[0]
+    scripts = "".join(p.read_text() for p in [REPO / "1.train_llama.sbatch", REPO / "scripts/slurm/job_lib.sh"])
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `error: ([^`]*)`[^|]*\| (.*) \|$", text, re.M)}
+    assert 'lf_die "no $VENV/bin/python: set VENV=' in scripts and "is not a checkout of llama-fp8" in scripts
+    venv = next(cause for message, cause in rows.items() if message.startswith("no .../.venv/bin/python"))
+    assert "make install" in venv and "outside the repository" not in venv  # that is the REPO_DIR error's cause
+    assert any("is not a checkout of llama-fp8" in m and "outside the repository" in c for m, c in rows.items())
+
+
+def test_a_readme_section_the_docs_name_is_a_readme_heading():
+    headings = set(re.findall(r"^#+ (.+)$", (REPO / "README.md").read_text(), re.M))
+    for page in pages():
+        for name in re.findall(r"README's ([A-Z][\w-]*(?: [A-Z][\w-]*)*)", prose(page.read_text())):
+            assert any(name.lower() in h.lower() for h in headings), f"{page.name}: the README's {name}"
+
+
+def test_the_estimate_equality_is_said_for_what_was_tested():
+    """The 8B/70B tables are estimates: the equality with a real run is tested on a 2-layer, 128-token model."""
+    for page in ("docs/estimate.md", "benchmarks/README.md"):
+        text = " ".join((REPO / page).read_text().split())
+        assert "a real CPU run's to the byte" not in text, page
+        assert "2-layer, 128-token" in text, page
+
+
+def test_the_hand_written_crash_table_quotes_no_measurement_of_its_own():
+    """The restart and hang figures live in the generated fault matrix; the hand-written table above it said 11-18 s
+    and 'the collective timeout' after the launcher's hang watch had made them 6-7 s and 15 s."""
+    text = (REPO / "tests/reliability/decisions.md").read_text()
+    assert not re.search(r"\d+-\d+ s from (a|the) kill", text) and "Bound: the timeout + one restart" not in text
+    assert "max(5 x its recent step time, 15 s)" in text
+    assert (REPO / "docs/reliability.md").read_text().endswith(text)
+
+
+def test_the_readme_says_the_image_was_built_on_a_stand_in():
+    text = " ".join((REPO / "README.md").read_text().split())
+    assert "under real Pyxis + Enroot, built on a stand-in for the NGC base" in text
+
+
+def test_the_published_band_is_said_to_be_in_sample():
+    """The margin was set from the four rows the band test checks: the page and the test say so."""
+    page = " ".join((REPO / "docs/estimate.md").read_text().split())
+    assert "**In-sample:** the 20 % margin was chosen from these same four rows" in page
+    assert "In-sample:" in (REPO / "tests/estimate/test_published.py").read_text()

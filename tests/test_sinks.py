@@ -21,7 +21,7 @@ import pytest
 from helpers import REPO, cli_env, read_metrics
 from llama_fp8 import config as C
 from llama_fp8 import train as T
-from llama_fp8.telemetry import gauges, goodput, otlp, prometheus
+from llama_fp8.telemetry import gauges, goodput, otlp, outputs, prometheus
 
 pytest.importorskip("prometheus_client", reason="the prometheus extra (make installs it)")
 pytest.importorskip("mlflow", reason="the mlflow extra (make installs it)")
@@ -58,17 +58,22 @@ def run2(tmp_path_factory):
     args = ["--model", "tiny", "--device", "cpu", "--num_layers", "1", "--max_context_width", "32", "--max_steps", "4",
             "--run_dir", str(base / "run"), "--fp8", "1", "--fp8_stats", "2", "--validation_freq", "2",
             "--peak_tflops", "1", "--prometheus_textfile_dir", str(base / "textfiles"),
-            "--mlflow_tracking_uri", (base / "mlruns").as_uri(), "--mlflow_experiment", "fp8-runs",
+            "--mlflow_tracking_uri", f"sqlite:///{base}/mlflow.db", "--mlflow_experiment", "fp8-runs",
             "--mlflow_run_name", "arm-b", "--otlp_endpoint", f"http://127.0.0.1:{server.server_port}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "llama_fp8",
            "train", *args]
-    env = cli_env(SLURM_JOB_ID=JOB, MLFLOW_ALLOW_FILE_STORE="true")
+    env = cli_env(SLURM_JOB_ID=JOB)  # the documented sqlite:/// store: no MLFLOW_ALLOW_FILE_STORE
+    env.pop("MLFLOW_ALLOW_FILE_STORE", None)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     server.shutdown()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = read_metrics(base / "run")
     yield SimpleNamespace(base=base, run_dir=base / "run", records=records, bodies=server.RequestHandlerClass.bodies,
-                          mlruns=(base / "mlruns").as_uri())
+                          mlruns=f"sqlite:///{base}/mlflow.db")
+
+
+def outputs_run_id(run_dir: Path) -> str:
+    return outputs.Origin(run_dir, 0, 0, True, "bf16").run_id
 
 
 def last(records: list[dict], kind: str) -> dict:
@@ -79,6 +84,7 @@ def expected(records: list[dict], rank: int) -> dict[tuple[str, str | None], flo
     """What the textfile of ``rank`` must hold, read from metrics.jsonl by the names of docs/metrics.md."""
     train, mine = last(records, "train"), last(records, "train")["ranks"][rank]
     out = {("llama_fp8_memory_high_water_bytes", None): mine["mem_peak_gib"] * GIB,
+           **({("llama_fp8_run_info", None): 1.0} if rank == 0 else {}),
            ("llama_fp8_rank_step_seconds", None): mine["step_s"],
            ("llama_fp8_rank_data_wait_seconds", None): mine["data_wait_s"]}
     if rank:
@@ -121,36 +127,44 @@ def parse_textfile(path: Path) -> tuple[dict[tuple[str, str | None], float], lis
 
 def test_the_textfile_of_a_2_rank_run_holds_metrics_jsonl_under_prometheus_names(run2):
     final = run2.run_dir / prometheus.FINAL_DIR
-    assert sorted(p.name for p in final.iterdir()) == [f"llama_fp8_job{JOB}_run_rank0.prom",
-                                                       f"llama_fp8_job{JOB}_run_rank1.prom"]
+    run, run_id = f"{run2.base.name}/run", outputs_run_id(run2.run_dir)
+    names = [f"llama_fp8_job{JOB}_{run2.base.name}_run_{run_id}_rank{r}.prom" for r in (0, 1)]
+    assert sorted(p.name for p in final.iterdir()) == names
     assert list((run2.base / "textfiles").iterdir()) == []  # removed from the collector's folder at the end
     meta = last(run2.records, "meta")
     for rank in (0, 1):
-        values, labels, types = parse_textfile(final / f"llama_fp8_job{JOB}_run_rank{rank}.prom")
+        values, labels, types = parse_textfile(final / names[rank])
         want = expected(run2.records, rank)
         assert set(values) == set(want)
         assert values == pytest.approx(want, rel=1e-12)
         assert types["llama_fp8_restarts_total"] == "counter" if rank == 0 else "llama_fp8_restarts_total" not in types
-        job_labels = {"slurm_job_id": JOB, "node": socket.gethostname(), "run": "run", "precision": meta["precision"]}
+        job_labels = {"slurm_job_id": JOB, "node": socket.gethostname(), "run": run, "run_id": run_id,
+                      "precision": meta["precision"]}
         for sample_labels in labels:
             assert {k: sample_labels[k] for k in job_labels} == job_labels
         per_rank = [s for s in labels if "rank" in s]
         assert per_rank and all((s["rank"], s["local_rank"]) == (str(rank), str(rank)) for s in per_rank)
+    info = [s for s in parse_textfile(final / names[0])[1] if "model" in s]
+    assert info == [{**job_labels, "model": "tiny", "model_impl": meta["model_impl"], "device_name": meta["device_name"],
+                     "git_commit": meta["repro"]["git_commit"] or ""}]
     # every gauge of the table was exported by this run (the docs' table lists no gauge that never appears)
     assert {name for name, _ in expected(run2.records, 0)} == {g.name for g in gauges.GAUGES}
 
 
-def test_mlflow_file_store_holds_the_runs_params_and_metrics(run2, monkeypatch):
+def test_the_documented_sqlite_store_holds_the_runs_params_metrics_and_standard_tags(run2, monkeypatch):
+    """docs/metrics.md's route (a sqlite:/// database on the shared file system), without MLFLOW_ALLOW_FILE_STORE."""
     import mlflow
     from mlflow import MlflowClient
+    from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_USER
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     mlflow.set_tracking_uri(run2.mlruns)
     (run,) = mlflow.search_runs(experiment_names=["fp8-runs"], filter_string="attributes.run_name = 'arm-b'",
                                 output_format="list")
     meta = last(run2.records, "meta")
     assert (run.info.run_name, run.info.status) == ("arm-b", "FINISHED")
     assert (run.data.tags["precision"], run.data.tags["slurm_job_id"]) == (meta["precision"], JOB)
+    assert run.data.tags[MLFLOW_USER] and run.data.tags[MLFLOW_GIT_COMMIT] == meta["repro"]["git_commit"]
     params = run.data.params
     assert (params["fp8"], params["max_steps"], params["mlflow_run_name"]) == ("true", "4", "arm-b")
     assert (params["resolved.precision.name"], params["resolved.world_size"]) == (meta["precision"], "2")
@@ -193,7 +207,8 @@ def test_otlp_through_the_sdks_in_memory_reader_holds_the_same_values(run2):
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     reader = InMemoryMetricReader()
-    board = gauges.Board({"slurm_job_id": JOB, "node": "n1", "run": "run", "precision": "fp8"}, 0, 0, True)
+    board = gauges.Board({"slurm_job_id": JOB, "node": "n1", "run": "run", "run_id": "ab12cd34", "precision": "fp8"},
+                         0, 0, True)
     sink = otlp.OtlpSink(None, board, reader=reader)
     for rec in run2.records:
         sink.write(rec)
@@ -265,7 +280,7 @@ def test_the_textfile_is_written_by_rename_and_leaves_the_collector_folder_at_th
     real = os.rename
     monkeypatch.setattr(os, "rename", lambda a, b: (renames.append((a, b)), real(a, b))[1])
     (tmp_path / "collector").mkdir()
-    board = gauges.Board({"slurm_job_id": "7", "node": "n", "run": "r", "precision": "bf16"}, 0, 0, True)
+    board = gauges.Board({"slurm_job_id": "7", "node": "n", "run": "r", "run_id": "0", "precision": "bf16"}, 0, 0, True)
     name = prometheus.file_name("7", "runs/a b", 0)
     assert name == "llama_fp8_job7_runs_a_b_rank0.prom"
     sink = prometheus.TextfileSink(str(tmp_path / "collector"), board, tmp_path / "run", name)
@@ -305,8 +320,6 @@ def test_a_sink_failing_mid_run_leaves_training_and_the_other_records_intact(tmp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens there once closed
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     (tmp_path / "collector").mkdir()
     code = T.run(tiny(tmp_path, "--prometheus_textfile_dir", str(tmp_path / "collector"), "--tensorboard_dir",
                       str(tmp_path / "tb"), "--mlflow_tracking_uri", f"http://127.0.0.1:{port}"))
@@ -318,7 +331,9 @@ def test_a_sink_failing_mid_run_leaves_training_and_the_other_records_intact(tmp
     # (training's logging setup replaces the root handlers, so the warnings are read where it prints them)
     warnings = [line for line in capsys.readouterr().err.splitlines() if "llama_fp8.metrics" in line]
     assert len([w for w in warnings if "prometheus textfile failed" in w and "No space left" in w]) == 1, warnings
-    assert len([w for w in warnings if "mlflow failed" in w]) == 1, warnings
+    # the server is checked once at start: one warning naming it and the cause, then no MLflow sink at all
+    assert len([w for w in warnings if "mlflow" in w]) == 1, warnings
+    assert len([w for w in warnings if f"MLflow at http://127.0.0.1:{port} cannot be used" in w and "refused" in w]) == 1
     assert len(calls) == 3 and list((tmp_path / "collector").iterdir()) == []
 
 
@@ -377,7 +392,7 @@ def test_publish_makes_the_ab_a_parent_run_with_its_report_and_each_arm_a_child(
     from llama_fp8 import publish
     from llama_fp8.report import compare
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert T.run(tiny(tmp_path)) == 0
     report = tmp_path / "report"
@@ -425,3 +440,84 @@ def test_publish_without_a_tracking_uri_or_report_says_what_to_pass(tmp_path, mo
     (tmp_path / "summary.json").write_text("{}")
     assert publish.main([str(tmp_path), "--mlflow_tracking_uri", "file:///x"]) == 2
     assert "not written by llama-fp8 compare" in capsys.readouterr().err
+
+
+def test_two_runs_whose_folders_share_a_name_write_two_files_and_two_series(tmp_path):
+    """Outside Slurm, /a/x/run and /b/x/run (or an A/B's pair1/bf16 and pair2/bf16 in one job) were one textfile and
+    one series (run="run" / run="bf16"): the step flipped between them. Now the run label is the folder's parent and
+    name, and run_id a hash of its path; the file is named by both."""
+    origins = [outputs.Origin.here(tmp_path / side / "x" / "run", 0, 0, True, "bf16", env={}) for side in ("a", "b")]
+    pairs = [outputs.Origin.here(tmp_path / "ab" / f"pair{i}" / "bf16", 0, 0, True, "bf16", env={"SLURM_JOB_ID": "9"})
+             for i in (1, 2)]
+    assert [o.labels()["run"] for o in pairs] == ["pair1/bf16", "pair2/bf16"]
+    for one, two in (origins, pairs):
+        assert one.labels() != two.labels() and one.labels()["run_id"] != two.labels()["run_id"]
+    (tmp_path / "collector").mkdir()
+    for o in origins + pairs:
+        cfg = tiny(tmp_path, "--prometheus_textfile_dir", str(tmp_path / "collector"))
+        writer = outputs.open_writer(cfg, dataclasses.replace(o, is_main=False), {})
+        writer.write({"type": "train", "step": 3, "ranks": [{"step_s": 0.1, "data_wait_s": 0.0, "mem_peak_gib": 1.0}]})
+    files = sorted(p.name for p in (tmp_path / "collector").iterdir())
+    assert len(files) == 4 and any(f.startswith("llama_fp8_job9_pair2_bf16_") for f in files), files
+
+
+def test_otlp_honours_the_standard_environment_for_its_service_name(monkeypatch):
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    board = gauges.Board({"slurm_job_id": JOB, "node": "n1", "run": "r", "run_id": "1", "precision": "bf16"}, 0, 0, True)
+    names = {}
+    for env in ({}, {"OTEL_SERVICE_NAME": "team-train"}, {"OTEL_RESOURCE_ATTRIBUTES": "service.name=x,team=y"}):
+        for key in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        sink = otlp.OtlpSink(None, board, reader=InMemoryMetricReader())
+        names[tuple(env)] = dict(sink.provider._sdk_config.resource.attributes)
+        sink.close("finished")
+    assert names[()]["service.name"] == "llama-fp8"  # before: llama-fp8 over the user's own name
+    assert names[("OTEL_SERVICE_NAME",)]["service.name"] == "team-train"
+    assert (names[("OTEL_RESOURCE_ATTRIBUTES",)]["service.name"], names[("OTEL_RESOURCE_ATTRIBUTES",)]["team"]) == ("x", "y")
+
+
+def test_an_otlp_endpoint_that_is_down_is_one_warning_per_job_without_the_librarys_lines(capfd):
+    """Rank 0 says it once, with the exporter's own reason; another rank says nothing; none of the exporter's lines."""
+    import logging
+
+    logging.getLogger().handlers.clear()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    for rank in (0, 1):
+        board = gauges.Board({"slurm_job_id": JOB, "node": "n1", "run": "r", "run_id": "1", "precision": "bf16"}, rank,
+                             rank, rank == 0)
+        sink = otlp.OtlpSink(url, board)
+        sink.write({"type": "train", "step": 1, "loss": 2.0, "ranks": [{"step_s": 0.1}, {"step_s": 0.1}]})
+        sink.provider.force_flush(5_000)
+        sink.provider.force_flush(5_000)
+        sink.provider.shutdown(timeout_millis=2_000)
+    err = capfd.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len([ln for ln in lines if "metrics sink otlp" in ln]) == 1, lines
+    (ours,) = [ln for ln in lines if "metrics sink otlp" in ln]
+    assert f"export to {url}/v1/metrics failed (" in ours and "no reason given" not in ours, ours
+    assert not [ln for ln in lines if "opentelemetry" in ln or "Retrying" in ln], lines
+
+
+def test_an_mlflow_file_store_without_the_opt_out_is_one_warning_at_start_saying_what_to_use(tmp_path, monkeypatch,
+                                                                                            capsys):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    uri = (tmp_path / "mlruns").as_uri()
+    assert T.run(tiny(tmp_path, "--mlflow_tracking_uri", uri)) == 0
+    warnings = [ln for ln in capsys.readouterr().err.splitlines() if "mlflow" in ln.lower()]
+    assert len(warnings) == 1 and f"MLflow at {uri} cannot be used" in warnings[0], warnings
+    assert "sqlite:///<folder>/mlflow.db" in warnings[0] and "MLFLOW_ALLOW_FILE_STORE=true" in warnings[0]
+
+
+def test_the_dashboards_per_rank_panels_name_the_run_and_one_panel_compares_fp8_with_bf16():
+    dash = json.loads((REPO / "dashboards" / "llama-fp8.json").read_text())
+    per_rank = [t for p in dash["panels"] for t in p.get("targets", []) if "{{rank}}" in t.get("legendFormat", "")]
+    assert len(per_rank) == 3 and all("{{run}}" in t["legendFormat"] for t in per_rank)
+    (ratio,) = [p for p in dash["panels"] if p["title"].startswith("FP8 over BF16")]
+    expr = ratio["targets"][0]["expr"]
+    assert 'precision!="bf16"' in expr and 'precision="bf16"' in expr and " / " in expr

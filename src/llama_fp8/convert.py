@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -55,9 +56,21 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype) -> Path:
              planner=checkpoint.dcp_read.SafeLoadPlanner(), no_dist=True)
     hf = LlamaForCausalLM(hf_config(cfg))
     hf.load_state_dict(impl.to_hf_state(state["model"], cfg), strict=True)
-    hf.to(dtype).save_pretrained(str(out), safe_serialization=True)
+    save_hf(hf, out, dtype)
     log.info("exported %s (%s, step %s) to %s", path, impl.name, path.name, out)
     return path
+
+
+def save_hf(hf: torch.nn.Module, out: Path, dtype: torch.dtype) -> None:
+    """``save_pretrained`` in safetensors, then every file it wrote gets the permissions of any file this user creates
+    (0666 less the umask): safetensors (0.6 and later) writes through a temporary file, created owner-only (0600),
+    and the export would be unreadable to the others who share the file system (and a job running as them)."""
+    hf.to(dtype).save_pretrained(str(out), safe_serialization=True)
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in Path(out).iterdir():
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~umask)
 
 
 def main(argv: list[str]) -> int:

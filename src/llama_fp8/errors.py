@@ -18,7 +18,8 @@ the network, CUDA failing to start, a device lost, a peer's failure (``faults.tr
 launcher restarts the workers and counts the failure against the node it happened on; a rerun may well succeed."""
 EXIT_STAND_IN_DOES_NOT_FIT = 5
 """``llama_fp8 estimate``: it does not fit as estimated through a stand-in implementation, while what any
-implementation holds does (a warning: nothing is stopped on it)."""
+implementation holds does (an approximation, said so; the batch scripts' pre-job check and ``submit`` stop on it too,
+unless told to go on)."""
 
 
 class ConfigError(ValueError):

@@ -39,6 +39,10 @@ class PublishError(ValueError):
     """Bad input: main() prints it and exits 2."""
 
 
+class Unreachable(RuntimeError):
+    """The tracking store does not answer: main() prints it and exits 1."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llama-fp8 publish", allow_abbrev=False, epilog="docs: docs/metrics.md",
                                 description="An A/B report as an MLflow run, each arm's run a child of it.")
@@ -126,11 +130,50 @@ def _parent_numbers(summary: dict[str, Any]) -> tuple[dict[str, float], dict[str
             {k: v if isinstance(v, str) else json.dumps(v) for k, v in params.items() if v is not None})
 
 
+def _records(run) -> list[dict[str, Any]]:
+    return [*({**r, "type": "train"} for r in run.train), *({**r, "type": "val"} for r in run.val),
+            *({**r, "type": "goodput"} for r in run.goodput)]
+
+
+def _ended(run) -> str:
+    """How the run's last attempt ended, as an MLflow status: an attempt without its goodput record (written when it
+    closes) was killed before it could close (the process, or its node, gone)."""
+    if len(run.goodput) < max(len(run.environments), 1) or not run.goodput:
+        return "KILLED"
+    return tracking.STATUS.get(str(run.goodput[-1].get("ended")), "FAILED")
+
+
+def complete(client, run_id: str, arm: dict[str, Any]) -> str | None:
+    """A run training opened and never closed (still RUNNING: training was killed, or the server went away during
+    the run) gets what metrics.jsonl holds and it lacks (train, validation and goodput records, by step), then the
+    status its last attempt ended with (KILLED when it never closed) and an ``incomplete`` tag saying what was filled
+    in. Returns that note (None: the run was closed)."""
+    if client.get_run(run_id).info.status != "RUNNING":
+        return None
+    try:
+        run = load_run(str(arm["source"]), arm["role"])
+    except CompareError as e:
+        raise PublishError(str(e)) from None
+    logged = {kind: {m.step for m in client.get_metric_history(run_id, key)}
+              for kind, key in (("train", "train/loss"), ("val", "val/val_loss"), ("goodput", "goodput/goodput"))}
+    missing = [r for r in _records(run) if r.get("step") not in logged[r["type"]]]
+    tracking.log_records(client, run_id, missing)
+    status = _ended(run)
+    steps = sorted({r["step"] for r in missing if r["type"] == "train"})
+    note = (f"left RUNNING in MLflow (training or the server stopped before the run was closed): "
+            f"{len(steps)} of {len(run.train)} logged training steps filled in from metrics.jsonl"
+            f"{f' (steps {steps[0]}-{steps[-1]})' if steps else ''}, closed as {status}")
+    client.set_tag(run_id, "incomplete", note)
+    client.set_terminated(run_id, status=status)
+    return note
+
+
 def _child(client, uri: str, experiment: str, parent: str, parent_name: str, arm: dict[str, Any]) -> str:
-    """The arm's MLflow run: the one training opened on this tracking server, else the one an earlier publish of this
-    A/B made, else a new one from its folder or log."""
+    """The arm's MLflow run: the one training opened on this tracking server (completed from metrics.jsonl when
+    training left it open), else the one an earlier publish of this A/B made, else a new one from its folder or log."""
     recorded = tracking.read_run_file(arm["folder"]) if arm["folder"] is not None else None
     if recorded is not None and recorded["tracking_uri"] == uri:
+        arm["note"] = complete(client, recorded["run_id"], arm)
         return recorded["run_id"]
     source = str(arm["source"])
     if "'" not in source:
@@ -146,9 +189,7 @@ def _child(client, uri: str, experiment: str, parent: str, parent_name: str, arm
                                tags={"precision": run.label, "run_dir": str(arm["source"])}).info.run_id
     if arm["config"]:
         tracking.log_params(client, run_id, tracking.flat_params(arm["config"]))
-    records = [*({**r, "type": "train"} for r in run.train), *({**r, "type": "val"} for r in run.val),
-               *({**r, "type": "goodput"} for r in run.goodput)]
-    tracking.log_records(client, run_id, records)
+    tracking.log_records(client, run_id, _records(run))
     client.set_terminated(run_id, status="FINISHED")
     return run_id
 
@@ -162,6 +203,9 @@ def publish(args: argparse.Namespace) -> dict[str, Any]:
     if not uri:
         raise PublishError("no MLflow tracking URI: pass --mlflow_tracking_uri (or set MLFLOW_TRACKING_URI; arms "
                            "trained with --mlflow_tracking_uri name theirs)")
+    why = tracking.unreachable(uri)  # one request, a few seconds at most: a dead server is said at once
+    if why is not None:
+        raise Unreachable(f"MLflow at {uri} cannot be used ({why}); nothing was published")
     client = tracking.client(uri)
     from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
@@ -195,7 +239,7 @@ def publish(args: argparse.Namespace) -> dict[str, Any]:
             tags.update(ab_arm=arm["arm"], ab_arm_verdict=str(arm["arm_verdict"] or "baseline"))
         for key, value in tags.items():
             client.set_tag(child, key, value)
-        children.append({"run": arm["name"], "role": arm["role"], "run_id": child})
+        children.append({"run": arm["name"], "role": arm["role"], "run_id": child, "note": arm.get("note")})
     client.set_terminated(parent, status="FINISHED")
     return {"uri": uri, "experiment_id": experiment, "run_id": parent, "verdict": verdict, "children": children}
 
@@ -214,15 +258,21 @@ def main(argv: list[str]) -> int:
     except (PublishError, ImportError) as e:
         print(f"publish: error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:  # the tracking server refused, or is not there
+    except Unreachable as e:
+        print(f"publish: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # the tracking server refused, or went away on the way
         if not type(e).__module__.startswith(("mlflow", "requests", "urllib3")):
             raise
-        print(f"publish: error: MLflow: {type(e).__name__}: {e}", file=sys.stderr)
+        where = args.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "the arms' tracking URI"
+        print(f"publish: error: MLflow at {where}: {tracking.cause(e)}", file=sys.stderr)
         return 1
     print(f"mlflow: A/B run {done['run_id']} ({done['verdict']}) in experiment {done['experiment_id']} at "
           f"{done['uri']}")
     for child in done["children"]:
         print(f"  {child['role']} {child['run']}: run {child['run_id']}")
+        if child.get("note"):
+            print(f"  warning: {child['run']}'s run was incomplete: {child['note']}")
     return 0
 
 

@@ -1,5 +1,5 @@
-"""The tables the docs show that the code already holds (flags, FP8 recipes and the formats' where-it-runs table, GPU
-peaks, the estimate's terms, the exported gauges), generated so that the docs cannot drift: each sits between ``<!-- NAME:start -->`` and
+"""The tables the docs show that the code already holds (flags, the presets' defaults, FP8 recipes and the formats'
+where-it-runs table, GPU peaks, the estimate's terms, the exported gauges), generated so that the docs cannot drift: each sits between ``<!-- NAME:start -->`` and
 ``<!-- NAME:end -->`` markers in its page (``PAGES``) and ``scripts/update_docs.py`` rewrites them; tests/test_docs.py fails when one is stale or a
 page lost its markers."""
 
@@ -16,13 +16,14 @@ def tables() -> dict[str, Callable[[], str]]:
     from llama_fp8.precision import recipes
     from llama_fp8.telemetry import gauges, metrics
 
-    return {"flags": config.flag_reference_markdown, "recipes": recipes.recipe_table_markdown,
+    return {"flags": config.flag_reference_markdown, "presets": config.preset_table_markdown,
+            "recipes": recipes.recipe_table_markdown,
             "formats": recipes.formats_table_markdown,
             "gpu-peaks": metrics.peak_table_markdown, "estimate-terms": terms.terms_table_markdown,
             "gauges": gauges.table_markdown}
 
 
-PAGES = {"docs/flags.md": ("flags",), "docs/fp8.md": ("recipes", "formats"), "docs/report.md": ("gpu-peaks",),
+PAGES = {"docs/flags.md": ("flags", "presets"), "docs/fp8.md": ("recipes", "formats"), "docs/report.md": ("gpu-peaks",),
          "docs/estimate.md": ("estimate-terms",), "docs/metrics.md": ("gauges",)}
 """Each page and the tables it must hold (a page may hold others too: they are kept current as well)."""
 FILES = tuple(PAGES)

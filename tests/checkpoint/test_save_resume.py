@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -181,6 +182,10 @@ def test_hf_export_gives_the_trained_models_logits(tmp_path):
     assert run(b, "--max_steps", "3", "--checkpoint_freq", "3") == 0
     r = run_cli(["convert", str(b / "checkpoints"), str(tmp_path / "hf"), "--dtype", "fp32"], timeout=180)
     assert r.returncode == 0, r.stderr
+    umask = os.umask(0)
+    os.umask(umask)  # what convert inherits: its files are readable as any file the user makes (not 0600)
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "hf").iterdir()} == {
+        p.name: 0o666 & ~umask for p in (tmp_path / "hf").iterdir()}
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32)
     # The reference: the raw DCP state, read by torch's own converter, in an independently built model.
     dcp_to_torch_save(str(b / "checkpoints" / "step_3"), str(tmp_path / "raw.pt"))

@@ -41,7 +41,7 @@ local_cluster = _load_local_cluster()
 def unavailable(reason: str) -> None:
     """Skip with `reason`, or fail in CI where these tests must run."""
     if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"CI=true but the local Slurm cluster is unavailable: {reason}")
+        pytest.fail(f"CI=true but the local Slurm cluster (or what its tests need) is unavailable: {reason}")
     pytest.skip(reason)
 
 

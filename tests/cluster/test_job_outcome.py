@@ -158,15 +158,17 @@ def test_each_node_gives_torchrun_its_own_address_and_keeps_the_users_rendezvous
         assert got.get("PET_LOCAL_ADDR") == addr, (node, got.get("PET_LOCAL_ADDR"))
 
 
-def fake_slurm(tmp_path: Path, drain_ok: bool = False) -> dict[str, str]:
+def fake_slurm(tmp_path: Path, drain_ok: bool = False, excluded: str = "(null)") -> dict[str, str]:
     """scontrol and sbatch replaced by recorders (slurm.calls, one call per line); `scontrol -o show job` says the
-    job has no ExcNodeList yet; a drain is refused unless ``drain_ok`` (a user without operator rights)."""
+    job's ExcNodeList is ``excluded`` (none yet by default); a drain is refused unless ``drain_ok`` (a user without
+    operator rights)."""
     fake = tmp_path / "bin"
     fake.mkdir(exist_ok=True)
     calls = tmp_path / "slurm.calls"
     (fake / "scontrol").write_text(
         f"#!/bin/bash\necho \"scontrol $*\" >>{calls}\n"
-        "case \"$*\" in\n  '-o show job 77') echo 'JobId=77 JobState=RUNNING ExcNodeList=(null) NodeList=n[1-2]';;\n"
+        f"case \"$*\" in\n  '-o show job 77') echo 'JobId=77 JobState=RUNNING ExcNodeList={excluded} "
+        "NodeList=n[1-2]';;\n"
         f"  update\\ NodeName=*) exit {0 if drain_ok else 1};;\nesac\nexit 0\n")
     (fake / "sbatch").write_text(f"#!/bin/bash\nprintf 'sbatch' >>{calls}\nfor a in \"$@\"; do printf ' [%s]' \"$a\" "
                                  f">>{calls}; done\necho >>{calls}\necho 4242\n")
@@ -196,6 +198,17 @@ def test_a_node_charged_twice_across_runs_is_left_behind_on_requeue(tmp_path):
     assert "[--exclude=n2]" in calls and "[--partition=gpu]" in calls, calls
     assert "scontrol update JobId=77 ExcNodeList=n2 && scontrol release 77" in calls, calls
     assert "requeued without n2 (ExcNodeList=n2, set and released by job 4242)" in proc.stdout
+
+
+def test_a_requeue_keeps_the_nodes_the_user_excluded(tmp_path):
+    """A job submitted with --exclude=n7 (its ExcNodeList) that leaves n2 behind on requeue keeps n7 out too: the helper
+    job sets ExcNodeList=n7,n2, not n2 alone (Slurm replaces the list: the user's own exclusion would be dropped)."""
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "llama-fp8-nodes_77").write_text("n2 exclude\n")
+    proc = run_lib("lf_requeue", tmp_path, **fake_slurm(tmp_path, excluded="n7"))
+    calls = (tmp_path / "slurm.calls").read_text()
+    assert "scontrol update JobId=77 ExcNodeList=n7,n2 && scontrol release 77" in calls, calls
+    assert "[--exclude=n2]" in calls and "ExcNodeList=n7,n2" in proc.stdout, proc.stdout
 
 
 def test_one_failure_per_node_leaves_nothing_behind_and_a_first_run_forgets_an_old_list(tmp_path):

@@ -146,3 +146,70 @@ def test_image_path_is_absolute_for_submit(tmp_path, monkeypatch):
     assert submit.image_argument("img.sqsh") == str(tmp_path / "img.sqsh")
     assert submit.image_argument("nvcr.io#nvidia/pytorch:25.12-py3") == "nvcr.io#nvidia/pytorch:25.12-py3"
     assert Path(submit.image_argument("./img.sqsh")).is_absolute()
+
+
+# Every string field of TrainConfig that is not a path, or is one inside another path: each new string field must be
+# put here or in mounts.PATH_FLAGS, the one list of what a container must mount.
+NOT_PATHS = {"model", "model_type", "model_impl", "fp8_backend", "fp8_recipe", "fp8_exclude", "fp8_verify",
+             "fp8_amax_compute_algo", "lr_decay_style", "optimizer", "dataset_config_name", "text_field", "sharding_strategy", "cp_comm_type",
+             "activation_checkpointing", "device", "nan_policy", "wandb_project", "wandb_mode", "otlp_endpoint",
+             "mlflow_experiment", "mlflow_run_name", "profile_steps", "profile_ranks"}
+INSIDE_DATASET = {"data_files", "val_data_files"}  # globs inside --dataset: its mount holds them
+
+
+def test_every_path_flag_of_train_is_in_the_one_list_the_mounts_come_from():
+    """A flag that names a file or folder (or a store on a file system: MLflow's) is in PATH_FLAGS, written or read.
+    Before, --prometheus_textfile_dir and --mlflow_tracking_uri were not: a textfile run stopped with exit 2 in the
+    container, and an MLflow file store was lost with it."""
+    import dataclasses
+    import typing
+
+    from llama_fp8.config import TrainConfig
+
+    hints = typing.get_type_hints(TrainConfig)
+    strings = {f.name for f in dataclasses.fields(TrainConfig) if str in (typing.get_args(hints[f.name]) or
+                                                                          (hints[f.name],))}
+    listed = dict(mounts.PATH_FLAGS)
+    assert strings - NOT_PATHS - INSIDE_DATASET == set(listed), "classify the new flag: a path (PATH_FLAGS) or not"
+    written = {f for f, write in listed.items() if write}
+    assert written == {"run_dir", "checkpoint_dir", "tensorboard_dir", "prometheus_textfile_dir",
+                       "mlflow_tracking_uri"}
+
+
+def test_the_textfile_folder_and_a_local_mlflow_store_are_mounted(tmp_path):
+    (tmp_path / "textfile").mkdir()
+    (tmp_path / "mlflow").mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    args = ["--repo", str(REPO), "--workdir", str(work), "--", "--model", "tiny", "--run_dir", str(work / "r"),
+            "--prometheus_textfile_dir", str(tmp_path / "textfile")]
+    for uri, mounted in ((f"file://{tmp_path}/mlflow/mlruns", f"{tmp_path}/mlflow"),  # a folder MLflow creates
+                         (f"sqlite:///{tmp_path}/mlflow/runs.db", f"{tmp_path}/mlflow"),  # the database's folder
+                         (f"{tmp_path}/mlflow", f"{tmp_path}/mlflow")):  # a plain path: MLflow's file store
+        proc = cli([*args, "--mlflow_tracking_uri", uri])
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip().split(",") == [f"{REPO}:{REPO}", f"{work}:{work}",
+                                                  f"{tmp_path}/textfile:{tmp_path}/textfile", f"{mounted}:{mounted}"]
+    proc = cli([*args, "--mlflow_tracking_uri", "http://127.0.0.1:5000"])  # a server: nothing to mount
+    assert proc.stdout.strip().split(",")[3:] == [], proc.stdout
+    given = cli(["--repo", str(REPO), "--workdir", str(work), "--mounts", f"{REPO}:{REPO},{work}:{work}", "--",
+                 *args[5:], "--mlflow_tracking_uri", f"sqlite:///{tmp_path}/mlflow/runs.db"])
+    assert given.returncode == 1
+    assert f"--prometheus_textfile_dir {tmp_path}/textfile is outside the container mounts" in given.stderr
+    assert f"--mlflow_tracking_uri {tmp_path}/mlflow is outside the container mounts" in given.stderr
+
+
+@pytest.mark.parametrize(("uri", "path"), [
+    ("file:///fsx/mlruns", "/fsx/mlruns"), ("file:mlruns", "/w/mlruns"), ("sqlite:////fsx/db/mlflow.db", "/fsx/db"),
+    ("sqlite:///mlflow.db", "/w"), ("mlruns", "/w/mlruns"), ("/fsx/mlruns", "/fsx/mlruns"),
+    ("http://host:5000", None), ("https://h/x", None), ("databricks", None), ("postgresql://u@h/db", None),
+    ("arn:aws:sagemaker:us-east-1:1:mlflow-tracking-server/x", None), ("sqlite://", None)])
+def test_which_mlflow_tracking_uris_are_a_folder_to_mount(uri, path):
+    got = [p.path for p in mounts.run_paths({"run_dir": "/w/r", "mlflow_tracking_uri": uri}, "/w", {})][1:]
+    assert got == ([path] if path else [])
+
+
+def test_the_docs_list_of_mounted_paths_is_the_one_list():
+    text = (REPO / "docs" / "cluster.md").read_text()
+    block = text.split("<!-- mounted-paths:start -->\n")[1].split("<!-- mounted-paths:end -->")[0]
+    assert block == mounts.paths_markdown() + "\n", "run: python scripts/update_docs.py"

@@ -7,13 +7,14 @@ estimate on this machine). The real-cluster run of 1.train_llama.sbatch is tests
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 import sys
 
 import pytest
 
 from helpers import REPO, cli_env
-from llama_fp8 import errors
+from llama_fp8 import config, errors
 from llama_fp8.cluster.launch import submit
 
 TINY = "--model tiny --num_layers 2 --max_context_width 128 --train_batch_size 2"
@@ -48,7 +49,8 @@ def test_the_estimate_step_gets_the_jobs_shape_and_the_gpus_memory(tmp_path):
     (call,) = srun_calls(tmp_path)
     assert call.startswith("--nodes=1 --ntasks=1 --cpus-per-task=2 --time=30 ")  # a hung estimate ends in 30 min
     # nvidia-smi's memory.total less memory.reserved (the driver's): 81,559 - 551 MiB, what PyTorch sees on an H100
-    assert f"-m llama_fp8 estimate --nodes 2 --gpus_per_node 8 --gpu_memory_gib 79.1094 --suggest 0 {TINY}" in call
+    # with the estimate's suggestions: a run that does not fit stops with what would make it fit
+    assert f"-m llama_fp8 estimate --nodes 2 --gpus_per_node 8 --gpu_memory_gib 79.1094 {TINY}" in call
     assert "warning" not in r.stderr
     old_driver = '[[ "$*" == *memory.reserved* ]] && { echo "not a valid field" >&2; return 2; }; echo 81559'
     run_lib(tmp_path, f"lf_estimate {TINY}", srun="return 0", smi=old_driver)  # no memory.reserved field: the total
@@ -80,15 +82,25 @@ def test_the_shell_and_python_agree_on_the_estimates_exit_codes():
 
 
 @pytest.mark.parametrize(("rc", "goes_on", "words"), [
-    (errors.EXIT_DOES_NOT_FIT, False, "does not fit the GPUs' memory"),
+    (errors.EXIT_DOES_NOT_FIT, False, "does not fit the GPUs' memory (report above, ending with what would make it fit)"),
     (errors.EXIT_BAD_CONFIG, True, "could not decide (exit code 2): training goes on"),
-    (errors.EXIT_STAND_IN_DOES_NOT_FIT, True, "does not fit as estimated through a stand-in"),  # a warning
+    # through a stand-in (the TE model of the default image, estimated through the HF one): it stops the job too
+    (errors.EXIT_STAND_IN_DOES_NOT_FIT, False, "as estimated through a stand-in for the job's model implementation"),
     (1, True, "could not decide (exit code 1)"),
 ])
-def test_only_a_run_that_does_not_fit_stops_the_job(tmp_path, rc, goes_on, words):
+def test_a_run_that_does_not_fit_stops_the_job_and_nothing_else_does(tmp_path, rc, goes_on, words):
     r = run_lib(tmp_path, f"lf_estimate {TINY}", srun=f"return {rc}")
     assert ("TRAINING-WOULD-START" in r.stdout) == goes_on and (r.returncode == 0) == goes_on
     assert words in r.stderr
+    assert goes_on or "set IGNORE_ESTIMATE=1 to start it anyway" in r.stderr
+
+
+@pytest.mark.parametrize("rc", [errors.EXIT_DOES_NOT_FIT, errors.EXIT_STAND_IN_DOES_NOT_FIT])
+def test_ignore_estimate_starts_a_run_that_does_not_fit_with_a_warning(tmp_path, rc):
+    """The explicit way on: the estimate still runs and its report stays in the log; the job starts."""
+    r = run_lib(tmp_path, f"lf_estimate {TINY}", srun=f"return {rc}", IGNORE_ESTIMATE="1")
+    assert r.returncode == 0 and "TRAINING-WOULD-START" in r.stdout and len(srun_calls(tmp_path)) == 1
+    assert "does not fit the GPUs' memory" in r.stderr and "IGNORE_ESTIMATE=1: training starts anyway" in r.stderr
 
 
 @pytest.mark.parametrize(("env", "words"), [({"SKIP_ESTIMATE": "1"}, "skipped (SKIP_ESTIMATE=1)"),
@@ -108,6 +120,37 @@ def test_the_real_estimate_decides(tmp_path, smi_mib, starts):
     r = run_lib(tmp_path, f"lf_estimate {TINY}", srun=run_command, smi_mib=smi_mib)
     assert ("TRAINING-WOULD-START" in r.stdout) == starts, r.stderr[-2000:]
     assert ("fits:" in r.stdout) == starts and ("DOES NOT FIT" in r.stdout) == (not starts)
+
+
+def readme_train_args() -> dict[str, list[str]]:
+    """The train flags of the README's cluster steps 4 (the batch script) and 5 (the A/B, whose job estimates each arm
+    with --fp8=0 and --fp8=1), as a user copies them."""
+    lines = [ln.split("#")[0] for ln in (REPO / "README.md").read_text().splitlines()]
+    step4 = next(ln for ln in lines if "sbatch 1.train_llama.sbatch" in ln)
+    step5 = next(ln for ln in lines if "./2.ab_fp8_vs_bf16.sh" in ln)
+    return {"step 4": shlex.split(step4.split("1.train_llama.sbatch", 1)[1]),
+            **{f"step 5, --fp8={f}": [*shlex.split(step5.split("2.ab_fp8_vs_bf16.sh", 1)[1]), f"--fp8={f}"]
+               for f in (0, 1)}}
+
+
+def test_the_readme_names_a_preset_in_its_cluster_steps():
+    args = readme_train_args()
+    assert all("--model" in a and "--activation_checkpointing" not in a for a in args.values()), args
+    assert args["step 4"][args["step 4"].index("--model") + 1] in config.available_presets()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", ["step 4", "step 5, --fp8=0"])  # step 5's --fp8=1 arm is step 4's flags
+def test_the_readmes_cluster_commands_fit_an_8_x_h100_node_by_the_pre_job_estimate(tmp_path, step):
+    """The README's own commands, through the batch script's estimate step as the job runs it (srun runs its command
+    here: the real estimate), for one node of 8 H100s as nvidia-smi reports them: the preset's defaults fit, and the job
+    goes on to training. Before, the 8B preset checkpointed nothing and needed over 110 GiB per GPU, and the job
+    only warned (a stand-in's "does not fit"): it would have run out of memory."""
+    run_command = 'while [[ "$1" == --* ]]; do shift; done; "$@"'
+    r = run_lib(tmp_path, "SLURM_JOB_NUM_NODES=1; lf_estimate " + shlex.join(readme_train_args()[step]),
+                srun=run_command)
+    assert "fits:" in r.stdout and "DOES NOT FIT" not in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    assert r.returncode == 0 and "TRAINING-WOULD-START" in r.stdout and "warning" not in r.stderr, r.stderr[-2000:]
 
 
 def test_the_batch_script_estimates_after_preflight_and_before_training():
@@ -146,15 +189,16 @@ def test_submit_does_not_submit_a_run_that_does_not_fit(monkeypatch, capsys):
     monkeypatch.setattr(submit, "submit", lambda *a: submitted.append(a) or 0)
     argv = ["--nodes", "4", "--gpus_per_node", "8", "--estimate_gpu", "H200", "--", "--model", "tiny"]
     assert submit.main(argv) == 4 and submitted == []
-    assert asked == [["--model", "tiny", "--nodes", "4", "--gpus_per_node", "8", "--gpu", "H200", "--suggest", "0"]]
+    assert asked == [["--model", "tiny", "--nodes", "4", "--gpus_per_node", "8", "--gpu", "H200"]]  # with suggestions
     assert "not submitted" in capsys.readouterr().err
     monkeypatch.setattr(cli, "main", lambda argv: 0)
     assert submit.main(argv) == 0 and len(submitted) == 1
     monkeypatch.setattr(cli, "main", lambda argv: 2)  # cannot estimate: submitted, with a warning
     assert submit.main(argv) == 0 and len(submitted) == 2 and "could not decide" in capsys.readouterr().err
-    monkeypatch.setattr(cli, "main", lambda argv: 5)  # does not fit through a stand-in: submitted, with a warning
-    assert submit.main(argv) == 0 and len(submitted) == 3
-    assert "does not fit as estimated through a stand-in" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "main", lambda argv: 5)  # does not fit through a stand-in: not submitted either
+    assert submit.main(argv) == 4 and len(submitted) == 2
+    err = capsys.readouterr().err
+    assert "does not fit as estimated through a stand-in" in err and "not submitted" in err
 
 
 def test_submit_submits_with_a_warning_when_the_estimate_fails_unexpectedly(monkeypatch, capsys):

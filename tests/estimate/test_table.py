@@ -65,3 +65,22 @@ def test_rows_render_as_the_page_shows_them():
     assert "Estimated for the Hugging Face model (`--model_impl hf`), with torch 9.9:" in out
     assert "| p | 8.03 B | 8192 x 2 | 2 node(s), 16 GPUs | selective | 61.2 (60.0) + 3.0 | backward, in the loss |" in out
     assert "| q | | | does not fit on 64 nodes" in out and "fingerprint abc" in out
+
+
+def test_every_presets_defaults_fit_the_nodes_the_fit_table_names():
+    """A preset's defaults fit the hardware its docs name: where the fit table (the smallest number of 8 x H100 nodes)
+    needs activation checkpointing, the preset checkpoints by default, in a mode every implementation has (the TE
+    model, ``auto``'s choice on a GPU node, only has full), so that `--model NAME` alone fits there. Before, the 8B
+    preset checkpointed nothing: the README's own command needed over 110 GiB per GPU."""
+    from llama_fp8 import models
+
+    text = (REPO / "docs" / "estimate.md").read_text()
+    block = text.split(table.MARKERS[0])[1].split(table.MARKERS[1])[0]
+    needed = {cells[1].strip(): cells[5].strip() for cells in (ln.split("|") for ln in block.splitlines()
+                                                               if ln.startswith("| ") and not ln.startswith("| preset"))}
+    everywhere = set.intersection(*({"none", *impl.activation_checkpointing_modes} for impl in models.implementations()))
+    assert everywhere == {"none", "full"}
+    for preset, ac in needed.items():
+        default = config.parse_args(["--model", preset]).activation_checkpointing
+        assert default in everywhere, (preset, default)
+        assert default == ("none" if ac == "none" else "full"), (preset, ac, default)

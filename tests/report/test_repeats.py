@@ -160,7 +160,13 @@ def test_one_pair_says_noise_not_measured(tmp_path):
 def test_an_odd_number_of_runs_is_refused(tmp_path, capsys):
     paths, _ = make_pairs(tmp_path, [1, 2], fp8_shift=0.0)
     assert C.main([*paths[:3], "--out", str(tmp_path / "o")]) == 2
-    assert "RUN_B is missing" in capsys.readouterr().err and not (tmp_path / "o").exists()
+    err = capsys.readouterr().err
+    assert "RUN_B is missing" in err and not (tmp_path / "o").exists()
+    # three runs may be one repeat of three arms (a baseline and two candidates): it says how to ask for that
+    assert "give --arms 3" in err, err
+    paths9 = (paths * 3)[:9]
+    assert C.main([*paths9, "--out", str(tmp_path / "o")]) == 2
+    assert "give --arms 3 or --arms 9" in capsys.readouterr().err
 
 
 def test_goodput_section_shows_time_lost_to_restarts_and_the_checkpoint_interval(tmp_path):

@@ -9,7 +9,7 @@ default run dir). This package re-exports their public names, so ``llama_fp8.con
 """
 
 from llama_fp8.config.fields import MODEL_FIELDS, ROPE_THETA_BY_TYPE, TrainConfig
-from llama_fp8.config.flags import build_parser, flag_reference_markdown, parse_args
+from llama_fp8.config.flags import build_parser, flag_reference_markdown, parse_args, preset_table_markdown
 from llama_fp8.config.rules import asked, default_run_dir, resolve
 from llama_fp8.config.values import (
     PRESET_DIR,
@@ -25,4 +25,4 @@ from llama_fp8.errors import EXIT_BAD_CONFIG, EXIT_NONFINITE, EXIT_REQUEUE, Conf
 __all__ = ["EXIT_BAD_CONFIG", "EXIT_NONFINITE", "EXIT_REQUEUE", "MODEL_FIELDS", "PRESET_DIR", "ROPE_THETA_BY_TYPE",
            "ConfigError", "TrainConfig", "asked", "available_presets", "build_parser", "choices_of", "coerce",
            "default_run_dir", "flag_reference_markdown", "help_of", "load_preset", "load_yaml", "parse_args",
-           "resolve"]
+           "preset_table_markdown", "resolve"]

@@ -208,8 +208,8 @@ class TrainConfig:
     mlflow_experiment: str = _f("llama-fp8", "MLflow experiment of the run (with --mlflow_tracking_uri)",
                                 group="logging")
     mlflow_run_name: str | None = _f(None, "MLflow run name (default: the run dir's name)", group="logging")
-    run_dir: str | None = _f(None, "where config.yaml and metrics.jsonl go (default: runs/<SLURM_JOB_ID or "
-                             "timestamp>)", group="logging")
+    run_dir: str | None = _f(None, "where config.yaml and metrics.jsonl go (default: runs/job_<SLURM_JOB_ID> in a Slurm "
+                             "job, else runs/<YYYYmmdd-HHMMSS>, the start time)", group="logging")
     # --- profiling -------------------------------------------------------------------------------------
     profile_steps: str | None = _f(None, "A:B: a torch.profiler trace of steps A..B (CPU + CUDA activities, "
                                    "Chrome/Perfetto JSON) in <run_dir>/profile/", group="profiling")

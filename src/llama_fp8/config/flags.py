@@ -1,6 +1,6 @@
 """The command line: ``llama-fp8 train``'s parser (one flag per field, help and choices from the field
 metadata, exit 2 with a suggestion for a mistyped flag), ``parse_args`` (defaults < --model preset <
---config FILE.yaml < flags, then ``rules.resolve``) and the README's flag table from the same fields."""
+--config FILE.yaml < flags, then ``rules.resolve``) and docs/flags.md's flag table from the same fields."""
 
 from __future__ import annotations
 
@@ -12,7 +12,16 @@ from dataclasses import fields
 
 from llama_fp8.config.fields import MODEL_FIELDS, TrainConfig
 from llama_fp8.config.rules import resolve
-from llama_fp8.config.values import _base_type, _suggest, choices_of, coerce, help_of, load_preset, load_yaml
+from llama_fp8.config.values import (
+    _base_type,
+    _suggest,
+    available_presets,
+    choices_of,
+    coerce,
+    help_of,
+    load_preset,
+    load_yaml,
+)
 from llama_fp8.errors import EXIT_BAD_CONFIG
 
 
@@ -68,7 +77,7 @@ def config_from_flags(ns: dict[str, str]) -> TrainConfig:
 
 
 def flag_reference_markdown() -> str:
-    """The README's flag table, generated from the dataclass so that the two cannot drift."""
+    """docs/flags.md's flag table, generated from the dataclass so that the two cannot drift."""
     rows, group = [], None
     for f in fields(TrainConfig):
         if f.metadata["group"] != group:
@@ -79,3 +88,15 @@ def flag_reference_markdown() -> str:
         text = help_of(f).replace("|", "/")
         rows.append(f"| `--{f.name}` | {shown} | {text} |")
     return "\n".join(["| flag | default | what it does |", "|---|---|---|", *rows])
+
+
+def preset_table_markdown() -> str:
+    """docs/flags.md's table of what each preset runs by default (its resolved configuration: the preset file over the
+    train defaults), so that the docs say what the defaults are from the files that set them."""
+    rows = ["| preset | layers x width (heads / KV heads) | sequence x micro-batch per GPU | activation checkpointing | "
+            "peak / final LR |", "|---|---|---|---|---|"]
+    for name in available_presets():
+        c = parse_args(["--model", name])
+        rows.append(f"| `{name}` | {c.num_layers} x {c.hidden_width} ({c.num_heads} / {c.num_key_value_heads}) | "
+                    f"{c.max_context_width} x {c.train_batch_size} | {c.activation_checkpointing} | {c.lr:g} / {c.min_lr:g} |")
+    return "\n".join(rows)

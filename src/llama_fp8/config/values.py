@@ -139,4 +139,9 @@ def load_preset(name: str) -> dict[str, Any]:
     presets = available_presets()
     if name not in presets:
         raise ConfigError(f"--model {name!r} is not a preset{_suggest(name, presets)}; valid: {', '.join(presets)}")
-    return load_yaml(str(PRESET_DIR / f"{name}.yaml"), source_kind=f"preset {name}")
+    values = load_yaml(str(PRESET_DIR / f"{name}.yaml"), source_kind=f"preset {name}")
+    # A preset file names itself, so that `--config configs/NAME.yaml` selects its preset as `--model NAME` does.
+    if values.get("model") != name:
+        raise ConfigError(f"preset {name}: model: {values.get('model')} does not name this preset ({name}.yaml); "
+                          f"write model: {name}")
+    return values

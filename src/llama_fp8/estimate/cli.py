@@ -2,7 +2,8 @@
 
 Exit codes (errors.py): 0 the run fits (or is tight: it fits without the allocator margin), 4 it does not fit, 5 it
 does not fit as estimated through a stand-in (the job's implementation cannot run here) while what any
-implementation holds does (a warning, not a verdict the batch script stops a job on), 2 a flag the training run
+implementation holds does (an approximation, stated; the batch scripts and ``submit`` stop on it as on 4 unless told
+to go on), 2 a flag the training run
 itself would refuse or that cannot be estimated (the message names it). The report (or JSON) goes to stdout,
 progress to stderr.
 """

@@ -312,13 +312,19 @@ def recipe_table_markdown() -> str:
     return "\n".join(rows)
 
 
+SUPPORTED = "supported by the library (not run here)"
+"""A GPU column's word where the library has the kernels: nothing of this repository has run on a GPU yet (the GPU
+visits' records, docs/gpu-results.md, are where a run would be stated)."""
+
+
 def where_it_runs(r: Recipe, capability: Capability | None) -> str:
-    """'runs', 'emulated' or 'refused' for a GPU of ``capability`` (None: a CPU); CUDA version aside."""
+    """SUPPORTED, 'emulated' (run here, on CPU) or 'refused' for a GPU of ``capability`` (None: a CPU); CUDA version
+    aside."""
     if capability is None or capability < r.min_capability:
         return "emulated" if r.emulated_on_cpu else "refused"
     if r.max_capability is not None and capability >= r.max_capability:
         return "refused"
-    return "runs"
+    return SUPPORTED
 
 
 GPU_COLUMNS = (("CPU", None), ("Ada/Hopper (8.9/9.0)", (9, 0)), ("Blackwell (10.0)", (10, 0)))

@@ -176,8 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _pairs(args: argparse.Namespace) -> list[tuple[Run, Run]]:
     if len(args.runs) % 2:
-        raise CompareError(f"runs come in pairs (RUN_A RUN_B per pair, baseline first), got {len(args.runs)} "
-                           f"path(s): the last RUN_B is missing")
+        n = len(args.runs)
+        arms = " or ".join(f"--arms {k}" for k in range(3, n + 1) if n % k == 0)  # runs per repeat that divide n
+        raise CompareError(f"runs come in pairs (RUN_A RUN_B per pair, baseline first), got {n} path(s): the last "
+                           f"RUN_B is missing; for more than two arms per repeat (a baseline, then its candidates), "
+                           f"give {arms}")
     out = []
     for i in range(0, len(args.runs), 2):
         tag = "" if i == 0 else f" (pair {i // 2 + 1})"

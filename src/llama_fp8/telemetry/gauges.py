@@ -5,7 +5,8 @@ metrics.jsonl holds, so that every exported value is a value of metrics.jsonl (i
 Names follow Prometheus' conventions: the ``llama_fp8_`` prefix, the base unit in the name (``_seconds``, ``_bytes``,
 ``_ratio`` for shares from 0 to 1), ``_total`` for counters. Every sample carries the labels of ``Board``: the Slurm
 job (``slurm_job_id``, as NCCL's inspector labels its textfiles; DCGM's exporter calls it ``hpc_job``), the ``node``,
-the ``run`` (the run folder's name) and the ``precision``; per-rank gauges add ``rank`` and ``local_rank``.
+the ``run`` (the run folder's parent and name: ``pair2/bf16``, ``runs/job_77``), the ``run_id`` (a short hash of the run
+folder's full path: two runs whose folders share names never share a series) and the ``precision``; per-rank gauges add ``rank`` and ``local_rank``.
 Job-wide gauges come from rank 0 only; each rank exports its own per-rank gauges.
 """
 
@@ -28,9 +29,16 @@ class Gauge:
     counter: bool = False
     per_rank: bool = False  # every rank exports its own sample (labels rank, local_rank); else rank 0 only
     label: str | None = None  # one more label that tells this gauge's samples apart (peak, tensor)
+    info: tuple[str, ...] = ()  # an _info gauge: value 1, these labels (from the meta record) beside the job's
+
+
+INFO_LABELS = ("model", "model_impl", "device_name", "git_commit")
 
 
 GAUGES = (
+    Gauge("llama_fp8_run_info", "1, with the run's model, implementation, device and code commit as labels (the "
+          "_info convention: join it on the job labels)", "meta: model, model_impl, device_name, repro.git_commit",
+          info=INFO_LABELS),
     Gauge("llama_fp8_step", "last logged optimizer step", "train: step"),
     Gauge("llama_fp8_train_loss", "mean training loss over the logging window, averaged over ranks", "train: loss"),
     Gauge("llama_fp8_validation_loss", "validation loss", "val: val_loss"),
@@ -64,7 +72,7 @@ GAUGES = (
           "train: ranks[r].data_wait_s", per_rank=True),
 )
 BY_NAME = {g.name: g for g in GAUGES}
-JOB_LABELS = ("slurm_job_id", "node", "run", "precision")
+JOB_LABELS = ("slurm_job_id", "node", "run", "run_id", "precision")
 RANK_LABELS = ("rank", "local_rank")
 
 
@@ -103,6 +111,13 @@ def _fp8_stats(rec: dict, rank: int) -> Iterator[tuple[str, str | None, Any]]:
             yield "llama_fp8_fp8_snr_decibels", key.removesuffix("_snr_db_min"), value
 
 
+def info_labels(rec: dict) -> dict[str, str]:
+    """The run's _info labels from a meta record (empty text where it has none)."""
+    repro = rec.get("repro") if isinstance(rec.get("repro"), dict) else {}
+    found = {**rec, "git_commit": repro.get("git_commit")}
+    return {k: "" if found.get(k) is None else str(found[k]) for k in INFO_LABELS}
+
+
 READERS: dict[str, Callable[[dict, int], Iterator[tuple[str, str | None, Any]]]] = {
     "train": _train,
     "val": lambda rec, rank: iter([("llama_fp8_validation_loss", None, rec.get("val_loss"))]),
@@ -120,11 +135,14 @@ class Board:
         self.labels, self.rank, self.is_main = dict(labels), rank, is_main
         self.rank_labels = {**self.labels, "rank": str(rank), "local_rank": str(local_rank)}
         self.values: dict[tuple[str, str | None], float] = {}
+        self.info: dict[str, str] | None = None  # llama_fp8_run_info's labels, from rank 0's meta record
 
     def update(self, rec: dict) -> bool:
         """Take a record's values; True when one changed (a value that is absent or not a number is skipped)."""
         read = READERS.get(rec.get("type"))
         changed = False
+        if rec.get("type") == "meta" and self.is_main and info_labels(rec) != self.info:
+            self.info, changed = info_labels(rec), True
         for name, extra, value in read(rec, self.rank) if read else ():
             value = _num(value)
             if value is None or not (self.is_main or BY_NAME[name].per_rank):
@@ -138,6 +156,10 @@ class Board:
     def samples(self) -> Iterator[tuple[Gauge, list[tuple[dict[str, str], float]]]]:
         """(gauge, [(labels, value), ...]) for every gauge with a value, in table order."""
         for gauge in GAUGES:
+            if gauge.info:
+                if self.info is not None:
+                    yield gauge, [({**self.labels, **self.info}, 1.0)]
+                continue
             found = [(extra, v) for (name, extra), v in self.values.items() if name == gauge.name]
             if not found:
                 continue
@@ -150,6 +172,7 @@ def table_markdown() -> str:
     """docs/metrics.md's table of the exported gauges."""
     rows = ["| metric | type | labels | what | from metrics.jsonl |", "|---|---|---|---|---|"]
     for g in GAUGES:
-        labels = ", ".join((*JOB_LABELS, *(RANK_LABELS if g.per_rank else ()), *((g.label,) if g.label else ())))
+        labels = ", ".join((*JOB_LABELS, *(RANK_LABELS if g.per_rank else ()), *((g.label,) if g.label else ()),
+                            *g.info))
         rows.append(f"| `{g.name}` | {'counter' if g.counter else 'gauge'} | {labels} | {g.help} | {g.source} |")
     return "\n".join(rows)

@@ -6,8 +6,9 @@ The SDK's periodic reader exports every ``OTEL_METRIC_EXPORT_INTERVAL`` millisec
 60000) on its own thread, and once more at the end. Each gauge is an observable instrument whose callback reads the
 latest values; the labels are data-point attributes, so that the collector's Prometheus exporters keep them as
 labels. Instrument names are the Prometheus names with no unit set (the unit is in the name), so that a collector
-that adds unit suffixes adds nothing. An export that fails (the collector gone) is reported once; the SDK keeps
-trying at each interval.
+that adds unit suffixes adds nothing. An export that fails (the collector gone) is reported once per job, by rank 0,
+with the exporter's own message as the cause (its log lines are kept out); the SDK keeps trying at each interval. The
+resource honours the standard environment (``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``).
 """
 
 from __future__ import annotations
@@ -33,10 +34,28 @@ def endpoint_url(value: str) -> str:
     return value.rstrip("/") + METRICS_PATH if parts.path in ("", "/") else value
 
 
-def _exporter(url: str):
-    """The SDK's OTLP/HTTP exporter, wrapped so that its first failure is reported in our words, once."""
+class _LastMessage(logging.Handler):
+    """Keeps the OTLP exporter's own log lines out of the run's output, and the last one as the failure's cause."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.last = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.last = record.getMessage().splitlines()[0][:300] if record.getMessage() else ""
+
+
+def _exporter(url: str, report: bool):
+    """The SDK's OTLP/HTTP exporter, wrapped so that a failure is reported in our words, once per job (``report``: this
+    rank reports; the others stay quiet), with the exporter's own message as the cause and its lines kept out."""
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
     from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+
+    quiet = logging.getLogger("opentelemetry.exporter")
+    caught = next((h for h in quiet.handlers if isinstance(h, _LastMessage)), None) or _LastMessage()
+    if caught not in quiet.handlers:
+        quiet.addHandler(caught)
+    quiet.propagate = False  # the exporter's retries and failures: caught above, never printed
 
     class Reporting(MetricExporter):
         def __init__(self, inner):
@@ -48,10 +67,10 @@ def _exporter(url: str):
             result = self.inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
             if result is MetricExportResult.FAILURE and not self.failed:
                 self.failed = True
-                log.warning("metrics sink otlp: export to %s failed (details above); training goes on and the export "
-                            "is retried at each interval without further messages", url)
-                # The SDK's exporter logs every failed export: after ours, only its critical messages.
-                logging.getLogger("opentelemetry.exporter.otlp").setLevel(logging.CRITICAL)
+                if report:
+                    log.warning("metrics sink otlp: export to %s failed (%s); training goes on and every rank's export "
+                                "is retried at each interval without further messages", url,
+                                caught.last or "no reason given")
             return result
 
         def force_flush(self, timeout_millis: float = 10_000) -> bool:
@@ -63,6 +82,15 @@ def _exporter(url: str):
     return Reporting(OTLPMetricExporter(endpoint=url))
 
 
+def resource():
+    """The SDK resource: the standard OpenTelemetry environment (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES) as the
+    user set it; ``service.name`` llama-fp8 only where neither names a service."""
+    from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+
+    named = OTELResourceDetector().detect().attributes.get("service.name")
+    return Resource.create({} if named else {"service.name": "llama-fp8"})
+
+
 class OtlpSink(Sink):
     """``reader``: the SDK metric reader to use (a test's ``InMemoryMetricReader``); default: the periodic OTLP one."""
 
@@ -72,13 +100,12 @@ class OtlpSink(Sink):
         try:
             from opentelemetry.sdk.metrics import MeterProvider
             from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-            from opentelemetry.sdk.resources import Resource
         except ImportError as e:
             raise ImportError("--otlp_endpoint needs opentelemetry-sdk: pip install 'llama-fp8[otlp]'") from e
         self.board, self._lock = board, threading.Lock()
         if reader is None:
-            reader = PeriodicExportingMetricReader(_exporter(endpoint_url(endpoint or "")))
-        self.provider = MeterProvider(metric_readers=[reader], resource=Resource.create({"service.name": "llama-fp8"}))
+            reader = PeriodicExportingMetricReader(_exporter(endpoint_url(endpoint or ""), report=board.is_main))
+        self.provider = MeterProvider(metric_readers=[reader], resource=resource())
         meter = self.provider.get_meter("llama_fp8")
         for gauge in GAUGES:
             make = meter.create_observable_counter if gauge.counter else meter.create_observable_gauge

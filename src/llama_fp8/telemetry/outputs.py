@@ -9,6 +9,7 @@ cannot start is reported and the run goes on without it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -44,8 +45,18 @@ class Origin:
                    env.get("SLURMD_NODENAME") or socket.gethostname())
 
     def labels(self) -> dict[str, str]:
-        return {"slurm_job_id": self.slurm_job_id, "node": self.node, "run": self.run_dir.name,
+        return {"slurm_job_id": self.slurm_job_id, "node": self.node, "run": self.run_name, "run_id": self.run_id,
                 "precision": self.precision}
+
+    @property
+    def run_name(self) -> str:
+        """The run folder's parent and name (``pair2/bf16``: an A/B's pairs in one job tell apart)."""
+        return f"{self.run_dir.parent.name}/{self.run_dir.name}" if self.run_dir.parent.name else self.run_dir.name
+
+    @property
+    def run_id(self) -> str:
+        """8 hex digits of the run folder's full path: unique where folder names repeat (two runs outside Slurm)."""
+        return hashlib.sha256(str(self.run_dir.resolve()).encode()).hexdigest()[:8]
 
     def board(self) -> Board:
         return Board(self.labels(), self.rank, self.local_rank, self.is_main)
@@ -68,12 +79,14 @@ def open_writer(cfg, origin: Origin, params: dict[str, Any]) -> sinks.MetricsWri
             add("tensorboard", lambda: sinks.TensorBoardSink(cfg.tensorboard_dir))
         if cfg.wandb_project:
             add("wandb", lambda: sinks.WandbSink(cfg, origin.run_dir))
-        if cfg.mlflow_tracking_uri:
-            out.append(sinks.Background("mlflow", lambda: _mlflow(cfg, origin, params)))
+        if cfg.mlflow_tracking_uri and _mlflow_answers(cfg.mlflow_tracking_uri):
+            # closing waits a few seconds at most: what a gone server missed, `publish` fills in from metrics.jsonl
+            out.append(sinks.Background("mlflow", lambda: _mlflow(cfg, origin, params), close_timeout_s=5.0,
+                                        where=f"MLflow at {cfg.mlflow_tracking_uri}"))
     if cfg.prometheus_textfile_dir:
         from llama_fp8.telemetry import prometheus
 
-        name = prometheus.file_name(origin.slurm_job_id, origin.run_dir.name, origin.rank)
+        name = prometheus.file_name(origin.slurm_job_id, f"{origin.run_name}_{origin.run_id}", origin.rank)
         add("prometheus textfile", lambda: prometheus.TextfileSink(cfg.prometheus_textfile_dir, origin.board(),
                                                                    origin.run_dir, name))
     if cfg.otlp_endpoint:
@@ -81,6 +94,27 @@ def open_writer(cfg, origin: Origin, params: dict[str, Any]) -> sinks.MetricsWri
 
         add("otlp", lambda: otlp.OtlpSink(cfg.otlp_endpoint, origin.board()))
     return sinks.MetricsWriter(origin.run_dir, origin.is_main, out)
+
+
+DATABASES = ("sqlite:", "postgresql", "mysql", "mssql")
+
+
+def _mlflow_answers(uri: str) -> bool:
+    """One bounded check at start (a server, a file store): when the store does not answer, one warning naming it and
+    the cause, and the run goes on without MLflow (nothing waits for it later). A database is opened on the sink's
+    own thread instead (its first use creates its tables: seconds), and a failure there is reported the same way."""
+    from llama_fp8.telemetry import mlflow_tracking
+
+    if uri.startswith(DATABASES):
+        return True
+    try:
+        why = mlflow_tracking.unreachable(uri)
+    except ImportError as e:
+        why = str(e)
+    if why is not None:
+        log.warning("metrics sink mlflow: MLflow at %s cannot be used (%s); the run goes on without MLflow "
+                    "(`llama-fp8 publish` can add it later from metrics.jsonl)", uri, why)
+    return why is None
 
 
 def _mlflow(cfg, origin: Origin, params: dict[str, Any]) -> sinks.Sink:

@@ -2,7 +2,8 @@
 which every node of a SageMaker HyperPod or ParallelCluster observability stack can run beside the DCGM and EFA
 exporters (docs/metrics.md).
 
-Each rank writes its own file, ``llama_fp8_job<SLURM_JOB_ID>_<run>_rank<R>.prom`` (rank 0 with the job-wide gauges,
+Each rank writes its own file, ``llama_fp8_job<SLURM_JOB_ID>_<run>_<run_id>_rank<R>.prom`` (the run folder's parent and
+name, and a hash of its path: two runs never share a file; rank 0 with the job-wide gauges,
 every rank with its per-rank ones), at every record that changes a value, through prometheus_client's
 ``write_to_textfile``: a temporary file in the same folder (not ``*.prom``, so the collector never reads half a file),
 then a rename, as the collector requires. At the end the file leaves the collector's folder, so that a finished run

@@ -129,8 +129,9 @@ class Background(Sink):
     too (``make``: connecting may take as long as a server takes to answer). An error of the sink comes back at the
     next ``write`` or at ``close``, which waits at most ``close_timeout_s`` for the records still queued."""
 
-    def __init__(self, name: str, make: Callable[[], Sink], close_timeout_s: float = 60.0, max_queued: int = 10_000):
-        self.name, self._timeout = name, close_timeout_s
+    def __init__(self, name: str, make: Callable[[], Sink], close_timeout_s: float = 60.0, max_queued: int = 10_000,
+                 where: str = ""):
+        self.name, self._timeout, self._where = name, close_timeout_s, where
         self._queue: queue.Queue = queue.Queue(maxsize=max_queued)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._work, args=(make,), name=f"llama-fp8 {name}", daemon=True)
@@ -168,7 +169,8 @@ class Background(Sink):
             self._thread.join(self._timeout)
         self._raise()
         if self._thread.is_alive():
-            raise TimeoutError(f"not done after {self._timeout:.0f} s ({self._queue.qsize()} records not sent)")
+            raise TimeoutError(f"{self._where + ': ' if self._where else ''}not done after {self._timeout:.0f} s "
+                               f"({self._queue.qsize()} records not sent)")
 
 
 class MetricsWriter:

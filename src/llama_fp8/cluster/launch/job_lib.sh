@@ -4,7 +4,7 @@
 # is expanded as ${a[@]+"${a[@]}"} (bash < 4.4 calls "${a[@]}" of an empty array an unbound variable).
 #
 # Reads (all optional; docs/cluster.md: Environment variables): IMAGE, CONTAINER_MOUNTS, LLAMA_FP8_CONTAINER, KEEP_CONTAINER,
-# HOST_PYTHON, VENV, REPO_DIR, DEVICE, NPROC_PER_NODE, RDZV_PORT, SKIP_PREFLIGHT, PREFLIGHT_REPORT, NCCL_NET, SIGNAL_LEAD_S,
+# HOST_PYTHON, VENV, REPO_DIR, DEVICE, NPROC_PER_NODE, RDZV_PORT, SKIP_PREFLIGHT, PREFLIGHT_REPORT, SKIP_ESTIMATE, IGNORE_ESTIMATE, NCCL_NET, SIGNAL_LEAD_S,
 # MAX_RESTARTS, MAX_REQUEUES, BAD_NODE_ACTION.
 # Sets: DEVICE DEVICE_ARGS NPROC_PER_NODE CPUS PY WHERE CONTAINER_ARGS RDZV_ADDR RDZV_PORT LF_NODE_ADDRS LF_OUTCOME_DIR.
 
@@ -234,12 +234,13 @@ lf_lustre_on_hosts() {
 
 # ---- estimate: will the run fit the GPUs' memory? `llama_fp8 estimate` (a fake process group and fake tensors: no
 # GPU needed) as one task on the first node, for this job's nodes x processes and the GPUs' memory as nvidia-smi
-# reports it (an H100's, with a warning, when it reports none). Exit 4 (it does not fit) stops the job before the
-# training step starts on every node; anything else lets the job go on with a warning (2: flags it cannot estimate,
-# which training reports itself; 5: it does not fit as estimated through a stand-in for an implementation that cannot
-# run there, e.g. the TE model, while what any implementation holds does; a crash, or 30 minutes without an answer:
-# srun's step time limit). Reads SKIP_ESTIMATE (1: skipped); skipped on CPU. From a login node:
-# python -m llama_fp8 estimate --nodes N TRAIN_ARGS (with suggestions).
+# reports it (an H100's, with a warning, when it reports none). "Does not fit" stops the job before the training step
+# starts on every node, with the estimate's report and its suggestions (each estimated) in the job log: exit 4, and
+# exit 5 (it does not fit as estimated through a stand-in for an implementation that cannot run there, e.g. the TE
+# model: an approximation, said so). IGNORE_ESTIMATE=1 lets such a job go on anyway, with a warning. Anything else lets
+# the job go on with a warning (2: flags it cannot estimate, which training reports itself; a crash, or 30 minutes
+# without an answer: srun's step time limit). SKIP_ESTIMATE=1 skips it; skipped on CPU. From a login node:
+# python -m llama_fp8 estimate --nodes N TRAIN_ARGS.
 lf_estimate() {  # lf_estimate TRAIN_ARGS...
     local does_not_fit=4 stand_in=5  # llama_fp8.errors.EXIT_DOES_NOT_FIT, EXIT_STAND_IN_DOES_NOT_FIT
     if [[ "${SKIP_ESTIMATE:-0}" == 1 ]]; then
@@ -272,15 +273,21 @@ lf_estimate() {  # lf_estimate TRAIN_ARGS...
     if [[ "$row" =~ ^[A-Z0-9-]+$ ]]; then mem_args+=(--gpu "$row"); fi
     srun --nodes=1 --ntasks=1 --cpus-per-task="$CPUS" --time=30 ${CONTAINER_ARGS[@]+"${CONTAINER_ARGS[@]}"} \
         "${PY[@]}" -m llama_fp8 estimate --nodes "$SLURM_JOB_NUM_NODES" --gpus_per_node "$NPROC_PER_NODE" \
-        ${mem_args[@]+"${mem_args[@]}"} --suggest 0 "$@" || rc=$?
+        ${mem_args[@]+"${mem_args[@]}"} "$@" || rc=$?
+    local verdict=""
     if ((rc == does_not_fit)); then
-        lf_die "estimate: this configuration does not fit the GPUs' memory (report above); change it (python -m" \
-            "llama_fp8 estimate ... on a login node suggests what fits) or set SKIP_ESTIMATE=1 to start it anyway"
+        verdict="this configuration does not fit the GPUs' memory"
     elif ((rc == stand_in)); then
-        echo "warning: estimate: it does not fit as estimated through a stand-in for the job's model implementation" \
-            "(report above), an approximation: training goes on" >&2
+        verdict="this configuration does not fit the GPUs' memory as estimated through a stand-in for the job's model"
+        verdict+=" implementation (an approximation: the STAND-IN line above)"
     elif ((rc != 0)); then
         echo "warning: estimate could not decide (exit code $rc): training goes on" >&2
+    fi
+    if [[ -n "$verdict" && "${IGNORE_ESTIMATE:-0}" == 1 ]]; then
+        echo "warning: estimate: $verdict (report above); IGNORE_ESTIMATE=1: training starts anyway" >&2
+    elif [[ -n "$verdict" ]]; then
+        lf_die "estimate: $verdict (report above, ending with what would make it fit); change the flags, or set" \
+            "IGNORE_ESTIMATE=1 to start it anyway"
     fi
     return 0
 }

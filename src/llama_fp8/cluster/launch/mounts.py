@@ -22,10 +22,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-# Train flags that name files: (flag, written by the run?). Values that are hub names (no "/" prefix and
-# not an existing path) are not paths.
-PATH_FLAGS = (("run_dir", True), ("checkpoint_dir", True), ("tensorboard_dir", True), ("dataset", False),
-              ("tokenizer", False), ("init_from_hf", False), ("config", False), ("resume_from_checkpoint", False))
+# The one list of train flags that name files or folders: (flag, written by the run?). Values that are hub names (no
+# "/" prefix and not an existing path) are not paths; --mlflow_tracking_uri is one only for a store on a file system
+# (tracking_uri_path). tests/cluster/test_mounts.py fails on a new string flag that is neither here nor declared
+# not a path.
+PATH_FLAGS = (("run_dir", True), ("checkpoint_dir", True), ("tensorboard_dir", True), ("prometheus_textfile_dir", True),
+              ("mlflow_tracking_uri", True), ("dataset", False), ("tokenizer", False), ("init_from_hf", False),
+              ("config", False), ("resume_from_checkpoint", False))
+URI_FLAGS = ("mlflow_tracking_uri",)
 NOT_PATHS = {"synthetic", "auto", "none", ""}
 # Hugging Face caches: written (downloads) when set; unset means ~/.cache inside the container.
 ENV_PATHS = ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE")
@@ -91,6 +95,20 @@ def absolute(value: str, cwd: str) -> str:
     return _norm(os.path.join(cwd, os.path.expanduser(value)))
 
 
+def tracking_uri_path(uri: str) -> str | None:
+    """The folder an MLflow tracking URI writes to on a file system (relative to the working directory when not
+    absolute), or None for a server or a database elsewhere: a ``file:`` store or a plain path is that folder, a
+    ``sqlite:///`` database the folder that holds it (SQLite writes its journal beside it)."""
+    if uri.startswith("sqlite:///"):
+        return os.path.dirname(uri[len("sqlite:///"):]) or "."
+    if uri.startswith("file:"):
+        rest = uri[len("file:"):]
+        return "/" + rest.lstrip("/") if rest.startswith("//") else rest
+    if ":" in uri or uri.split("-")[0] in ("databricks", "uc"):  # http(s)://, postgresql://, an ARN, Databricks
+        return None
+    return uri
+
+
 def train_path_values(train_args: list[str]) -> dict[str, str]:
     """The path flags given on the command line (``--flag value`` and ``--flag=value``); others ignored."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -129,6 +147,8 @@ def run_paths(values: dict[str, str], cwd: str, env: dict[str, str],
     out = []
     for flag, write in PATH_FLAGS:
         value = values.get(flag)
+        if value is not None and flag in URI_FLAGS:
+            value = tracking_uri_path(str(value))
         if value is None or str(value).lower() in NOT_PATHS:
             continue
         value = str(value)
@@ -177,6 +197,16 @@ def auto_mounts(paths: list[RunPath], base: list[Mount]) -> list[Mount]:
             raise ValueError(f"{rp.what} {rp.path}: no part of it exists on this host (would have to mount /)")
         mounts.append(Mount(source, source))
     return mounts
+
+
+def paths_markdown() -> str:
+    """docs/cluster.md's list of what is mounted, from PATH_FLAGS and ENV_PATHS (generated: the docs cannot drift)."""
+    def named(write: bool) -> str:
+        return ", ".join(f"`--{f}`" + (" (a `file:`, `sqlite:///` or plain-path store)" if f in URI_FLAGS else "")
+                         for f, w in PATH_FLAGS if w == write)
+
+    return (f"- written by the run: {named(True)}, and the Hugging Face caches "
+            f"{', '.join(f'`{n}`' for n in ENV_PATHS)} when set;\n- read by the run (when a local path): {named(False)}.")
 
 
 def build_parser() -> argparse.ArgumentParser:

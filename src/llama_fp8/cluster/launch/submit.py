@@ -6,8 +6,8 @@ Own flags come first; everything after `--` goes to `python -m llama_fp8 train` 
 as `sbatch 1.train_llama.sbatch ...`). One Slurm task per GPU (or --tasks_per_node on CPU); each task
 takes its rank/world from Slurm's environment. With --image, tasks run in that Enroot image via Pyxis.
 With --gpus_per_node the run is estimated here first (`llama_fp8 estimate`, no GPU needed) and not submitted
-when it does not fit the GPUs' memory (exit code 4; --estimate 0 submits without asking); anything else the
-estimate says or raises submits the job with a warning.
+when it does not fit the GPUs' memory (exit code 4; also through a stand-in for the job's model implementation;
+--estimate 0 submits without asking); anything else the estimate says or raises submits the job with a warning.
 
 Requeue after a time-limit or preemption signal happens on the host, never in a task: a task may run in a
 container without Slurm's client tools (`scontrol`). Slurm sends SIGUSR1 120 s before the limit; training
@@ -78,25 +78,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def estimate_fits(args: argparse.Namespace, train_args: list[str]) -> bool:
-    """``llama_fp8 estimate`` for this job's nodes and GPUs (its report on stdout); False only when the run does
-    not fit (exit 4). A run it cannot estimate (2), one that does not fit only as estimated through a stand-in (5),
-    and an error of the estimate itself are submitted with a warning: training reports its own errors."""
+    """``llama_fp8 estimate`` for this job's nodes and GPUs (its report, with what would make it fit, on stdout); False
+    when the run does not fit (exit 4, or 5: as estimated through a stand-in for the job's model implementation, an
+    approximation the report states), as the batch scripts' pre-job check decides. A run it cannot estimate (2) and
+    an error of the estimate itself are submitted with a warning: training reports its own errors."""
     from llama_fp8.estimate import cli
 
     try:
         rc = cli.main([*train_args, "--nodes", str(args.nodes), "--gpus_per_node", str(args.gpus_per_node), "--gpu",
-                       args.estimate_gpu, "--suggest", "0"])
+                       args.estimate_gpu])
     except Exception as e:  # noqa: BLE001 - the estimate's own failure is no reason to hold the job back
         print(f"llama-fp8 submit: warning: the estimate failed ({type(e).__name__}: {e}); submitting (--estimate 0 "
               f"skips it)", file=sys.stderr)
         return True
     if rc == EXIT_STAND_IN_DOES_NOT_FIT:
-        print("llama-fp8 submit: warning: it does not fit as estimated through a stand-in for the job's model "
-              "implementation (report above), an approximation; submitting", file=sys.stderr)
+        print("llama-fp8 submit: it does not fit as estimated through a stand-in for the job's model implementation "
+              "(report above), an approximation", file=sys.stderr)
     elif rc not in (0, EXIT_DOES_NOT_FIT):
         print(f"llama-fp8 submit: warning: the estimate could not decide (exit code {rc}); submitting",
               file=sys.stderr)
-    return rc != EXIT_DOES_NOT_FIT
+    return rc not in (EXIT_DOES_NOT_FIT, EXIT_STAND_IN_DOES_NOT_FIT)
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -330,8 +331,8 @@ def main(argv: list[str]) -> int:
         print(f"llama-fp8 submit: error: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     if args.gpus_per_node and args.estimate == "1" and not estimate_fits(args, train_args):
-        print("llama-fp8 submit: not submitted: the run does not fit the GPUs' memory (report above); change it, or "
-              "--estimate 0 to submit anyway", file=sys.stderr)
+        print("llama-fp8 submit: not submitted: the run does not fit the GPUs' memory (report above, ending with what "
+              "would make it fit); change it, or --estimate 0 to submit anyway", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     return submit(args, train_args, params)
 
