@@ -53,8 +53,10 @@ class Checkpointer:
     """Saves every --checkpoint_freq steps (and at the end), keeps the last --keep_last_k, resumes."""
 
     def __init__(self, ckpt_dir: Path, keep_last_k: int, async_save: bool, rank: int, world: int,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, s3=None, copy=None):
         self.dir, self.keep, self.async_save, self.rank, self.world = ckpt_dir, keep_last_k, async_save, rank, world
+        self.s3 = s3  # an s3.target.S3Target when ckpt_dir is an s3:// prefix (then self.dir is its S3Location)
+        self.copy = copy  # rank 0's s3.copy.Copier with --checkpoint_copy_dir: every M-th checkpoint to S3
         # DCP's collectives (and ours around a save) run on a gloo group of their own: an async save's
         # background thread must never share a group with the training's collectives (two threads issuing
         # collectives on one group can pair different operations across ranks), and async saves need a
@@ -75,6 +77,11 @@ class Checkpointer:
         self.last_complete: int | None = None  # the step of the latest checkpoint known complete (saved or loaded)
         self._started = 0.0  # perf_counter at the start of the save being finalized (its manifest records the time)
 
+    def join_copy(self) -> None:
+        """Wait for the background copy to S3 in flight (rank 0 with --checkpoint_copy_dir)."""
+        if self.copy is not None:
+            self.copy.join()
+
     @property
     def group(self):
         """The process group of the checkpoint's collectives (None on one rank)."""
@@ -84,16 +91,17 @@ class Checkpointer:
     def save(self, step: int, model, optimizer, scheduler, loader, cfg, plan=None) -> None:
         """Write checkpoint ``step``; with async_save, returns once the state is staged in host memory."""
         self.wait()  # at most one save in flight: the previous one is finalized first
-        final, tmp = self.dir / f"step_{step}", self.dir / f"step_{step}{layout.TMP}"
+        final = self.dir / f"step_{step}"
+        tmp = final if self.s3 else self.dir / f"step_{step}{layout.TMP}"  # on S3 the manifest is what completes
         t0 = self._started = time.perf_counter()
-        self._agree(step, lambda: self._prepare(tmp) if self.rank == 0 else None)
+        self._agree(step, lambda: self._prepare(tmp, step) if self.rank == 0 else None)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         self._agree(step, lambda: self._write_own(tmp, step, scheduler, loader, cfg, plan))
         faults.at("save.files_written", step)
         state = {"model": model_sd, "optim": optim_sd}
         if not self.async_save:
             try:
-                writer = HashingFileSystemWriter(str(tmp), manifest.HASHERS[manifest.ALGORITHM])
+                writer = self._writer(tmp)
                 written = dcp.save(state, storage_writer=writer, process_group=self._pg)
                 sums, error = self._my_sums(tmp, written, writer.digests), None
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported on every rank below
@@ -102,7 +110,7 @@ class Checkpointer:
             log.info("checkpoint saved: %s (%.2f s)", final, time.perf_counter() - t0)
             return
         try:
-            writer = HashingFileSystemWriter(str(tmp), manifest.HASHERS[manifest.ALGORITHM])
+            writer = self._writer(tmp)
             fut = dcp.async_save(state, storage_writer=writer, process_group=self._pg, async_stager=self._stager)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - a staging error: agreed on in wait()
             fut = Future()
@@ -125,7 +133,15 @@ class Checkpointer:
         self._finalize(tmp, final, step, sums, error)
         log.info("checkpoint saved: %s (written in the background)", final)
 
-    def _prepare(self, tmp: Path) -> None:
+    def _writer(self, tmp):
+        hasher = manifest.HASHERS[manifest.ALGORITHM]
+        return self.s3.writer(tmp, hasher, self.world) if self.s3 else HashingFileSystemWriter(str(tmp), hasher)
+
+    def _prepare(self, tmp: Path, step: int) -> None:
+        if self.s3:
+            self.s3.begin(step, sweep=not self._swept)
+            self._swept = True
+            return
         self.dir.mkdir(parents=True, exist_ok=True)
         if not self._swept:  # interrupted saves and deletions of an earlier attempt, once per run: a later
             layout.remove_leftovers(self.dir)  # step_N.old is this run's, being deleted by the background deleter,
@@ -135,14 +151,22 @@ class Checkpointer:
     def _write_own(self, tmp: Path, step: int, scheduler, loader, cfg, plan) -> None:
         """This rank's data position and RNG states; on rank 0 also train_state.json."""
         self._own_digests = {}
-        blob = rank_files.write_rank_state(tmp / rank_files.RANK_FILE.format(self.rank), {"loader": loader.state_dict(),
-                                                                         "rng": _rng_state()})
+        own = {"loader": loader.state_dict(), "rng": _rng_state()}
+        if self.s3:
+            blob = rank_files.rank_state_bytes(own)
+            self.s3.put(tmp, rank_files.RANK_FILE.format(self.rank), blob)
+        else:
+            blob = rank_files.write_rank_state(tmp / rank_files.RANK_FILE.format(self.rank), own)
         self._own_digests[rank_files.RANK_FILE.format(self.rank)] = manifest.digest_bytes(blob)
         if self.rank == 0:
             body = json.dumps({
                 "step": step, "world_size": self.world, "scheduler": _jsonable(scheduler.state_dict()),
                 "config": {k: v for k, v in asdict(cfg).items() if k != "config"},
                 "plan": None if plan is None else plan.to_dict()}, default=str, indent=1)
+            if self.s3:
+                self.s3.put(tmp, manifest.TRAIN_STATE, body.encode())
+                self._own_digests[manifest.TRAIN_STATE] = manifest.digest_bytes(body.encode())
+                return
             with open(tmp / manifest.TRAIN_STATE, "wb") as f:
                 f.write(body.encode())
                 f.flush()
@@ -163,13 +187,14 @@ class Checkpointer:
         from torch.distributed.checkpoint.metadata import Metadata
 
         if not isinstance(written, Metadata):  # another torch's return value: DCP's own record of the save
-            written = dcp_read.read_dcp_metadata(tmp)
+            written = self.s3.read_metadata(tmp) if self.s3 else dcp_read.read_dcp_metadata(tmp)
         names = sorted(manifest.owned_files(written, self.rank, self.world)) + [rank_files.RANK_FILE.format(self.rank)]
         if self.rank == 0:
             names += [".metadata", manifest.TRAIN_STATE]
         known = {**digests, **self._own_digests}  # hashed while written: no second pass over the bytes
         out = {n: manifest.entry(*known[n]) for n in names if n in known}
-        return {**out, **manifest.sums(tmp, [n for n in names if n not in known])}
+        rest = [n for n in names if n not in known]
+        return {**out, **(self.s3.sums(tmp, rest) if self.s3 else manifest.sums(tmp, rest))}
 
     def _finalize(self, tmp: Path, final: Path, step: int, sums: dict | None, error: tuple | None) -> None:
         """Every rank: agree that all wrote their files. Rank 0: manifest, rename, retention."""
@@ -183,8 +208,18 @@ class Checkpointer:
                 faults.at("save.marker_written", step)
                 return
             files = {k: v for s, _ in gathered for k, v in s.items()}
+            if self.s3:  # list-and-verify, then the manifest object; no rename exists on S3
+                doomed = self.s3.publish(final, step, self.world, files, time.perf_counter() - self._started,
+                                         self.keep)
+                faults.at("save.marker_written", step)
+                for prefix in doomed:
+                    faults.at("save.pruning", step)
+                    self._deleter.submit(self.s3.retire, prefix)
+                return
             manifest.check_against_metadata(tmp, files)  # nothing DCP wrote is missing from the manifest
-            manifest.write_manifest(tmp, step, self.world, files, time.perf_counter() - self._started)
+            dest = self.copy.destination(step) if self.copy else None  # this one is copied to S3 after the rename
+            manifest.write_manifest(tmp, step, self.world, files, time.perf_counter() - self._started,
+                                    [str(final), str(dest)] if dest else None)
             faults.at("save.marker_written", step)
             old = None
             if final.exists() and not (final / manifest.MARKER).is_file():  # not ours: kept, named
@@ -195,8 +230,13 @@ class Checkpointer:
             tmp.rename(final)
             layout.fsync_dir(self.dir)
             faults.at("save.renamed", step)
+            if dest:
+                self.copy.submit(final, step)
             doomed = [old] if old is not None else []
-            for _, done in layout.complete_checkpoints(self.dir)[:-self.keep] if self.keep > 0 else []:
+            copying = self.copy.busy() if self.copy else None
+            for s, done in layout.complete_checkpoints(self.dir)[:-self.keep] if self.keep > 0 else []:
+                if s == copying:  # the copy's source stays until it is copied; a later save retires it
+                    continue
                 doomed.append(layout.retire(done))
                 faults.at("save.pruning", step)
             for folder in doomed:  # no longer candidates: deleting their files need not hold up training
@@ -228,22 +268,29 @@ class Checkpointer:
         """Every rank raises: CheckpointTransientError when a rank's error was the file system's for a moment
         (EIO, ESTALE), else CheckpointWriteError (a full disk, a permission: a rerun would fail the same way)."""
         why, kind = _merge([e[0] if e else None for e in errors]), next((e[1] for e in errors if e and e[1]), None)
-        space = _space(self.dir)  # before the partial files are removed
+        space = "" if self.s3 else _space(self.dir)  # before the partial files are removed
         self._gather(None)  # every rank has looked before rank 0 frees the space
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # never left to look like a save in progress
-        done = layout.complete_checkpoints(self.dir)
-        intact = f"the latest complete checkpoint ({done[-1][1].name}) is intact" if done else \
-            "there is no earlier complete checkpoint"
+            if self.s3:
+                self.s3.discard(tmp)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)  # never left to look like a save in progress
+        if self.s3:
+            intact = self.s3.intact()
+        else:
+            done = layout.complete_checkpoints(self.dir)
+            intact = f"the latest complete checkpoint ({done[-1][1].name}) is intact" if done else \
+                "there is no earlier complete checkpoint"
         if kind is not None:
             raise CheckpointTransientError(kind, f"checkpoint step_{step} was not saved to {self.dir}: {why}; "
                                                  f"nothing of it was marked complete and {intact}")
-        raise CheckpointWriteError(f"checkpoint step_{step} was not saved to {self.dir}: {why}; {space}; nothing of "
+        raise CheckpointWriteError(f"checkpoint step_{step} was not saved to {self.dir}: {why}; {space or 'S3'}; nothing of "
                                    f"it was marked complete and {intact}. Free space or point --checkpoint_dir at a "
                                    f"writable file system, then rerun to resume")
 
     # --- load ----------------------------------------------------------------------------------
-    def load(self, path: Path, model, optimizer, scheduler, loader, batch_size: int | None = None) -> int:
+    def load(self, path: Path, model, optimizer, scheduler, loader, batch_size: int | None = None,
+             source=None) -> int:
         """Restore model, optimizer, scheduler, data position and RNG from ``path``; returns its step.
         (``batch_size`` is not needed any more: a synthetic loader rescales its position itself.)
 
@@ -253,16 +300,22 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         got: dict = {}
+        s3 = source or (self.s3 if not isinstance(path, Path) else None)  # the S3 target of an s3:// checkpoint
 
         def first() -> None:
+            if s3:
+                got.update(s3.first(path, state))
+                return
             got["files"] = _manifest_files(path)
             got["meta"] = manifest.read_train_state(path, _entry(got["files"], manifest.TRAIN_STATE))
             got["dcp"] = check_fits(path, state, _entry(got["files"], ".metadata"))
 
         self._agreed_load(path, first)
         files, meta = got["files"], got["meta"]
+        reader = s3.reader(path, files, got["dcp"]) if s3 else \
+            dcp_read.SafeFileSystemReader(str(path), files, got["dcp"])
         try:  # reshards to this world size; DCP raises on every rank if a read failed on any
-            dcp.load(state, storage_reader=dcp_read.SafeFileSystemReader(str(path), files, got["dcp"]),
+            dcp.load(state, storage_reader=reader,
                      planner=dcp_read.SafeLoadPlanner(), process_group=self._pg)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line naming the checkpoint
             kind = _kind(e)  # a read that failed past its retries on any rank: the file system, not the checkpoint
@@ -273,7 +326,8 @@ class Checkpointer:
         same = int(meta["world_size"]) == self.world
 
         def last() -> None:  # per-rank state, schedule, data position, RNG: any of them may be forged
-            extra = read_rank_file(path, self.rank if same else 0, files)
+            extra = s3.rank_state(path, self.rank if same else 0, files) if s3 else \
+                read_rank_file(path, self.rank if same else 0, files)
             try:
                 _load_scheduler(scheduler, optimizer, meta["scheduler"])
             except (TypeError, ValueError, KeyError, AttributeError) as e:
@@ -299,7 +353,7 @@ class Checkpointer:
         except (ValueError, OSError) as e:  # ConfigError, UnsafeCheckpointFile, the loader's DataStateError
             error = (str(e).removeprefix(f"cannot resume from {path}: "), _kind(e))
         except Exception as e:  # noqa: BLE001 - a forged value deep in a state: named, agreed, no traceback
-            error = (f"{type(e).__name__}: {e}", None)
+            error = (f"{type(e).__name__}: {e}", _kind(e))
         errors = self._gather(error)
         if any(errors):
             why, kind = _merge([e[0] if e else None for e in errors]), next((e[1] for e in errors if e and e[1]),
