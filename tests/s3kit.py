@@ -63,6 +63,14 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def _die_with_parent() -> None:
+    """The server gets SIGTERM when the test process dies, even if killed before its fixture could stop it."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class S3Server:
     """``weed server`` with a master, a volume server, a filer and the S3 gateway, all on 127.0.0.1."""
 
@@ -85,12 +93,13 @@ class S3Server:
         cmd = [weed_binary(), "server", f"-dir={self.folder / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}", "-master.telemetry=false",
                "-master.volumeSizeLimitMB=64", f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",
-               "-volume.max=8", "-volume.preStopSeconds=0", "-filer", f"-filer.port={p['filer']}",
+               "-volume.max=200", "-volume.preStopSeconds=0", "-filer", f"-filer.port={p['filer']}",
                f"-filer.port.grpc={p['filer_grpc']}", f"-filer.localSocket={self.folder / 'filer.sock'}", "-s3",
                f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}", f"-s3.localSocket={self.folder / 's3.sock'}",
                "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={self.folder / 's3.json'}", "-metricsPort=0"]
         log = open(self.folder / "weed.log", "ab")  # noqa: SIM115 - the server's, closed with it
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:  # ready: the filer takes a bucket, the S3 gateway answers
             if self.proc.poll() is not None:

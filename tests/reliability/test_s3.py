@@ -10,8 +10,8 @@ import zlib
 
 import faultkit as F
 import pytest
-import s3kit
 
+import s3kit
 from helpers import read_metrics
 from llama_fp8 import errors
 from llama_fp8.checkpoint.s3 import S3Location
@@ -55,3 +55,180 @@ def test_s3_save_and_exact_resume_one_rank(tmp_path, s3_server, ref1):
     assert sorted(steps_on(s3_server.endpoint, "one")) == [4, 6]  # --keep_last_k 2 on S3
     assert errors.EXIT_TRANSIENT == 75
     shutil.rmtree(run, ignore_errors=True)
+
+
+def _short_then_full(run, flags, ref, damage=None) -> None:
+    """The run to step 4, ``damage()`` to what it left, then the rerun to step 6."""
+    assert F.run1(run, [*SHORT, *flags]) == 0
+    if damage:
+        damage()
+    assert F.run1(run, [*F.RUN, *flags]) == 0
+
+
+def test_s3_rank_killed_mid_upload_two_ranks(tmp_path, s3_server, ref2, row):
+    run, flags = tmp_path / "run", s3kit.s3_flags(s3_server, "killed")
+    r = F.run2(run, [*F.RUN, *flags], fault="kill@save.uploading:step=4:rank=1")
+    assert r.rc != 0
+    left = steps_on(s3_server.endpoint, "killed")
+    assert "COMPLETE" in left[2] and "COMPLETE" not in left.get(4, set()) and "WRITER" in left[4], left
+    half = sorted(left[4])
+    r2 = F.run2(run, [*F.RUN, *flags])
+    assert r2.rc == 0, r2.err[-3000:]
+    assert resumed_from(run) == [0, 2]
+    seen = F.assert_matches_reference_s3(run, ref2, 2, s3_shard_sums(s3_server.endpoint,
+                                                                       f"s3://{s3kit.BUCKET}/killed/step_6"))
+    assert sorted(steps_on(s3_server.endpoint, "killed")) == [4, 6]  # the half-written step_4 swept, saved again
+    assert s3kit.SECRET_KEY not in r.err + r.out + r2.err + r2.out  # credentials are never logged
+    row(f"{F.exit_text(r.rc)}; step_4 left half-written (WRITER, {len(half) - 1} other objects, no COMPLETE); the "
+        f"rerun resumed from step_2 and swept it; {seen}", 2)
+
+
+def test_s3_resume_at_another_world_size(tmp_path, s3_server, ref2):
+    """A 2-rank S3 checkpoint resumed by 1 rank reshards exactly as the same checkpoint on disk does."""
+    src = tmp_path / "ref_step_4"
+    shutil.copytree(ref2.run_dir / "checkpoints" / "step_4", src / "step_4")
+    two = tmp_path / "two"
+    saved = F.run2(two, [*SHORT, *s3kit.s3_flags(s3_server, "world", threads=2), "--s3_prefix_strategy", "hex"])
+    assert saved.rc == 0, saved.err[-3000:]
+    keys = s3kit.store(s3_server.endpoint).list(S3Location(s3kit.BUCKET, "world/step_4"))
+    assert sum(k.endswith(".distcp") and "/" in k for k in keys) >= 3, keys  # 2 threads x 2 ranks, spread by hex
+    via_s3, via_disk = tmp_path / "s3", tmp_path / "disk"
+    assert F.run1(via_s3, [*F.RUN, *s3kit.s3_flags(s3_server, "world1"), "--resume_from_checkpoint",
+                           f"s3://{s3kit.BUCKET}/world/step_4"]) == 0
+    assert F.run1(via_disk, [*F.RUN, "--checkpoint_dir", str(tmp_path / "c"), "--resume_from_checkpoint",
+                             str(src / "step_4")]) == 0
+    assert resumed_from(via_s3) == resumed_from(via_disk) == [4]
+    assert F.losses(via_s3) == F.losses(via_disk)
+
+
+def test_s3_throttled_with_503_slow_down(tmp_path, s3_server, ref1, row):
+    proxy = s3kit.Proxy503(s3_server.ports["s3"], every=4, limit=60)
+    try:
+        run = tmp_path / "run"
+        _short_then_full(run, s3kit.s3_flags(proxy, "throttled"), ref1)
+    finally:
+        proxy.shutdown()
+    assert proxy.injected >= 10, proxy.injected
+    seen = F.assert_matches_reference_s3(run, ref1, 4, s3_shard_sums(s3_server.endpoint,
+                                                                       f"s3://{s3kit.BUCKET}/throttled/step_6"))
+    row(f"{proxy.injected} of {proxy.seen} requests answered 503 Slow Down; every save and the load retried by the "
+        f"client, no exit; {seen}", 0)
+
+
+def test_s3_server_down_during_a_save_and_back_before_the_next(tmp_path, s3_server, ref1, row, monkeypatch):
+    from llama_fp8 import faults
+    from llama_fp8.checkpoint.s3 import store as store_mod
+
+    real_at = faults.at
+    downed = []
+
+    def at(point, step=None):
+        if point == "save.files_written" and step == 4 and not downed:
+            downed.append(step)
+            s3_server.stop()  # the server goes away mid-save: the shards cannot be written
+        return real_at(point, step)
+
+    monkeypatch.setattr(faults, "at", at)
+    monkeypatch.setattr(store_mod, "RETRY_PAUSES", (0.5,))
+    run, flags = tmp_path / "run", s3kit.s3_flags(s3_server, "down")
+    try:
+        rc = F.run1(run, [*F.RUN, *flags])
+    finally:
+        s3_server.start()  # back before the next save
+    monkeypatch.setattr(faults, "at", real_at)
+    assert downed == [4] and rc == errors.EXIT_TRANSIENT, rc
+    assert sorted(s for s, names in steps_on(s3_server.endpoint, "down").items() if "COMPLETE" in names) == [2]
+    assert F.run1(run, [*F.RUN, *flags]) == 0
+    assert resumed_from(run) == [0, 2]
+    seen = F.assert_matches_reference_s3(run, ref1, 2, s3_shard_sums(s3_server.endpoint,
+                                                                       f"s3://{s3kit.BUCKET}/down/step_6"))
+    row(f"exit {rc} (transient: the launcher restarts) after the client's retries; step_2 intact; with the server back "
+        f"the rerun resumed from step_2; {seen}", 2)
+
+
+def test_s3_half_written_prefix_is_never_loaded(tmp_path, s3_server, ref1, row):
+    run, flags = tmp_path / "run", s3kit.s3_flags(s3_server, "half")
+    st, step4 = s3kit.store(s3_server.endpoint), S3Location(s3kit.BUCKET, "half/step_4")
+    _short_then_full(run, flags, ref1, damage=lambda: st.delete(step4 / "COMPLETE"))
+    assert resumed_from(run) == [0, 2]
+    seen = F.assert_matches_reference_s3(run, ref1, 2, s3_shard_sums(s3_server.endpoint,
+                                                                       f"s3://{s3kit.BUCKET}/half/step_6"))
+    row(f"step_4 without its manifest was not a candidate; resumed from step_2; the rerun's save of step_4 replaced "
+        f"the half-written objects; {seen}", 2)
+
+
+def test_s3_manifest_without_its_shards_falls_back(tmp_path, s3_server, ref1, row):
+    run, flags = tmp_path / "run", s3kit.s3_flags(s3_server, "noshards")
+    st, step4 = s3kit.store(s3_server.endpoint), S3Location(s3kit.BUCKET, "noshards/step_4")
+
+    def drop_shards():
+        for key in st.list(step4):
+            if key.endswith(".distcp"):
+                st.delete(step4 / key)
+
+    _short_then_full(run, flags, ref1, damage=drop_shards)
+    assert resumed_from(run) == [0, 2]
+    aside = steps_on(s3_server.endpoint, "noshards")
+    kept = s3kit.store(s3_server.endpoint).list(S3Location(s3kit.BUCKET, "noshards/step_4.broken"))
+    assert "BROKEN" in kept and "train_state.json" in kept, kept
+    seen = F.assert_matches_reference_s3(run, ref1, 2, s3_shard_sums(s3_server.endpoint,
+                                                                       f"s3://{s3kit.BUCKET}/noshards/step_6"))
+    row(f"list-and-verify named the missing shard; step_4 set aside (manifest -> BROKEN, moved to step_4.broken/ "
+        f"when step 4 was saved again, {len(kept)} objects kept); resumed from step_2; {seen}", 2)
+    assert 6 in aside
+
+
+def test_s3_planted_objects_that_are_not_ours_are_kept(tmp_path, s3_server, ref1, row):
+    run, flags = tmp_path / "run", s3kit.s3_flags(s3_server, "planted")
+    st, root = s3kit.store(s3_server.endpoint), S3Location(s3kit.BUCKET, "planted")
+    planted = {root / "step_4" / "notes.txt": b"not ours", root / "step_6" / "x.bin": b"someone's data",
+               root / "README": b"hello"}
+    _short_then_full(run, flags, ref1, damage=lambda: [st.write(k, v) for k, v in planted.items()])
+    assert resumed_from(run) == [0, 4]
+    assert st.read(root / "step_4" / "notes.txt", 100) == b"not ours"
+    assert st.read(root / "step_6.incomplete" / "x.bin", 100) == b"someone's data"
+    assert st.read(root / "README", 100) == b"hello"
+    seen = F.assert_matches_reference_s3(run, ref1, 4, s3_shard_sums(s3_server.endpoint,
+                                                                       f"s3://{s3kit.BUCKET}/planted/step_6"))
+    row(f"an object in step_4 (not in its manifest) ignored and kept; a step_6/ prefix without WRITER moved to "
+        f"step_6.incomplete/ before step 6 was saved; the bucket's other object untouched; {seen}", 0)
+
+
+def test_s3_tier_resumes_from_s3_when_the_file_system_tier_is_gone(tmp_path, s3_server, ref1, row):
+    run, fs = tmp_path / "run", tmp_path / "fsx"
+    flags = ["--checkpoint_dir", str(fs), "--checkpoint_copy_dir", f"s3://{s3kit.BUCKET}/tier",
+             "--checkpoint_copy_every", "1", "--s3_region", s3kit.REGION, "--s3_endpoint", s3_server.endpoint,
+             "--s3_threads", "1"]
+    assert F.run1(run, [*SHORT, *flags]) == 0
+    from llama_fp8.checkpoint import manifest
+    from llama_fp8.checkpoint.s3 import read as s3read
+
+    local = manifest.read_manifest(fs / "step_4")
+    remote = s3read.read_manifest(s3kit.store(s3_server.endpoint), S3Location(s3kit.BUCKET, "tier/step_4"))
+    assert local["copies"] == remote["copies"] == [str(fs / "step_4"), f"s3://{s3kit.BUCKET}/tier/step_4"]
+    assert remote["files"] == local["files"]
+    shutil.rmtree(fs)  # the cluster (and its FSx volume) is gone
+    assert F.run1(run, [*F.RUN, *flags]) == 0
+    assert resumed_from(run) == [0, 4]
+    got = F.losses(run)
+    assert [got[s] for s in (5, 6)] == [ref1.losses[s] for s in (5, 6)]
+    assert F.shard_sums(fs / "step_6") == ref1.final
+    row("every checkpoint copied to S3 in the background, both manifests name both copies; the file-system tier "
+        "deleted; the rerun resumed from the S3 copy of step_4; losses of steps 5-6 and final weights bitwise equal "
+        "to the uninterrupted run", 0)
+
+
+def test_preflight_checks_the_bucket_is_writable_from_this_node(s3_server, monkeypatch):
+    from llama_fp8 import config
+    from llama_fp8.cluster.nodes import node_checks
+
+    def check(prefix: str):
+        cfg = config.parse_args(s3kit.s3_flags(s3_server, prefix))
+        return node_checks.check_writable(node_checks.Settings(cfg=cfg, checkpoint_dir=cfg.checkpoint_dir))
+
+    ok = check("preflight")
+    assert ok.status == node_checks.OK and "writable" in ok.message, ok
+    assert s3kit.store(s3_server.endpoint).list(S3Location(s3kit.BUCKET, "preflight")) == {}  # the probe deleted
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-key")
+    bad = check("preflight-bad")
+    assert bad.status == node_checks.FAIL and "preflight-bad" in bad.message and "not-the-key" not in bad.message

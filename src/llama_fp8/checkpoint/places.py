@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from pathlib import Path
 
 from llama_fp8.checkpoint import layout, manifest
@@ -97,7 +98,7 @@ def probe_writable(cfg, where, rank: int = 0) -> None:
     if t is None:
         layout.probe_writable(location(where), rank)
         return
-    probe = t.root / f".write_probe.rank{rank}.{os.getpid()}"
+    probe = t.root / f".write_probe.{socket.gethostname()}.rank{rank}.{os.getpid()}"
     try:
         t.store.write(probe, b"probe\n")
         t.store.delete(probe)

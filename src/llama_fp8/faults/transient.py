@@ -38,7 +38,8 @@ _NETWORK = ("temporary failure in name resolution", "max retries exceeded", "rea
             "ncclsystemerror", "ncclremoteerror", "unhandled system error", "remote process exited or there was a "
             "network error")
 _PEER = ("connection closed by peer", "connection reset by peer", "broken pipe")
-_S3_TRANSIENT = ("slow down", "slowdown", "throttl", "service unavailable", "internal error", "internalerror",
+_S3_TRANSIENT = ("slow down", "slowdown", "slow_down", "throttl", "service unavailable", "internal error",
+                 "internalerror", "internal_error", "internal server error",
                  "request timeout", "requesttimeout", "aws_io_", "aws_error_http", "connection", "socket", "timed out",
                  "timeout", "broken pipe", "reset by peer")
 """Words of an S3 error (the AWS CRT client's, as the S3 Connector for PyTorch raises it, after the client's own

@@ -63,19 +63,28 @@ def begin(store: ObjectStore, root: S3Location, step: int, sweep: bool) -> S3Loc
     prefix that is not ours moved aside, then ``WRITER`` written. Returns the checkpoint's prefix."""
     ckpt = root / f"step_{step}"
     for s, prefix, keys in steps(store, root):
-        if sweep and manifest.MARKER not in keys and WRITER in keys:
-            remove_ours(store, prefix, keys)
+        if BROKEN in keys:  # set aside at a start-up check: kept; moved out of the way if this step is saved again
+            if s == step:
+                _move(store, prefix, keys, root / f"step_{step}.broken", "a checkpoint set aside as damaged")
+        elif manifest.MARKER not in keys and WRITER in keys:
+            if sweep or s == step:  # an interrupted save (or retirement) of ours
+                remove_ours(store, prefix, keys)
         elif s == step and keys and WRITER not in keys:
-            aside = root / f"step_{step}{INCOMPLETE}"
-            log.warning("%s holds %d objects without %s (not a checkpoint of this run); copied to %s before saving "
-                        "step %d there, not deleted", prefix, len(keys), WRITER, aside, step)
-            for key in keys:
-                store.copy(prefix / key, aside / key)
-                store.delete(prefix / key)
+            _move(store, prefix, keys, root / f"step_{step}{INCOMPLETE}", f"objects without {WRITER} (not a "
+                                                                           f"checkpoint of this run)")
         elif s == step and manifest.MARKER in keys:  # the same step from an earlier attempt: replaced
             remove_ours(store, prefix, keys)
     store.write(ckpt / WRITER, json.dumps(holder()).encode())
     return ckpt
+
+
+def _move(store: ObjectStore, prefix: S3Location, keys: dict[str, int], aside: S3Location, what: str) -> None:
+    """Every object under ``prefix`` copied (server-side) under ``aside``, then deleted: kept, out of the way."""
+    log.warning("%s holds %s (%d objects); moved to %s/ before this run saves that step, not deleted", prefix, what,
+                len(keys), aside)
+    for key in keys:
+        store.copy(prefix / key, aside / key)
+        store.delete(prefix / key)
 
 
 def remove_ours(store: ObjectStore, prefix: S3Location, keys: dict[str, int] | None = None) -> None:
