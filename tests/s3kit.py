@@ -63,6 +63,12 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def create_bucket(server, name: str) -> None:
+    """A bucket of SeaweedFS is a folder of its filer's /buckets."""
+    req = urllib.request.Request(f"http://127.0.0.1:{server.ports['filer']}/buckets/{name}/", method="POST")
+    urllib.request.urlopen(req, timeout=2).close()
+
+
 def _die_with_parent() -> None:
     """The server gets SIGTERM when the test process dies, even if killed before its fixture could stop it."""
     import ctypes
@@ -105,8 +111,7 @@ class S3Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"weed server exited {self.proc.returncode}: see {self.folder / 'weed.log'}")
             try:
-                req = urllib.request.Request(f"http://127.0.0.1:{p['filer']}/buckets/{BUCKET}/", method="POST")
-                urllib.request.urlopen(req, timeout=2).close()
+                create_bucket(self, BUCKET)
                 urllib.request.urlopen(self.endpoint, timeout=2).close()
             except urllib.error.HTTPError:  # the gateway answered (403 without a signature): up
                 return
@@ -197,8 +202,9 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
 def s3_flags(server_or_proxy, prefix: str, threads: int = 1) -> list[str]:
     """Flags of a run checkpointing to s3://BUCKET/prefix. One upload thread: DCP then writes each rank's shards into
     one object, the same bytes as the file a save to disk writes (compared with the reference run's)."""
-    return ["--checkpoint_dir", f"s3://{BUCKET}/{prefix}", "--s3_region", REGION, "--s3_endpoint",
-            server_or_proxy.endpoint, "--s3_threads", str(threads)]
+    endpoint = getattr(server_or_proxy, "endpoint", server_or_proxy)  # a server, a proxy, or its URL
+    return ["--checkpoint_dir", f"s3://{BUCKET}/{prefix}", "--s3_region", REGION, "--s3_endpoint", endpoint,
+            "--s3_threads", str(threads)]
 
 
 def store(endpoint: str):

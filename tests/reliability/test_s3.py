@@ -41,12 +41,28 @@ def resumed_from(run_dir) -> list[int]:
     return [r["start_step"] for r in read_metrics(run_dir) if r["type"] == "meta"]
 
 
-def test_s3_save_and_exact_resume_one_rank(tmp_path, s3_server, ref1):
-    flags = s3kit.s3_flags(s3_server, "one")
-    run = tmp_path / "run"
-    assert F.run1(run, [*SHORT, *flags]) == 0
-    on = steps_on(s3_server.endpoint, "one")
-    assert sorted(on) == [2, 4] and all("COMPLETE" in names for names in on.values()), on
+@pytest.fixture(scope="module")
+def short_on_s3(s3_server, tmp_path_factory):
+    """The matrix run stopped after step 4, its checkpoints on S3 (s3://BUCKET/base): the tests resume copies of it
+    (one short run for all of them)."""
+    run = tmp_path_factory.mktemp("short") / "run"
+    assert F.run1(run, [*SHORT, *s3kit.s3_flags(s3_server, "base")]) == 0
+    return run
+
+
+def clone(endpoint: str, short_run, prefix: str, tmp_path):
+    """s3://BUCKET/base copied (server-side) to s3://BUCKET/<prefix>, and the short run's folder beside it."""
+    st, base, dst = s3kit.store(endpoint), S3Location(s3kit.BUCKET, "base"), S3Location(s3kit.BUCKET, prefix)
+    for key in st.list(base):
+        st.copy(base / key, dst / key)
+    shutil.copytree(short_run, tmp_path / "run")
+    return tmp_path / "run", s3kit.s3_flags(endpoint, prefix)
+
+
+def test_s3_save_and_exact_resume_one_rank(tmp_path, s3_server, ref1, short_on_s3):
+    on = steps_on(s3_server.endpoint, "base")
+    assert sorted(on) == [2, 4] and all("COMPLETE" in names and "WRITER" in names for names in on.values()), on
+    run, flags = clone(s3_server.endpoint, short_on_s3, "one", tmp_path)
     assert F.run1(run, [*F.RUN, *flags]) == 0
     assert resumed_from(run) == [0, 4]
     got = F.losses(run)
@@ -63,6 +79,14 @@ def _short_then_full(run, flags, ref, damage=None) -> None:
     if damage:
         damage()
     assert F.run1(run, [*F.RUN, *flags]) == 0
+
+
+def _damaged_then_full(s3_server, short_run, prefix: str, tmp_path, damage):
+    """A copy of the short run's checkpoints, ``damage(store, root)`` to it, then the rerun to step 6."""
+    run, flags = clone(s3_server.endpoint, short_run, prefix, tmp_path)
+    damage(s3kit.store(s3_server.endpoint), S3Location(s3kit.BUCKET, prefix))
+    assert F.run1(run, [*F.RUN, *flags]) == 0
+    return run
 
 
 def test_s3_rank_killed_mid_upload_two_ranks(tmp_path, s3_server, ref2, row):
@@ -119,6 +143,7 @@ def test_s3_server_down_during_a_save_and_back_before_the_next(tmp_path, s3_serv
     from llama_fp8 import faults
     from llama_fp8.checkpoint.s3 import store as store_mod
 
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")  # the client's own tries of a request that cannot succeed
     real_at = faults.at
     downed = []
 
@@ -146,10 +171,9 @@ def test_s3_server_down_during_a_save_and_back_before_the_next(tmp_path, s3_serv
         f"the rerun resumed from step_2; {seen}", 2)
 
 
-def test_s3_half_written_prefix_is_never_loaded(tmp_path, s3_server, ref1, row):
-    run, flags = tmp_path / "run", s3kit.s3_flags(s3_server, "half")
-    st, step4 = s3kit.store(s3_server.endpoint), S3Location(s3kit.BUCKET, "half/step_4")
-    _short_then_full(run, flags, ref1, damage=lambda: st.delete(step4 / "COMPLETE"))
+def test_s3_half_written_prefix_is_never_loaded(tmp_path, s3_server, ref1, short_on_s3, row):
+    run = _damaged_then_full(s3_server, short_on_s3, "half", tmp_path,
+                             lambda st, root: st.delete(root / "step_4" / "COMPLETE"))
     assert resumed_from(run) == [0, 2]
     seen = F.assert_matches_reference_s3(run, ref1, 2, s3_shard_sums(s3_server.endpoint,
                                                                        f"s3://{s3kit.BUCKET}/half/step_6"))
@@ -157,16 +181,13 @@ def test_s3_half_written_prefix_is_never_loaded(tmp_path, s3_server, ref1, row):
         f"the half-written objects; {seen}", 2)
 
 
-def test_s3_manifest_without_its_shards_falls_back(tmp_path, s3_server, ref1, row):
-    run, flags = tmp_path / "run", s3kit.s3_flags(s3_server, "noshards")
-    st, step4 = s3kit.store(s3_server.endpoint), S3Location(s3kit.BUCKET, "noshards/step_4")
-
-    def drop_shards():
-        for key in st.list(step4):
+def test_s3_manifest_without_its_shards_falls_back(tmp_path, s3_server, ref1, short_on_s3, row):
+    def drop_shards(st, root):
+        for key in st.list(root / "step_4"):
             if key.endswith(".distcp"):
-                st.delete(step4 / key)
+                st.delete(root / "step_4" / key)
 
-    _short_then_full(run, flags, ref1, damage=drop_shards)
+    run = _damaged_then_full(s3_server, short_on_s3, "noshards", tmp_path, drop_shards)
     assert resumed_from(run) == [0, 2]
     aside = steps_on(s3_server.endpoint, "noshards")
     kept = s3kit.store(s3_server.endpoint).list(S3Location(s3kit.BUCKET, "noshards/step_4.broken"))
@@ -178,12 +199,12 @@ def test_s3_manifest_without_its_shards_falls_back(tmp_path, s3_server, ref1, ro
     assert 6 in aside
 
 
-def test_s3_planted_objects_that_are_not_ours_are_kept(tmp_path, s3_server, ref1, row):
-    run, flags = tmp_path / "run", s3kit.s3_flags(s3_server, "planted")
+def test_s3_planted_objects_that_are_not_ours_are_kept(tmp_path, s3_server, ref1, short_on_s3, row):
     st, root = s3kit.store(s3_server.endpoint), S3Location(s3kit.BUCKET, "planted")
     planted = {root / "step_4" / "notes.txt": b"not ours", root / "step_6" / "x.bin": b"someone's data",
                root / "README": b"hello"}
-    _short_then_full(run, flags, ref1, damage=lambda: [st.write(k, v) for k, v in planted.items()])
+    run = _damaged_then_full(s3_server, short_on_s3, "planted", tmp_path,
+                             lambda st, _: [st.write(k, v) for k, v in planted.items()])
     assert resumed_from(run) == [0, 4]
     assert st.read(root / "step_4" / "notes.txt", 100) == b"not ours"
     assert st.read(root / "step_6.incomplete" / "x.bin", 100) == b"someone's data"
@@ -232,3 +253,42 @@ def test_preflight_checks_the_bucket_is_writable_from_this_node(s3_server, monke
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-key")
     bad = check("preflight-bad")
     assert bad.status == node_checks.FAIL and "preflight-bad" in bad.message and "not-the-key" not in bad.message
+
+
+def test_s3_hostile_objects_are_refused_by_the_safe_reader(tmp_path, s3_server, monkeypatch):
+    """The safe reader on objects: keys confined to the checkpoint's prefix, sizes capped, no pickle executed."""
+    import json
+    import os
+    import pickle
+
+    from llama_fp8.checkpoint import manifest, safe_io
+    from llama_fp8.checkpoint.s3 import commit
+
+    st, root = s3kit.store(s3_server.endpoint), S3Location(s3kit.BUCKET, "hostile")
+    marker = tmp_path / "payload-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    def plant(name: str, objects: dict[str, bytes], listed: dict[str, bytes] | None = None) -> list[str]:
+        ckpt = root / name
+        for key, data in objects.items():
+            st.write(ckpt / key, data)
+        files = {k: manifest.entry(*manifest.digest_bytes(v)) for k, v in (listed or objects).items()}
+        st.write(ckpt / "COMPLETE", manifest.manifest_text(2, 1, files).encode())
+        return commit.verify(st, ckpt)
+
+    state = json.dumps({"step": 2, "world_size": 1, "scheduler": {}}).encode()
+    outside = plant("step_1", {"train_state.json": state, ".metadata": b"x"},
+                    {"train_state.json": state, ".metadata": b"x", "../../other/secret": b"s"})
+    assert any("not a plain key" in p for p in outside), outside
+    pickled = plant("step_2", {"train_state.json": state, ".metadata": pickle.dumps(Payload())})
+    assert any(".metadata" in p and "refused" in p for p in pickled) and not marker.exists(), pickled
+    forged = plant("step_3", {"train_state.json": json.dumps({"step": -1, "world_size": 1, "scheduler": {}}).encode(),
+                              ".metadata": b"x"})
+    assert any("'step'" in p and "out of range" in p for p in forged), forged
+    monkeypatch.setattr(safe_io, "MAX_JSON", 100)
+    big = plant("step_4", {"train_state.json": state + b" " * 200, ".metadata": b"x"})
+    assert any("more than the 100" in p for p in big), big
+    assert [s for s, _ in commit.complete(st, root)] == [1, 2, 3, 4]  # refused, never deleted

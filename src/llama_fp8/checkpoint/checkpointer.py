@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from llama_fp8 import faults
 from llama_fp8.checkpoint import dcp_read, layout, manifest
 from llama_fp8.checkpoint import files as rank_files
+from llama_fp8.checkpoint.failures import _describe, _kind, _merge, _space
 from llama_fp8.checkpoint.restore import (
     _entry,
     _jsonable,
@@ -383,45 +384,3 @@ def _stager():
 
     return DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
                                         use_async_staging=False, use_non_blocking_copy=False))
-
-
-def _merge(errors: list[str | None]) -> str:
-    """Each rank's error (index = rank) as one line: DCP already reports every rank's failure on every rank
-    (then those lines are equal and kept once), and errors naming an OS error go first - a full disk shows
-    on one rank as ENOSPC and on another as a torch serialization error about a short write."""
-    parts: list[str] = []
-    for rank, e in enumerate(errors):
-        for part in (e.split("; ") if e and e.startswith("rank ") else [f"rank {rank}: {e}"] if e else []):
-            if part not in parts:
-                parts.append(part)
-    return "; ".join(sorted(parts, key=lambda p: "[Errno" not in p))
-
-
-def _kind(e: BaseException) -> str | None:
-    """The transient class of a save's or load's error (DCP's CheckpointException: any rank's), or None."""
-    if isinstance(e, CheckpointException):
-        return next((k for exc, _ in e.failures.values() if (k := faults.kind_of(exc))), None)
-    return faults.kind_of(e)
-
-
-def _describe(e: BaseException) -> str:
-    """One line for an exception of a save or load; DCP's CheckpointException lists each rank's."""
-    if isinstance(e, CheckpointException):
-        return "; ".join(f"rank {r}: {_describe(exc)}" for r, (exc, _) in sorted(e.failures.items()))
-    for cause in (e, e.__cause__, e.__context__):
-        if isinstance(cause, OSError):
-            where = f" ({cause.filename})" if cause.filename else ""
-            return f"{type(cause).__name__}: [Errno {cause.errno}] {cause.strerror}{where}"
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[-1] if text else ''}"
-
-
-def _space(folder: Path) -> str:
-    """The file system's free space, and whether that means it is full: a full disk does not always show as
-    ENOSPC (torch's archive writer reports a short write as an "unexpected pos" error)."""
-    try:
-        usage = shutil.disk_usage(folder)
-    except OSError as e:
-        return f"the file system of {folder} cannot be queried ({e.strerror})"
-    full = "is FULL" if usage.free < min(usage.total / 100, 64 * 2**20) else "has"
-    return f"the file system of {folder} {full}: {usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB"

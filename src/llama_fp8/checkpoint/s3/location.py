@@ -88,6 +88,8 @@ class S3Options:
     threads: int = 4
     prefix_strategy: str = "auto"
     part_size: int = 8 << 20
+    max_attempts: int = 10
+    """Tries of one request by the CRT client (AWS_MAX_ATTEMPTS, the AWS SDKs' setting; the connector's default)."""
 
     @classmethod
     def from_config(cls, cfg) -> S3Options:
@@ -99,9 +101,12 @@ class S3Options:
                     or os.environ.get("AWS_ENDPOINT_URL") or None)
         if endpoint and not re.match(r"^https?://[^/\s]+/?$", endpoint):
             raise ValueError(f"--s3_endpoint {endpoint!r}: expected http(s)://host[:port], e.g. http://127.0.0.1:8333")
+        attempts = os.environ.get("AWS_MAX_ATTEMPTS", "10")
+        if not attempts.isdigit() or int(attempts) < 1:
+            raise ValueError(f"AWS_MAX_ATTEMPTS={attempts!r}: expected a whole number >= 1 (tries of one S3 request)")
         return cls(region=region, endpoint=endpoint.rstrip("/") if endpoint else None,
                    threads=int(getattr(cfg, "s3_threads", 4) or 4),
-                   prefix_strategy=getattr(cfg, "s3_prefix_strategy", "auto") or "auto")
+                   prefix_strategy=getattr(cfg, "s3_prefix_strategy", "auto") or "auto", max_attempts=int(attempts))
 
     def client(self):
         """The connector's S3 client (its CRT client is created on first use, once per process)."""
@@ -109,7 +114,8 @@ class S3Options:
         from s3torchconnector._s3client import S3Client
         from s3torchconnector._user_agent import UserAgent
 
-        config = s3.S3ClientConfig(force_path_style=self.endpoint is not None, part_size=self.part_size)
+        config = s3.S3ClientConfig(force_path_style=self.endpoint is not None, part_size=self.part_size,
+                                   max_attempts=self.max_attempts)
         return S3Client(self.region, endpoint=self.endpoint, user_agent=UserAgent(["llama-fp8"]),
                         s3client_config=config)
 

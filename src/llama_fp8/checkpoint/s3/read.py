@@ -21,6 +21,9 @@ from llama_fp8.checkpoint.safe_io import UnsafeCheckpointFile
 
 def read_checked(store: ObjectStore, where: S3Location, want: dict | None, cap: int) -> bytes:
     """The bytes of the object ``where``, verified against its manifest entry ``want`` (capped only without one)."""
+    if want is not None and int(want["bytes"]) > cap:
+        raise UnsafeCheckpointFile(str(where), f"the manifest says {want['bytes']} bytes, more than the {cap} an object "
+                                               f"of its kind may have; refused without reading it")
     try:
         data = store.read(where, cap if want is None else min(int(want["bytes"]), cap))
     except ObjectMissing:
