@@ -126,7 +126,7 @@ class S3Server:
             return
         self.proc.terminate()
         try:
-            self.proc.wait(20)
+            self.proc.wait(5)  # a server going down need not be graceful
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()

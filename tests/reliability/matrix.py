@@ -129,7 +129,7 @@ MATRIX: dict[str, tuple[str, str, str]] = {
         "step_4 never gets its manifest; step_2 intact; the rerun resumes from step_2 (bitwise), its first save "
         "removes the half-written prefix"),
     "test_s3_throttled_with_503_slow_down": (
-        FAULT, "S3: a proxy answers every 4th request 503 Slow Down (saves and the load)",
+        FAULT, "S3: a proxy answers every 4th request 503 Slow Down (async saves and the load)",
         "the client retries; nothing fails; the resumed run is bitwise equal"),
     "test_s3_server_down_during_a_save_and_back_before_the_next": (
         FAULT, "S3: the server stopped during the save of step_4, back before the rerun",

@@ -79,9 +79,14 @@ class Checkpointer:
         self._started = 0.0  # perf_counter at the start of the save being finalized (its manifest records the time)
 
     def join_copy(self) -> None:
-        """Wait for the background copy to S3 in flight (rank 0 with --checkpoint_copy_dir)."""
+        """At the end of a run: wait for the background copy to S3 in flight (rank 0 with --checkpoint_copy_dir), and
+        for the deletion of retired S3 checkpoints (a prefix left half-deleted is billed until the next run's first
+        save removes it; a folder's deletion is not waited for: the next run's first save finishes it)."""
         if self.copy is not None:
             self.copy.join()
+        if self.s3 is not None:
+            self._deleter.shutdown(wait=True)
+            self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ckpt-delete")
 
     @property
     def group(self):

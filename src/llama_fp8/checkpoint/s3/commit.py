@@ -151,8 +151,12 @@ def _check_one(store: ObjectStore, ckpt: S3Location, name: str, files: dict) -> 
     want = files[name]
     if name == manifest.TRAIN_STATE:
         s3read.read_train_state(store, ckpt, want)
-    elif name == ".metadata":
-        s3read.read_dcp_metadata(store, ckpt, want)
+    elif name == ".metadata":  # and every byte range it points to lies in an object the manifest lists
+        meta = s3read.read_dcp_metadata(store, ckpt, want)
+        short = sorted({info.relative_path for info in meta.storage_data.values()
+                        if info.offset + info.length > int(files.get(info.relative_path, {}).get("bytes", -1))})
+        if short:
+            raise ValueError(f"{ckpt}/.metadata points past the end of {', '.join(short[:3])} (truncated or missing)")
     elif name.startswith("rank") and name.endswith(".safetensors"):
         s3read.read_rank_state(store, ckpt, int(name[4:-len(".safetensors")]), files)
     elif "blocks" in want:  # a shard: read forward, every block against its digest, nothing kept
