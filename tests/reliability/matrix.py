@@ -338,9 +338,10 @@ def render_hostile() -> str:
     return "\n".join([*lines, "", END]) + "\n"
 
 
-def with_hostile(doc: str) -> str:
-    """``doc`` with its hostile-inputs section replaced (or put before the decisions)."""
-    section = render_hostile()
+def with_hostile(doc: str, kept: str | None = None) -> str:
+    """``doc`` with its hostile-inputs section replaced (or put before the decisions); ``kept``: the section to put
+    there instead of one rendered from recorded rows."""
+    section = kept or render_hostile()
     if BEGIN in doc and END in doc:
         return doc[:doc.index(BEGIN)] + section + doc[doc.index(END) + len(END) + 1:]
     cut = doc.index("## What was decided") if "## What was decided" in doc else len(doc)
@@ -393,7 +394,16 @@ def from_doc(doc: Path) -> dict[str, dict]:
     return out
 
 
-def render(rows: dict[str, dict]) -> str:
+def hostile_section(doc: Path) -> str | None:
+    """The doc's hostile-inputs section as it is, when this machine has not recorded every hostile row."""
+    recorded = json.loads(HOSTILE_ROWS_FILE.read_text()) if HOSTILE_ROWS_FILE.is_file() else {}
+    text = doc.read_text() if doc.is_file() else ""
+    if all(k in recorded for k in HOSTILE) or BEGIN not in text or END not in text:
+        return None
+    return text[text.index(BEGIN):text.index(END) + len(END)] + "\n"
+
+
+def render(rows: dict[str, dict], kept_hostile: str | None = None) -> str:
     missing = [k for k in MATRIX if k not in rows]
     if missing:
         raise SystemExit(f"no recorded result for {len(missing)} matrix rows (run them first): {missing[:5]}")
@@ -414,7 +424,7 @@ def render(rows: dict[str, dict]) -> str:
                 lost = "-" if r["steps_lost"] is None else str(r["steps_lost"])
                 lines.append(f"| {fault} | {expected} | {r['observed']} | {lost} | `{key}` |".replace("\n", " "))
         lines.append("")
-    return with_hostile("\n".join(lines) + "\n" + (DECISIONS.read_text() if DECISIONS.is_file() else ""))
+    return with_hostile("\n".join(lines) + "\n" + (DECISIONS.read_text() if DECISIONS.is_file() else ""), kept_hostile)
 
 
 DECISIONS = Path(__file__).with_name("decisions.md")
@@ -436,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote the hostile-inputs section of {args.out}: {len(HOSTILE)} rows")
         return 0
     rows = {**from_doc(Path(args.out)), **load_rows()} if args.keep_unrecorded else load_rows()
-    Path(args.out).write_text(render(rows))
+    Path(args.out).write_text(render(rows, hostile_section(Path(args.out)) if args.keep_unrecorded else None))
     print(f"wrote {args.out}: {headline(summary(rows))}")
     return 0
 
