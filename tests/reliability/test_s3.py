@@ -300,3 +300,17 @@ def test_s3_hostile_objects_are_refused_by_the_safe_reader(tmp_path, s3_server, 
     big = plant("step_4", {"train_state.json": state + b" " * 200, ".metadata": b"x"})
     assert any("more than the 100" in p for p in big), big
     assert [s for s, _ in commit.complete(st, root)] == [1, 2, 3, 4]  # refused, never deleted
+
+
+def test_s3_a_complete_step_saved_again_is_kept_until_the_new_one_is_complete(s3_server):
+    """Resuming from an older checkpoint saves a later step again: the earlier attempt's complete one is moved aside
+    (server-side), not deleted, before the new objects are written; a failed new save leaves it there."""
+    from llama_fp8.checkpoint.s3 import commit
+
+    st, root = s3kit.store(s3_server.endpoint), S3Location(s3kit.BUCKET, "again")
+    old = {"WRITER": b"{}", "COMPLETE": b"{}", "__0_0.distcp": b"old shard"}
+    for key, data in old.items():
+        st.write(root / "step_7" / key, data)
+    commit.begin(st, root, 7, sweep=True)
+    assert st.list(root / "step_7.replaced") == {k: len(v) for k, v in old.items()}
+    assert set(st.list(root / "step_7")) == {"WRITER"}  # this save's marker only: nothing of the old one lost

@@ -10,6 +10,8 @@ Layout under ``--checkpoint_dir s3://bucket/prefix``::
                              consistent with the writes before them)
     step_200/BROKEN          a manifest set aside because the objects failed their check at start-up (kept)
     step_300.incomplete/...  objects of a step_300 prefix that was not ours, moved aside before this run saved 300
+    step_200.replaced/...    a complete step_200 of an earlier attempt, moved aside while this run saves step 200 again;
+                             deleted once the new one is complete (kept if the new save fails)
 
 A prefix with ``WRITER`` and without ``COMPLETE`` is a save that was interrupted (or a retirement: keep_last_k
 deletes ``COMPLETE`` first): never loaded, its objects of our names removed by the next save. A prefix without
@@ -30,7 +32,7 @@ from llama_fp8.checkpoint.s3.location import S3Location
 from llama_fp8.checkpoint.s3.store import ObjectMissing, ObjectStore
 
 log = logging.getLogger("llama_fp8.checkpoint")
-WRITER, BROKEN, INCOMPLETE = "WRITER", "BROKEN", ".incomplete"
+WRITER, BROKEN, INCOMPLETE, REPLACED = "WRITER", "BROKEN", ".incomplete", ".replaced"
 _STEP = re.compile(r"^step_(\d+)$")
 _OURS = re.compile(r"^(?:[0-9a-f]{1,64}/)?__\d+_\d+\.distcp$|^\.metadata(?:\.tmp)?$|^rank\d+\.safetensors$|"
                    r"^train_state\.json$|^COMPLETE$|^BROKEN$|^WRITER$")
@@ -72,8 +74,8 @@ def begin(store: ObjectStore, root: S3Location, step: int, sweep: bool) -> S3Loc
         elif s == step and keys and WRITER not in keys:
             _move(store, prefix, keys, root / f"step_{step}{INCOMPLETE}", f"objects without {WRITER} (not a "
                                                                            f"checkpoint of this run)")
-        elif s == step and manifest.MARKER in keys:  # the same step from an earlier attempt: replaced
-            remove_ours(store, prefix, keys)
+        elif s == step and manifest.MARKER in keys:  # the same step from an earlier attempt: kept until this one
+            _move(store, prefix, keys, root / f"step_{step}{REPLACED}", "a complete checkpoint of an earlier attempt")
     store.write(ckpt / WRITER, json.dumps(holder()).encode())
     return ckpt
 

@@ -50,7 +50,8 @@ class S3Target:
         manifest.check_against_metadata(ckpt, files, meta)
         commit.publish(self.store, ckpt, step, world, files, save_s)
         done = commit.complete(self.store, self.root)
-        return [p for _, p in done[:-keep]] if keep > 0 else []
+        replaced = self.root / f"step_{step}{commit.REPLACED}"  # the earlier attempt's, now superseded
+        return [p for _, p in done[:-keep]] + [replaced] if keep > 0 else [replaced]
 
     def retire(self, ckpt: S3Location) -> None:
         try:
