@@ -76,7 +76,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                                               "endpoint URL of an S3-compatible store")
     p.add_argument("--s3_bucket", default="bench", help="bucket of the S3 rounds (created by --s3 local)")
     p.add_argument("--s3_region", default=os.environ.get("AWS_REGION", "us-east-1"), help="its region")
-    p.add_argument("--s3_prefix", default=f"bench_checkpoint/{os.getpid()}", help="key prefix of the S3 rounds")
+    p.add_argument("--s3_prefix", default=None, help="key prefix of the S3 rounds (default: bench_checkpoint/<pid of "
+                                                     "the launching process>, the same on every rank)")
     p.add_argument("--s3_threads", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4, 8],
                    help="upload/download threads per rank to measure (default 1,4,8)")
     p.add_argument("--tier_steps", type=int, default=6, help="training steps measured per copy (default 6)")
@@ -102,6 +103,8 @@ def relaunch(args: argparse.Namespace, argv: list[str]) -> int:
         s3kit.create_bucket(server, args.s3_bucket)
         env.update(AWS_ACCESS_KEY_ID=s3kit.ACCESS_KEY, AWS_SECRET_ACCESS_KEY=s3kit.SECRET_KEY)
         extra = ["--s3", server.endpoint]
+    if args.s3 and args.s3_prefix is None:  # one prefix for every rank
+        extra += ["--s3_prefix", f"bench_checkpoint/{os.getpid()}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            os.path.abspath(__file__), *argv, *extra, "--dir", str(folder)]
     try:
