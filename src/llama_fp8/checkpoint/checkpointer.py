@@ -143,7 +143,7 @@ class Checkpointer:
         hasher = manifest.HASHERS[manifest.ALGORITHM]
         return self.s3.writer(tmp, hasher, self.world) if self.s3 else HashingFileSystemWriter(str(tmp), hasher)
 
-    def _prepare(self, tmp: Path, step: int) -> None:
+    def _prepare(self, tmp: Path, step: int | None = None) -> None:  # step: the S3 prefix's (a folder: in tmp)
         if self.s3:
             self.s3.begin(step, sweep=not self._swept)
             self._swept = True
