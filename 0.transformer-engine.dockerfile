@@ -64,6 +64,9 @@ RUN python -c "import importlib.metadata as m; print(m.version('torch'), m.versi
 # Real files only: the repository's `configs` is a symlink into src/ (the presets are package data), so it is
 # recreated here as the same relative link instead of being copied.
 COPY pyproject.toml README.md ./
+# s3:// checkpoints (docs/checkpoints.md): the Amazon S3 Connector for PyTorch with its DCP extra, under NGC's
+# constraint (its torch requirement is met by NGC's torch; the check below proves torch unchanged).
+RUN pip install --no-cache-dir --constraint /etc/pip/constraint.txt "s3torchconnector[dcp]>=1.5"
 COPY src ./src
 COPY 1.train_llama.sbatch 2.ab_fp8_vs_bf16.sh ./
 RUN ln -s src/llama_fp8/configs configs && \

@@ -9,7 +9,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS ?= torchao,report,slurm,tensorboard,wandb,prometheus,mlflow,mlflow-server,otlp,dev
+EXTRAS ?= torchao,report,slurm,tensorboard,wandb,prometheus,mlflow,mlflow-server,otlp,s3,dev
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast lint bench test-te test-torch214 install clean

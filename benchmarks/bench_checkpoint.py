@@ -32,6 +32,12 @@ seconds. Ratios: ours save / raw write and ours load / raw read (goal >= 0.6 eac
 blocked time / sync save time (goal <= 0.2). Every variant is reported as the median and the spread (min -
 max) of its --rounds repeats. Prints a table, then one JSON line ``{"bench": "checkpoint", ...}``.
 
+With ``--s3 local`` (a SeaweedFS server started on 127.0.0.1 from the dev extra's ``weed``) or ``--s3 URL`` (an
+S3-compatible endpoint, or ``aws`` for AWS's endpoint of ``--s3_region``, with ``--s3_bucket``), the S3 rounds run
+instead (benchmarks/checkpoint_s3.py): our save and load through the Amazon S3 Connector for PyTorch against a
+plain multipart upload and download of the same bytes to the same server, at each of ``--s3_threads``, and the two
+tiers' stall. Prints its table, then one JSON line ``{"bench": "checkpoint_s3", ...}``.
+
 Run: ``python benchmarks/bench_checkpoint.py`` (relaunches itself under torch.distributed.run).
 """
 
@@ -66,7 +72,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dir", default=None, help="the file system to measure: a new folder is made in this one for "
                                                "each run and removed after it (default: runs/)")
     p.add_argument("--nproc", type=int, default=2, help="ranks to launch (ignored under torchrun)")
+    p.add_argument("--s3", default=None, help="run the S3 rounds instead: local (start SeaweedFS here), aws, or the "
+                                              "endpoint URL of an S3-compatible store")
+    p.add_argument("--s3_bucket", default="bench", help="bucket of the S3 rounds (created by --s3 local)")
+    p.add_argument("--s3_region", default=os.environ.get("AWS_REGION", "us-east-1"), help="its region")
+    p.add_argument("--s3_prefix", default=None, help="key prefix of the S3 rounds (default: bench_checkpoint/<pid of "
+                                                     "the launching process>, the same on every rank)")
+    p.add_argument("--s3_threads", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4, 8],
+                   help="upload/download threads per rank to measure (default 1,4,8)")
+    p.add_argument("--tier_steps", type=int, default=6, help="training steps measured per copy (default 6)")
     args = p.parse_args(argv)
+    args.s3_endpoint = None if args.s3 in (None, "aws", "local") else args.s3
     if args.rounds < 1 or args.nproc < 1:
         p.error("--rounds and --nproc must be >= 1")
     return args
@@ -77,11 +93,25 @@ def relaunch(args: argparse.Namespace, argv: list[str]) -> int:
     folder = Path(tempfile.mkdtemp(prefix="bench_checkpoint-", dir=parent))  # a run's training refuses a used one
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    server, extra = None, []
+    if args.s3 == "local":  # the tests' SeaweedFS (tests/s3kit.py), with the tests' keys
+        sys.path.insert(0, str(REPO / "tests"))
+        import s3kit
+
+        server = s3kit.S3Server(folder / "s3server")
+        server.start()
+        s3kit.create_bucket(server, args.s3_bucket)
+        env.update(AWS_ACCESS_KEY_ID=s3kit.ACCESS_KEY, AWS_SECRET_ACCESS_KEY=s3kit.SECRET_KEY)
+        extra = ["--s3", server.endpoint]
+    if args.s3 and args.s3_prefix is None:  # one prefix for every rank
+        extra += ["--s3_prefix", f"bench_checkpoint/{os.getpid()}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           os.path.abspath(__file__), *argv, "--dir", str(folder)]
+           os.path.abspath(__file__), *argv, *extra, "--dir", str(folder)]
     try:
         return subprocess.run(cmd, env=env).returncode
     finally:
+        if server is not None:
+            server.stop()
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -157,6 +187,8 @@ def rank_main(args: argparse.Namespace) -> int:
         nbytes = int(total.item())
         dest = [torch.empty_like(t) for t in tensors]
 
+        if args.s3:
+            return s3_main(args, s, cfg, env, tensors, nbytes, folder)
         raw = folder / "raw"
         raw.mkdir(exist_ok=True)
         raw_file = raw / f"rank{env.rank}.bin"
@@ -189,6 +221,23 @@ def rank_main(args: argparse.Namespace) -> int:
     finally:
         s.close()
         parallel.destroy_distributed()
+    return 0
+
+
+def s3_main(args, s, cfg, env, tensors, nbytes: int, folder: Path) -> int:
+    """The S3 rounds and the tiers' (benchmarks/checkpoint_s3.py) instead of the disk rounds."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import checkpoint_s3
+
+    times = checkpoint_s3.s3_rounds(s, cfg, env, args, tensors)
+    times.update(checkpoint_s3.tier_rounds(s, cfg, env, args, folder / "tiers"))
+    if env.is_main:
+        load = os.getloadavg()[0]
+        out = checkpoint_s3.report(args, nbytes, times, load)
+        print(json.dumps({"bench": "checkpoint_s3", "world_size": env.world_size, "state_bytes": nbytes,
+                          "rounds": args.rounds, "cpus": os.cpu_count(), "load_avg_1min": round(load, 2),
+                          "median_s": {k: round(statistics.median(v), 4) for k, v in times.items() if v}, **out,
+                          "ratio": min(r["save_ratio"] for r in out["s3_threads"].values())}), flush=True)
     return 0
 
 

@@ -63,7 +63,8 @@ download() {
 ((dry)) || mkdir -p "$dir"
 # Pure-Python and small wheels the node lacks (its image has torch, triton, transformers, safetensors, pyyaml).
 download -d "$dir" "torchao==$torchao" "transformer_engine==$te" pydantic pydantic_core typing_extensions \
-    typing_inspection annotated_types importlib_metadata nvidia-cudnn-frontend nvdlfw-inspect datasets dill multiprocess
+    typing_inspection annotated_types importlib_metadata nvidia-cudnn-frontend nvdlfw-inspect datasets dill multiprocess \
+    s3torchconnector==1.5.0 s3torchconnectorclient==1.5.0 tenacity  # s3:// checkpoints: the S3 Connector for PyTorch
 # TE's torch extension as source: compiled for the node's torch, here (--build-te) or on the node.
 run "$py" "$here/kit.py" sdist transformer_engine_torch "$te" "$dir"
 # TE's core library: GPU code for every architecture (~280 MB); keep the node's, repack.

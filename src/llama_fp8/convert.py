@@ -5,7 +5,6 @@ direction, ``--init_from_hf DIR``, is each implementation's ``load_hf`` (``model
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -32,16 +31,30 @@ def _checkpoint_path(path: Path) -> Path:
     return found[-1][1]
 
 
-def export_hf(ckpt: Path, out: Path, dtype: torch.dtype) -> Path:
-    """Write ``out`` as a Hugging Face Llama folder (config.json + safetensors) from a DCP checkpoint."""
+def _s3_checkpoint(s3cfg, where):
+    """The checkpoint at ``where`` (an S3 prefix holding a manifest, else the newest complete one under it)."""
+    if any(p == where for _, p in checkpoint.places.complete(s3cfg, where.parent)):
+        return where
+    found = checkpoint.places.complete(s3cfg, where)
+    if not found:
+        raise ConfigError(f"{where}: neither a complete checkpoint (with {checkpoint.MARKER}) nor a prefix holding one")
+    return found[-1][1]
+
+
+def export_hf(ckpt, out: Path, dtype: torch.dtype, s3cfg=None) -> Path:
+    """Write ``out`` as a Hugging Face Llama folder (config.json + safetensors) from a DCP checkpoint (a folder, or
+    an s3:// prefix read with ``s3cfg``'s region and endpoint)."""
     import torch.distributed.checkpoint as dcp
     from transformers import LlamaForCausalLM
 
-    path = _checkpoint_path(ckpt)
-    problems = checkpoint.verify(path)  # sizes, checksums and structure, before anything is read into a model
+    places = checkpoint.places
+    where = places.location(ckpt)
+    on_s3 = places.is_s3(where)
+    path = _s3_checkpoint(s3cfg, where) if on_s3 else _checkpoint_path(where)
+    problems = places.verify(s3cfg, path, 0, 1)  # sizes, checksums and structure, before anything is read
     if problems:
         raise ConfigError(f"{path} is damaged: {'; '.join(problems)}")
-    saved = json.loads((path / "train_state.json").read_text())
+    saved = places.read_train_state(s3cfg, path)
     asked = {k: v for k, v in saved["config"].items() if k != "config"}
     cfg = config_mod.resolve(TrainConfig(**asked))
     # Checkpoints record the implementation that ran in their plan (older ones in the config itself).
@@ -52,8 +65,13 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype) -> Path:
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
     # In place, into the model's tensors; the readers that never execute what they read (checkpoint/dcp_read.py).
-    dcp.load(state, storage_reader=checkpoint.dcp_read.SafeFileSystemReader(str(path)),
-             planner=checkpoint.dcp_read.SafeLoadPlanner(), no_dist=True)
+    if on_s3:
+        target = places.target(s3cfg, path)
+        got = target.first(path, {})
+        reader = target.reader(path, got["files"], got["dcp"])
+    else:
+        reader = checkpoint.dcp_read.SafeFileSystemReader(str(path))
+    dcp.load(state, storage_reader=reader, planner=checkpoint.dcp_read.SafeLoadPlanner(), no_dist=True)
     hf = LlamaForCausalLM(hf_config(cfg))
     hf.load_state_dict(impl.to_hf_state(state["model"], cfg), strict=True)
     save_hf(hf, out, dtype)
@@ -78,7 +96,9 @@ def main(argv: list[str]) -> int:
                                      description="Export a DCP checkpoint (step_N folder, or a checkpoint dir: its "
                                                  "latest complete one) to a Hugging Face folder.",
                                      epilog="docs: docs/checkpoints.md")
-    parser.add_argument("checkpoint", help="step_N folder or --checkpoint_dir")
+    parser.add_argument("checkpoint", help="step_N folder or --checkpoint_dir (or s3://bucket/prefix[/step_N])")
+    parser.add_argument("--s3_region", help="region of an s3:// checkpoint's bucket (default: AWS_REGION)")
+    parser.add_argument("--s3_endpoint", help="endpoint of an S3-compatible store (default: AWS_ENDPOINT_URL_S3)")
     parser.add_argument("out_dir", help="new folder for config.json + model.safetensors (must not exist or be empty)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights dtype (default bf16)")
     args = parser.parse_args(argv)
@@ -89,7 +109,9 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return EXIT_BAD_CONFIG
     try:
-        path = export_hf(Path(args.checkpoint), out, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+        s3cfg = argparse.Namespace(s3_region=args.s3_region, s3_endpoint=args.s3_endpoint, s3_threads=4,
+                                   s3_prefix_strategy="auto", checkpoint_copy_dir=None)
+        path = export_hf(args.checkpoint, out, torch.bfloat16 if args.dtype == "bf16" else torch.float32, s3cfg)
     except ConfigError as e:
         print(f"llama-fp8 convert: error: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG

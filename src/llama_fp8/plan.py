@@ -165,12 +165,17 @@ def _agree_on_dirs(cfg: TrainConfig, env: DistEnv) -> tuple[Path, Path, Path | N
     return out[0]
 
 
-def decide_dirs(cfg: TrainConfig) -> tuple[Path, Path, Path | None]:
+def decide_dirs(cfg: TrainConfig) -> tuple[Path, Any, Any]:
     """(run dir, checkpoint dir, checkpoint to resume from); refuses to write over another run's metrics,
-    and refuses folders it cannot write to (a ConfigError, so that ``_agree_on_dirs`` tells every rank)."""
+    and refuses folders it cannot write to (a ConfigError, so that ``_agree_on_dirs`` tells every rank). The
+    checkpoint dir may be an S3 prefix; with --checkpoint_copy_dir the resume point may be on S3."""
     run_dir = Path(cfg.run_dir or config_mod.default_run_dir())
-    ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else run_dir / "checkpoints"
-    resume = checkpoint.find_resume(cfg.resume_from_checkpoint, ckpt_dir)
+    ckpt_dir = checkpoint.places.location(cfg.checkpoint_dir) if cfg.checkpoint_dir else run_dir / "checkpoints"
+    copy = checkpoint.places.location(cfg.checkpoint_copy_dir) if cfg.checkpoint_copy_dir else None
+    if copy is not None and not (isinstance(ckpt_dir, Path) and checkpoint.places.is_s3(copy)):
+        raise ConfigError(f"--checkpoint_copy_dir {cfg.checkpoint_copy_dir}: copies go from a file-system "
+                          f"--checkpoint_dir to an s3://bucket/prefix (here --checkpoint_dir is {ckpt_dir})")
+    resume = checkpoint.places.find_resume(cfg, ckpt_dir)
     # An earlier attempt of this same job (a restart inside the allocation, a requeue) that failed before its first
     # checkpoint starts over in its own run dir; the steps it had done count as restart loss (telemetry/goodput.py).
     earlier = goodput.written_by_this_job(run_dir / "metrics.jsonl")
@@ -182,13 +187,15 @@ def decide_dirs(cfg: TrainConfig) -> tuple[Path, Path, Path | None]:
     except OSError as e:
         raise ConfigError(f"--run_dir {run_dir} cannot be created ({e.strerror or e}); choose a writable "
                           f"--run_dir") from None
-    checkpoint.probe_writable(ckpt_dir)  # before anything is computed, not at the first save
+    for root in checkpoint.places.roots(cfg, ckpt_dir):  # before anything is computed, not at the first save
+        checkpoint.places.probe_writable(cfg, root)
     return run_dir, ckpt_dir, resume
 
 
 def write_config(cfg: TrainConfig, plan: RunPlan) -> Path:
     """``config.yaml`` (or ``config.resume_step_N.yaml`` for a resumed attempt): asked + resolved."""
-    name = "config.yaml" if plan.resume_from is None else f"config.resume_{Path(plan.resume_from).name}.yaml"
+    name = "config.yaml" if plan.resume_from is None else \
+        f"config.resume_{checkpoint.places.location(plan.resume_from).name}.yaml"
     path = Path(plan.run_dir) / name
     path.write_text(yaml.safe_dump({"asked": config_mod.asked(cfg), "resolved": plan.to_dict()}, sort_keys=False))
     return path

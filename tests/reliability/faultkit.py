@@ -148,3 +148,13 @@ def exit_text(rc: int) -> str:
     if rc > 128 and rc - 128 in {s.value for s in signal.Signals}:
         return f"exit {rc} (a rank died of {signal.Signals(rc - 128).name})"
     return f"exit {rc}"
+
+
+def assert_matches_reference_s3(run_dir: Path, ref: Reference, resumed_from: int, final: dict[str, str]) -> str:
+    """``assert_matches_reference`` for a run whose checkpoints are on S3: ``final`` are its last shards' sums."""
+    got = losses(run_dir)
+    after = range(resumed_from + 1, STEPS + 1)
+    assert [got[s] for s in after] == [ref.losses[s] for s in after], (got, ref.losses)
+    assert final == ref.final, (final, ref.final)
+    steps = f"step {STEPS}" if after.start == STEPS else f"steps {after.start}-{STEPS}"
+    return f"losses of {steps} and final weights bitwise equal to the uninterrupted run"

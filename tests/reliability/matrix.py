@@ -123,6 +123,30 @@ MATRIX: dict[str, tuple[str, str, str]] = {
     "test_deterministic_failure_is_not_restarted": (
         FAULT, "Slurm: a non-finite loss from step 3 on (every attempt would hit it)",
         "exit 3 once, not restarted, not requeued: the job FAILED with one line saying why"),
+    # --- checkpoints on S3: a real S3-compatible server (SeaweedFS) on 127.0.0.1, the connector's own client ----
+    "test_s3_rank_killed_mid_upload_two_ranks": (
+        FAULT, "S3, 2 ranks: SIGKILL of rank 1 while its shard of step_4 is being uploaded",
+        "step_4 never gets its manifest; step_2 intact; the rerun resumes from step_2 (bitwise), its first save "
+        "removes the half-written prefix"),
+    "test_s3_throttled_with_503_slow_down": (
+        FAULT, "S3: a proxy answers every 4th request 503 Slow Down (async saves and the load)",
+        "the client retries; nothing fails; the resumed run is bitwise equal"),
+    "test_s3_server_down_during_a_save_and_back_before_the_next": (
+        FAULT, "S3: the server stopped during the save of step_4, back before the rerun",
+        "the save fails after the retries with the transient exit 75 (restart, not a bad config); step_2 intact; "
+        "the rerun resumes from step_2, bitwise"),
+    "test_s3_half_written_prefix_is_never_loaded": (
+        FAULT, "S3: step_4's objects without its manifest (a save interrupted before COMPLETE)",
+        "never a resume candidate; resumes from step_2, bitwise; the prefix is replaced by the next save of step 4"),
+    "test_s3_manifest_without_its_shards_falls_back": (
+        BAD_INPUT, "S3: step_4's manifest present, its shard objects deleted",
+        "list-and-verify names them; step_4 set aside (kept); resumes from step_2, bitwise"),
+    "test_s3_planted_objects_that_are_not_ours_are_kept": (
+        BAD_INPUT, "S3: objects not ours planted inside step_4/, as a step_6/ prefix, and beside the checkpoints",
+        "never read, never deleted (step_6/ moved aside before step 6 is saved); resumes from step_4, bitwise"),
+    "test_s3_tier_resumes_from_s3_when_the_file_system_tier_is_gone": (
+        FAULT, "two tiers: checkpoints on the file system, each copied to S3 in the background; then the file system's "
+               "folder deleted", "resumes from the S3 copy of step_4, bitwise"),
     # --- damaged checkpoints and unsafe files (1 rank, in-process) --------------------------------------------
     "test_damaged_latest_checkpoint_falls_back[truncated shard]": (
         BAD_INPUT, "the latest checkpoint's .distcp shard truncated to half",
@@ -314,9 +338,10 @@ def render_hostile() -> str:
     return "\n".join([*lines, "", END]) + "\n"
 
 
-def with_hostile(doc: str) -> str:
-    """``doc`` with its hostile-inputs section replaced (or put before the decisions)."""
-    section = render_hostile()
+def with_hostile(doc: str, kept: str | None = None) -> str:
+    """``doc`` with its hostile-inputs section replaced (or put before the decisions); ``kept``: the section to put
+    there instead of one rendered from recorded rows."""
+    section = kept or render_hostile()
     if BEGIN in doc and END in doc:
         return doc[:doc.index(BEGIN)] + section + doc[doc.index(END) + len(END) + 1:]
     cut = doc.index("## What was decided") if "## What was decided" in doc else len(doc)
@@ -357,7 +382,28 @@ def headline(s: dict[str, int]) -> str:
             f"{s['resume_changes_tried']} resume changes, each working or refused before training")
 
 
-def render(rows: dict[str, dict]) -> str:
+def from_doc(doc: Path) -> dict[str, dict]:
+    """The rows the rendered doc holds (observed, steps lost), as recorded rows dated by the doc."""
+    text = doc.read_text() if doc.is_file() else ""
+    when = re.search(r"Results as of (\d{4}-\d{2}-\d{2})", text)
+    out = {}
+    for _, _, observed, lost, key in re.findall(r"^\| (.+?) \| (.+?) \| (.+?) \| (\d+|-) \| `(.+?)` \|$", text, re.M):
+        if key in MATRIX:
+            out[key] = {"observed": observed, "steps_lost": None if lost == "-" else int(lost),
+                        "when": when.group(1) if when else "unknown"}
+    return out
+
+
+def hostile_section(doc: Path) -> str | None:
+    """The doc's hostile-inputs section as it is, when this machine has not recorded every hostile row."""
+    recorded = json.loads(HOSTILE_ROWS_FILE.read_text()) if HOSTILE_ROWS_FILE.is_file() else {}
+    text = doc.read_text() if doc.is_file() else ""
+    if all(k in recorded for k in HOSTILE) or BEGIN not in text or END not in text:
+        return None
+    return text[text.index(BEGIN):text.index(END) + len(END)] + "\n"
+
+
+def render(rows: dict[str, dict], kept_hostile: str | None = None) -> str:
     missing = [k for k in MATRIX if k not in rows]
     if missing:
         raise SystemExit(f"no recorded result for {len(missing)} matrix rows (run them first): {missing[:5]}")
@@ -378,7 +424,7 @@ def render(rows: dict[str, dict]) -> str:
                 lost = "-" if r["steps_lost"] is None else str(r["steps_lost"])
                 lines.append(f"| {fault} | {expected} | {r['observed']} | {lost} | `{key}` |".replace("\n", " "))
         lines.append("")
-    return with_hostile("\n".join(lines) + "\n" + (DECISIONS.read_text() if DECISIONS.is_file() else ""))
+    return with_hostile("\n".join(lines) + "\n" + (DECISIONS.read_text() if DECISIONS.is_file() else ""), kept_hostile)
 
 
 DECISIONS = Path(__file__).with_name("decisions.md")
@@ -388,6 +434,8 @@ DECISIONS = Path(__file__).with_name("decisions.md")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Render docs/reliability.md from the recorded matrix rows.")
     p.add_argument("--out", default=str(REPO / "docs" / "reliability.md"))
+    p.add_argument("--keep_unrecorded", action="store_true",
+                   help="rows this machine has not recorded keep what --out says (run only the rows you changed)")
     p.add_argument("--hostile_only", action="store_true",
                    help="replace only the hostile-inputs section of --out (from tests/checkpoint/ results)")
     args = p.parse_args(argv)
@@ -397,8 +445,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(doc[:cut] + (DECISIONS.read_text() if DECISIONS.is_file() else ""))
         print(f"wrote the hostile-inputs section of {args.out}: {len(HOSTILE)} rows")
         return 0
-    Path(args.out).write_text(render(load_rows()))
-    print(f"wrote {args.out}: {headline(summary(load_rows()))}")
+    rows = {**from_doc(Path(args.out)), **load_rows()} if args.keep_unrecorded else load_rows()
+    Path(args.out).write_text(render(rows, hostile_section(Path(args.out)) if args.keep_unrecorded else None))
+    print(f"wrote {args.out}: {headline(summary(rows))}")
     return 0
 
 

@@ -31,13 +31,13 @@ Checkpoints of the previous version (``rank{r}.pt``, ``COMPLETE`` = ``ok``) stil
 
 import torch.distributed.checkpoint as dcp  # noqa: F401 - tests patch dcp.async_save through this module
 
-from llama_fp8.checkpoint import lock, safe_io
+from llama_fp8.checkpoint import lock, places, safe_io
 from llama_fp8.checkpoint.checkpointer import Checkpointer, CheckpointWriteError, check_fits, read_rank_file
 from llama_fp8.checkpoint.files import UnsafeCheckpointFile
 from llama_fp8.checkpoint.layout import complete_checkpoints, find_resume
 from llama_fp8.checkpoint.manifest import MARKER, recorded_save_s, verify
 from llama_fp8.checkpoint.resume import check_compatible, check_resume, probe_writable
 
-__all__ = ["MARKER", "lock", "safe_io", "CheckpointWriteError", "Checkpointer", "UnsafeCheckpointFile", "check_compatible", "check_fits",
+__all__ = ["MARKER", "lock", "places", "safe_io", "CheckpointWriteError", "Checkpointer", "UnsafeCheckpointFile", "check_compatible", "check_fits",
            "check_resume", "complete_checkpoints", "find_resume", "probe_writable", "read_rank_file", "recorded_save_s",
            "verify"]

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from llama_fp8 import faults
 from llama_fp8.checkpoint import dcp_read, layout, manifest
 from llama_fp8.checkpoint import files as rank_files
+from llama_fp8.checkpoint.failures import _describe, _kind, _merge, _space
 from llama_fp8.checkpoint.restore import (
     _entry,
     _jsonable,
@@ -53,8 +54,10 @@ class Checkpointer:
     """Saves every --checkpoint_freq steps (and at the end), keeps the last --keep_last_k, resumes."""
 
     def __init__(self, ckpt_dir: Path, keep_last_k: int, async_save: bool, rank: int, world: int,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, s3=None, copy=None):
         self.dir, self.keep, self.async_save, self.rank, self.world = ckpt_dir, keep_last_k, async_save, rank, world
+        self.s3 = s3  # an s3.target.S3Target when ckpt_dir is an s3:// prefix (then self.dir is its S3Location)
+        self.copy = copy  # rank 0's s3.copy.Copier with --checkpoint_copy_dir: every M-th checkpoint to S3
         # DCP's collectives (and ours around a save) run on a gloo group of their own: an async save's
         # background thread must never share a group with the training's collectives (two threads issuing
         # collectives on one group can pair different operations across ranks), and async saves need a
@@ -75,6 +78,16 @@ class Checkpointer:
         self.last_complete: int | None = None  # the step of the latest checkpoint known complete (saved or loaded)
         self._started = 0.0  # perf_counter at the start of the save being finalized (its manifest records the time)
 
+    def join_copy(self) -> None:
+        """At the end of a run: wait for the background copy to S3 in flight (rank 0 with --checkpoint_copy_dir), and
+        for the deletion of retired S3 checkpoints (a prefix left half-deleted is billed until the next run's first
+        save removes it; a folder's deletion is not waited for: the next run's first save finishes it)."""
+        if self.copy is not None:
+            self.copy.join()
+        if self.s3 is not None:
+            self._deleter.shutdown(wait=True)
+            self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ckpt-delete")
+
     @property
     def group(self):
         """The process group of the checkpoint's collectives (None on one rank)."""
@@ -84,16 +97,17 @@ class Checkpointer:
     def save(self, step: int, model, optimizer, scheduler, loader, cfg, plan=None) -> None:
         """Write checkpoint ``step``; with async_save, returns once the state is staged in host memory."""
         self.wait()  # at most one save in flight: the previous one is finalized first
-        final, tmp = self.dir / f"step_{step}", self.dir / f"step_{step}{layout.TMP}"
+        final = self.dir / f"step_{step}"
+        tmp = final if self.s3 else self.dir / f"step_{step}{layout.TMP}"  # on S3 the manifest is what completes
         t0 = self._started = time.perf_counter()
-        self._agree(step, lambda: self._prepare(tmp) if self.rank == 0 else None)
+        self._agree(step, lambda: self._prepare(tmp, step) if self.rank == 0 else None)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         self._agree(step, lambda: self._write_own(tmp, step, scheduler, loader, cfg, plan))
         faults.at("save.files_written", step)
         state = {"model": model_sd, "optim": optim_sd}
         if not self.async_save:
             try:
-                writer = HashingFileSystemWriter(str(tmp), manifest.HASHERS[manifest.ALGORITHM])
+                writer = self._writer(tmp)
                 written = dcp.save(state, storage_writer=writer, process_group=self._pg)
                 sums, error = self._my_sums(tmp, written, writer.digests), None
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported on every rank below
@@ -102,7 +116,7 @@ class Checkpointer:
             log.info("checkpoint saved: %s (%.2f s)", final, time.perf_counter() - t0)
             return
         try:
-            writer = HashingFileSystemWriter(str(tmp), manifest.HASHERS[manifest.ALGORITHM])
+            writer = self._writer(tmp)
             fut = dcp.async_save(state, storage_writer=writer, process_group=self._pg, async_stager=self._stager)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - a staging error: agreed on in wait()
             fut = Future()
@@ -125,7 +139,15 @@ class Checkpointer:
         self._finalize(tmp, final, step, sums, error)
         log.info("checkpoint saved: %s (written in the background)", final)
 
-    def _prepare(self, tmp: Path) -> None:
+    def _writer(self, tmp):
+        hasher = manifest.HASHERS[manifest.ALGORITHM]
+        return self.s3.writer(tmp, hasher, self.world) if self.s3 else HashingFileSystemWriter(str(tmp), hasher)
+
+    def _prepare(self, tmp: Path, step: int | None = None) -> None:  # step: the S3 prefix's (a folder: in tmp)
+        if self.s3:
+            self.s3.begin(step, sweep=not self._swept)
+            self._swept = True
+            return
         self.dir.mkdir(parents=True, exist_ok=True)
         if not self._swept:  # interrupted saves and deletions of an earlier attempt, once per run: a later
             layout.remove_leftovers(self.dir)  # step_N.old is this run's, being deleted by the background deleter,
@@ -135,14 +157,22 @@ class Checkpointer:
     def _write_own(self, tmp: Path, step: int, scheduler, loader, cfg, plan) -> None:
         """This rank's data position and RNG states; on rank 0 also train_state.json."""
         self._own_digests = {}
-        blob = rank_files.write_rank_state(tmp / rank_files.RANK_FILE.format(self.rank), {"loader": loader.state_dict(),
-                                                                         "rng": _rng_state()})
+        own = {"loader": loader.state_dict(), "rng": _rng_state()}
+        if self.s3:
+            blob = rank_files.rank_state_bytes(own)
+            self.s3.put(tmp, rank_files.RANK_FILE.format(self.rank), blob)
+        else:
+            blob = rank_files.write_rank_state(tmp / rank_files.RANK_FILE.format(self.rank), own)
         self._own_digests[rank_files.RANK_FILE.format(self.rank)] = manifest.digest_bytes(blob)
         if self.rank == 0:
             body = json.dumps({
                 "step": step, "world_size": self.world, "scheduler": _jsonable(scheduler.state_dict()),
                 "config": {k: v for k, v in asdict(cfg).items() if k != "config"},
                 "plan": None if plan is None else plan.to_dict()}, default=str, indent=1)
+            if self.s3:
+                self.s3.put(tmp, manifest.TRAIN_STATE, body.encode())
+                self._own_digests[manifest.TRAIN_STATE] = manifest.digest_bytes(body.encode())
+                return
             with open(tmp / manifest.TRAIN_STATE, "wb") as f:
                 f.write(body.encode())
                 f.flush()
@@ -163,13 +193,14 @@ class Checkpointer:
         from torch.distributed.checkpoint.metadata import Metadata
 
         if not isinstance(written, Metadata):  # another torch's return value: DCP's own record of the save
-            written = dcp_read.read_dcp_metadata(tmp)
+            written = self.s3.read_metadata(tmp) if self.s3 else dcp_read.read_dcp_metadata(tmp)
         names = sorted(manifest.owned_files(written, self.rank, self.world)) + [rank_files.RANK_FILE.format(self.rank)]
         if self.rank == 0:
             names += [".metadata", manifest.TRAIN_STATE]
         known = {**digests, **self._own_digests}  # hashed while written: no second pass over the bytes
         out = {n: manifest.entry(*known[n]) for n in names if n in known}
-        return {**out, **manifest.sums(tmp, [n for n in names if n not in known])}
+        rest = [n for n in names if n not in known]
+        return {**out, **(self.s3.sums(tmp, rest) if self.s3 else manifest.sums(tmp, rest))}
 
     def _finalize(self, tmp: Path, final: Path, step: int, sums: dict | None, error: tuple | None) -> None:
         """Every rank: agree that all wrote their files. Rank 0: manifest, rename, retention."""
@@ -183,8 +214,18 @@ class Checkpointer:
                 faults.at("save.marker_written", step)
                 return
             files = {k: v for s, _ in gathered for k, v in s.items()}
+            if self.s3:  # list-and-verify, then the manifest object; no rename exists on S3
+                doomed = self.s3.publish(final, step, self.world, files, time.perf_counter() - self._started,
+                                         self.keep)
+                faults.at("save.marker_written", step)
+                for prefix in doomed:
+                    faults.at("save.pruning", step)
+                    self._deleter.submit(self.s3.retire, prefix)
+                return
             manifest.check_against_metadata(tmp, files)  # nothing DCP wrote is missing from the manifest
-            manifest.write_manifest(tmp, step, self.world, files, time.perf_counter() - self._started)
+            dest = self.copy.destination(step) if self.copy else None  # this one is copied to S3 after the rename
+            manifest.write_manifest(tmp, step, self.world, files, time.perf_counter() - self._started,
+                                    [str(final), str(dest)] if dest else None)
             faults.at("save.marker_written", step)
             old = None
             if final.exists() and not (final / manifest.MARKER).is_file():  # not ours: kept, named
@@ -195,8 +236,13 @@ class Checkpointer:
             tmp.rename(final)
             layout.fsync_dir(self.dir)
             faults.at("save.renamed", step)
+            if dest:
+                self.copy.submit(final, step)
             doomed = [old] if old is not None else []
-            for _, done in layout.complete_checkpoints(self.dir)[:-self.keep] if self.keep > 0 else []:
+            copying = self.copy.busy() if self.copy else None
+            for s, done in layout.complete_checkpoints(self.dir)[:-self.keep] if self.keep > 0 else []:
+                if s == copying:  # the copy's source stays until it is copied; a later save retires it
+                    continue
                 doomed.append(layout.retire(done))
                 faults.at("save.pruning", step)
             for folder in doomed:  # no longer candidates: deleting their files need not hold up training
@@ -228,22 +274,29 @@ class Checkpointer:
         """Every rank raises: CheckpointTransientError when a rank's error was the file system's for a moment
         (EIO, ESTALE), else CheckpointWriteError (a full disk, a permission: a rerun would fail the same way)."""
         why, kind = _merge([e[0] if e else None for e in errors]), next((e[1] for e in errors if e and e[1]), None)
-        space = _space(self.dir)  # before the partial files are removed
+        space = "" if self.s3 else _space(self.dir)  # before the partial files are removed
         self._gather(None)  # every rank has looked before rank 0 frees the space
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # never left to look like a save in progress
-        done = layout.complete_checkpoints(self.dir)
-        intact = f"the latest complete checkpoint ({done[-1][1].name}) is intact" if done else \
-            "there is no earlier complete checkpoint"
+            if self.s3:
+                self.s3.discard(tmp)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)  # never left to look like a save in progress
+        if self.s3:
+            intact = self.s3.intact()
+        else:
+            done = layout.complete_checkpoints(self.dir)
+            intact = f"the latest complete checkpoint ({done[-1][1].name}) is intact" if done else \
+                "there is no earlier complete checkpoint"
         if kind is not None:
             raise CheckpointTransientError(kind, f"checkpoint step_{step} was not saved to {self.dir}: {why}; "
                                                  f"nothing of it was marked complete and {intact}")
-        raise CheckpointWriteError(f"checkpoint step_{step} was not saved to {self.dir}: {why}; {space}; nothing of "
+        raise CheckpointWriteError(f"checkpoint step_{step} was not saved to {self.dir}: {why}; {space or 'S3'}; nothing of "
                                    f"it was marked complete and {intact}. Free space or point --checkpoint_dir at a "
                                    f"writable file system, then rerun to resume")
 
     # --- load ----------------------------------------------------------------------------------
-    def load(self, path: Path, model, optimizer, scheduler, loader, batch_size: int | None = None) -> int:
+    def load(self, path: Path, model, optimizer, scheduler, loader, batch_size: int | None = None,
+             source=None) -> int:
         """Restore model, optimizer, scheduler, data position and RNG from ``path``; returns its step.
         (``batch_size`` is not needed any more: a synthetic loader rescales its position itself.)
 
@@ -253,16 +306,22 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         got: dict = {}
+        s3 = source or (self.s3 if not isinstance(path, Path) else None)  # the S3 target of an s3:// checkpoint
 
         def first() -> None:
+            if s3:
+                got.update(s3.first(path, state))
+                return
             got["files"] = _manifest_files(path)
             got["meta"] = manifest.read_train_state(path, _entry(got["files"], manifest.TRAIN_STATE))
             got["dcp"] = check_fits(path, state, _entry(got["files"], ".metadata"))
 
         self._agreed_load(path, first)
         files, meta = got["files"], got["meta"]
+        reader = s3.reader(path, files, got["dcp"]) if s3 else \
+            dcp_read.SafeFileSystemReader(str(path), files, got["dcp"])
         try:  # reshards to this world size; DCP raises on every rank if a read failed on any
-            dcp.load(state, storage_reader=dcp_read.SafeFileSystemReader(str(path), files, got["dcp"]),
+            dcp.load(state, storage_reader=reader,
                      planner=dcp_read.SafeLoadPlanner(), process_group=self._pg)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line naming the checkpoint
             kind = _kind(e)  # a read that failed past its retries on any rank: the file system, not the checkpoint
@@ -273,7 +332,8 @@ class Checkpointer:
         same = int(meta["world_size"]) == self.world
 
         def last() -> None:  # per-rank state, schedule, data position, RNG: any of them may be forged
-            extra = read_rank_file(path, self.rank if same else 0, files)
+            extra = s3.rank_state(path, self.rank if same else 0, files) if s3 else \
+                read_rank_file(path, self.rank if same else 0, files)
             try:
                 _load_scheduler(scheduler, optimizer, meta["scheduler"])
             except (TypeError, ValueError, KeyError, AttributeError) as e:
@@ -299,7 +359,7 @@ class Checkpointer:
         except (ValueError, OSError) as e:  # ConfigError, UnsafeCheckpointFile, the loader's DataStateError
             error = (str(e).removeprefix(f"cannot resume from {path}: "), _kind(e))
         except Exception as e:  # noqa: BLE001 - a forged value deep in a state: named, agreed, no traceback
-            error = (f"{type(e).__name__}: {e}", None)
+            error = (f"{type(e).__name__}: {e}", _kind(e))
         errors = self._gather(error)
         if any(errors):
             why, kind = _merge([e[0] if e else None for e in errors]), next((e[1] for e in errors if e and e[1]),
@@ -329,45 +389,3 @@ def _stager():
 
     return DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
                                         use_async_staging=False, use_non_blocking_copy=False))
-
-
-def _merge(errors: list[str | None]) -> str:
-    """Each rank's error (index = rank) as one line: DCP already reports every rank's failure on every rank
-    (then those lines are equal and kept once), and errors naming an OS error go first - a full disk shows
-    on one rank as ENOSPC and on another as a torch serialization error about a short write."""
-    parts: list[str] = []
-    for rank, e in enumerate(errors):
-        for part in (e.split("; ") if e and e.startswith("rank ") else [f"rank {rank}: {e}"] if e else []):
-            if part not in parts:
-                parts.append(part)
-    return "; ".join(sorted(parts, key=lambda p: "[Errno" not in p))
-
-
-def _kind(e: BaseException) -> str | None:
-    """The transient class of a save's or load's error (DCP's CheckpointException: any rank's), or None."""
-    if isinstance(e, CheckpointException):
-        return next((k for exc, _ in e.failures.values() if (k := faults.kind_of(exc))), None)
-    return faults.kind_of(e)
-
-
-def _describe(e: BaseException) -> str:
-    """One line for an exception of a save or load; DCP's CheckpointException lists each rank's."""
-    if isinstance(e, CheckpointException):
-        return "; ".join(f"rank {r}: {_describe(exc)}" for r, (exc, _) in sorted(e.failures.items()))
-    for cause in (e, e.__cause__, e.__context__):
-        if isinstance(cause, OSError):
-            where = f" ({cause.filename})" if cause.filename else ""
-            return f"{type(cause).__name__}: [Errno {cause.errno}] {cause.strerror}{where}"
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[-1] if text else ''}"
-
-
-def _space(folder: Path) -> str:
-    """The file system's free space, and whether that means it is full: a full disk does not always show as
-    ENOSPC (torch's archive writer reports a short write as an "unexpected pos" error)."""
-    try:
-        usage = shutil.disk_usage(folder)
-    except OSError as e:
-        return f"the file system of {folder} cannot be queried ({e.strerror})"
-    full = "is FULL" if usage.free < min(usage.total / 100, 64 * 2**20) else "has"
-    return f"the file system of {folder} {full}: {usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB"

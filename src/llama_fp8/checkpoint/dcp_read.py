@@ -121,9 +121,16 @@ def read_dcp_metadata(path: Path, want: dict | None = None) -> Metadata:
     file = Path(path) / ".metadata"
     try:
         blob = safe_io.read_checked(file, want, safe_io.MAX_METADATA, safe_io.HASHERS)
-        meta = _MetadataUnpickler(io.BytesIO(blob)).load()
     except OSError as e:
         raise UnsafeCheckpointFile(file, f"cannot be read: {e}") from None
+    return parse_dcp_metadata(blob, file, lambda name: safe_io.confined(file.parent, name))
+
+
+def parse_dcp_metadata(blob, file, confine) -> Metadata:
+    """DCP's metadata from the (verified) bytes ``blob`` of ``file``, through the allow-list unpickler; every storage
+    entry must name a key ``confine`` accepts."""
+    try:
+        meta = _MetadataUnpickler(io.BytesIO(blob)).load()
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpointFile(file, f"refused: {e}; nothing in it was executed or changed") from None
     except UnsafeCheckpointFile:
@@ -132,11 +139,11 @@ def read_dcp_metadata(path: Path, want: dict | None = None) -> Metadata:
         raise UnsafeCheckpointFile(file, f"is not valid DCP metadata ({type(e).__name__}: {e})") from None
     if not isinstance(meta, Metadata):
         raise UnsafeCheckpointFile(file, f"holds a {type(meta).__name__}, not DCP Metadata")
-    _check_storage(file, meta)
+    _check_storage(file, meta, confine)
     return meta
 
 
-def _check_storage(file: Path, meta: Metadata) -> None:
+def _check_storage(file, meta: Metadata, confine) -> None:
     """Every storage entry names a plain file of the folder and a non-negative byte range."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
@@ -147,7 +154,7 @@ def _check_storage(file: Path, meta: Metadata) -> None:
                 and info.offset >= 0 and info.length >= 0):
             raise UnsafeCheckpointFile(file, f"holds a malformed storage entry {info!r}")
         try:
-            safe_io.confined(file.parent, info.relative_path)
+            confine(info.relative_path)
         except UnsafeCheckpointFile as e:
             raise UnsafeCheckpointFile(file, f"points outside the checkpoint folder: {e.reason}") from None
 
@@ -178,6 +185,13 @@ class _CheckedFileSystem(FileSystem):
         if want is None:
             raise UnsafeCheckpointFile(file, "is not in the checkpoint's manifest; refused")
         yield MemoryFile(safe_io.read_checked(file, want, 1 << 62, safe_io.HASHERS))
+
+    def confine(self, name: str) -> Path:
+        return safe_io.confined(self.folder, name)
+
+    def blocks(self, name: str, want: dict, largest: int) -> safe_io.VerifiedBlocks:
+        """File ``name`` read forward and verified a block at a time."""
+        return safe_io.VerifiedBlocks(self.confine(name), want, safe_io.HASHERS, largest)
 
     def read_verified(self, name: str) -> torch.Tensor:
         """The whole of file ``name`` of the folder as a uint8 tensor, verified against its manifest entry on
@@ -268,20 +282,20 @@ class SafeFileSystemReader(FileSystemReader):
             # A transient I/O error (EIO, ESTALE) reads the file again: safe, every tensor of it is copied into its
             # place again from bytes verified anew.
             safe_io.retry(lambda name=name, items=items: self._read_file(name, items, planner),
-                    safe_io.confined(self.fs.folder, name), log.warning)
+                    self.fs.confine(name), log.warning)
         done: Future = Future()
         done.set_result(None)
         return done
 
     def _read_file(self, name: str, items: list, planner) -> None:
         """Read file ``name`` of the checkpoint, verified, and load its ``items`` (sorted by offset)."""
-        file, want = safe_io.confined(self.fs.folder, name), self.files.get(name)
+        file, want = self.fs.confine(name), self.files.get(name)
         if want is None:
             raise UnsafeCheckpointFile(file, "is not in the checkpoint's manifest; refused")
         faults.at("checkpoint.read")
         if "blocks" in want:
             largest = max(self.storage_data[it.storage_index].length for it in items)
-            reader = safe_io.VerifiedBlocks(file, want, safe_io.HASHERS, largest)
+            reader = self.fs.blocks(name, want, largest)
             try:
                 for item in items:
                     info = self.storage_data[item.storage_index]

@@ -72,14 +72,19 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
-def write_rank_state(path: Path, state: dict) -> bytes:
-    """Write this rank's state (and fsync it: a checkpoint is complete only once its bytes are on disk);
-    returns the bytes written (the caller hashes them for the manifest)."""
+def rank_state_bytes(state: dict) -> bytes:
+    """This rank's state as the bytes of a ``rank{r}.safetensors``."""
     from safetensors.torch import save as st_save
 
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _encode(state, tensors)
-    blob = st_save(tensors, metadata={"format": _FORMAT, _META_KEY: json.dumps(skeleton)})
+    return st_save(tensors, metadata={"format": _FORMAT, _META_KEY: json.dumps(skeleton)})
+
+
+def write_rank_state(path: Path, state: dict) -> bytes:
+    """Write this rank's state (and fsync it: a checkpoint is complete only once its bytes are on disk);
+    returns the bytes written (the caller hashes them for the manifest)."""
+    blob = rank_state_bytes(state)
     with open(path, "wb") as f:
         f.write(blob)
         f.flush()
@@ -90,10 +95,20 @@ def write_rank_state(path: Path, state: dict) -> bytes:
 def read_rank_state(path: Path, want: dict | None = None) -> dict:
     """This rank's state from ``rank{r}.safetensors`` (verified against its manifest entry ``want`` on the
     bytes that are parsed); UnsafeCheckpointFile if it is not one."""
+    try:
+        blob = safe_io.read_checked(Path(path), want, safe_io.MAX_RANK_FILE, safe_io.HASHERS)
+    except UnsafeCheckpointFile:
+        raise
+    except OSError as e:
+        raise UnsafeCheckpointFile(path, f"cannot be read: {e}") from None
+    return parse_rank_state(blob, path)
+
+
+def parse_rank_state(blob, path) -> dict:
+    """A per-rank state from the (verified) bytes of a ``rank{r}.safetensors`` read from ``path``."""
     from safetensors.torch import load as st_load
 
     try:
-        blob = safe_io.read_checked(Path(path), want, safe_io.MAX_RANK_FILE, safe_io.HASHERS)
         tensors = st_load(bytes(blob))  # safetensors takes bytes only
         n = int.from_bytes(blob[:8], "little")  # safetensors: 8-byte header length, then the JSON header
         meta = json.loads(blob[8:8 + n]).get("__metadata__") or {}

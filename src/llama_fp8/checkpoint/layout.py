@@ -16,9 +16,11 @@ import re
 import shutil
 from pathlib import Path
 
+from llama_fp8 import faults
 from llama_fp8.checkpoint import safe_io
 from llama_fp8.checkpoint.manifest import MARKER
 from llama_fp8.errors import ConfigError
+from llama_fp8.faults.transient import TransientError
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 TMP, OLD, BROKEN, INCOMPLETE = ".tmp", ".old", ".broken", ".incomplete"
@@ -69,8 +71,9 @@ def find_resume(resume: str, ckpt_dir: Path) -> Path | None:
     return path
 
 
-def step_of(path: Path) -> int:
-    m = _STEP_RE.match(Path(path).name)
+def step_of(path) -> int:
+    """N of a ``step_N`` folder or S3 prefix."""
+    m = _STEP_RE.match(path.name if hasattr(path, "name") else Path(path).name)
     assert m, path
     return int(m.group(1))
 
@@ -115,3 +118,22 @@ def fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def probe_writable(folder: Path, rank: int = 0) -> None:
+    """Create ``folder`` if needed and write, fsync and delete a probe file in it; ConfigError if not."""
+    probe = folder / f".write_probe.rank{rank}.{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"probe\n")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        if faults.kind_of(e) is not None:  # EIO, ESTALE: the file system for a moment, not the setting
+            raise TransientError("io", f"--checkpoint_dir {folder}: a probe write from rank {rank} failed "
+                                       f"({e.strerror or e})") from e
+        raise ConfigError(f"--checkpoint_dir {folder} is not writable from rank {rank} ({e.strerror or e}): no "
+                          f"checkpoint could be saved; fix its permissions or mount, or choose another "
+                          f"--checkpoint_dir (nothing was computed)") from None

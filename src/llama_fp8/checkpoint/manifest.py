@@ -93,16 +93,17 @@ def owned_files(meta, rank: int, world: int) -> set[str]:
     """The files of DCP's ``meta`` that rank ``rank`` wrote (``__{rank}_{n}.distcp``); rank 0 also owns
     any file no rank of this world claims, so that every file DCP wrote is checksummed by someone."""
     names = {info.relative_path for info in meta.storage_data.values()}
-    mine = {n for n in names if n.startswith(f"__{rank}_")}
+    base = {n: n.rsplit("/", 1)[-1] for n in names}  # on S3 a prefix strategy puts a shard one level down
+    mine = {n for n in names if base[n].startswith(f"__{rank}_")}
     if rank == 0:
-        mine |= {n for n in names if not any(n.startswith(f"__{r}_") for r in range(world))}
+        mine |= {n for n in names if not any(base[n].startswith(f"__{r}_") for r in range(world))}
     return mine
 
 
-def check_against_metadata(folder: Path, files: dict[str, dict]) -> None:
-    """Before COMPLETE is written: every byte range of DCP's metadata lies in a file of the manifest;
-    ValueError naming what is missing otherwise (the save then fails on every rank)."""
-    meta = dcp_read.read_dcp_metadata(folder, files.get(".metadata"))
+def check_against_metadata(folder: Path, files: dict[str, dict], meta=None) -> None:
+    """Before COMPLETE is written: every byte range of DCP's metadata (``meta``, else read from ``folder``) lies in a
+    file of the manifest; ValueError naming what is missing otherwise (the save then fails on every rank)."""
+    meta = meta or dcp_read.read_dcp_metadata(folder, files.get(".metadata"))
     short = sorted({f"{info.relative_path} (needs {info.offset + info.length} bytes, "
                     f"{'not in the manifest' if info.relative_path not in files else files[info.relative_path]['bytes']})"
                     for info in meta.storage_data.values()
@@ -113,16 +114,25 @@ def check_against_metadata(folder: Path, files: dict[str, dict]) -> None:
 
 
 def write_manifest(folder: Path, step: int, world_size: int, files: dict[str, dict],
-                   save_s: float | None = None) -> None:
+                   save_s: float | None = None, copies: list[str] | None = None) -> None:
     """Write COMPLETE (fsynced): the one file whose presence makes a checkpoint complete. ``save_s``: how long the
     save took, from its start to this manifest (what the next run's hang bound and time-limit check use)."""
-    extra = {} if save_s is None else {"save_s": round(save_s, 3)}
-    body = json.dumps({"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size, **extra,
-                       "files": dict(sorted(files.items()))}, indent=1)
+    body = manifest_text(step, world_size, files, save_s, copies)
     with open(folder / MARKER, "w") as f:
-        f.write(body + "\n")
+        f.write(body)
         f.flush()
         os.fsync(f.fileno())
+
+
+def manifest_text(step: int, world_size: int, files: dict[str, dict], save_s: float | None = None,
+                  copies: list[str] | None = None) -> str:
+    """The manifest's JSON. ``copies``: where every copy of this checkpoint is meant to live (the file system's
+    folder and the S3 prefix of a copied one); a copy is complete only where its own manifest is."""
+    extra = {} if save_s is None else {"save_s": round(save_s, 3)}
+    if copies:
+        extra["copies"] = list(copies)
+    return json.dumps({"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size, **extra,
+                       "files": dict(sorted(files.items()))}, indent=1) + "\n"
 
 
 def read_manifest(folder: Path) -> dict | None:
@@ -130,6 +140,12 @@ def read_manifest(folder: Path) -> dict | None:
     text = safe_io.read_capped(folder / MARKER, safe_io.MAX_JSON).decode(errors="replace")
     if text.strip() == "ok":
         return None
+    return parse_manifest(text, folder, lambda name: safe_io.confined(folder, name))
+
+
+def parse_manifest(text: str, folder, confine) -> dict:
+    """The manifest in ``text`` (of the checkpoint at ``folder``); ValueError if it is not one, or if ``confine``
+    refuses one of its names (UnsafeCheckpointFile)."""
     try:
         man = json.loads(text)
         assert man["format"] == FORMAT and isinstance(man["files"], dict)
@@ -138,7 +154,7 @@ def read_manifest(folder: Path) -> dict | None:
     except (ValueError, KeyError, AssertionError, TypeError):
         raise ValueError(f"{folder / MARKER}: not a checkpoint manifest (truncated or overwritten)") from None
     for name in man["files"]:
-        safe_io.confined(folder, name)  # UnsafeCheckpointFile (a ValueError) naming the entry
+        confine(name)  # UnsafeCheckpointFile (a ValueError) naming the entry
     return man
 
 
@@ -236,8 +252,13 @@ def read_train_state(folder: Path, want: dict | None = None) -> dict:
     """``train_state.json`` (capped; verified against ``want`` on the bytes parsed), with its fields checked:
     UnsafeCheckpointFile naming the file and the field that is missing or of the wrong type."""
     path = folder / TRAIN_STATE
+    return parse_train_state(safe_io.read_checked(path, want, safe_io.MAX_JSON, HASHERS), path)
+
+
+def parse_train_state(raw: bytes, path) -> dict:
+    """``train_state.json``'s bytes (``path``: where they were read, for messages), with its fields checked."""
     try:
-        state = json.loads(safe_io.read_checked(path, want, safe_io.MAX_JSON, HASHERS))
+        state = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
         if isinstance(e, safe_io.UnsafeCheckpointFile):
             raise

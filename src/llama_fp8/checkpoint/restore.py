@@ -46,12 +46,18 @@ def check_fits(path: Path, state: dict, want: dict | None = None):
     """Every tensor this model and optimizer need is in the checkpoint with the same global shape;
     otherwise a ConfigError naming them (instead of DCP's error from deep inside its planner). Returns DCP's
     metadata as read and checked here (the load uses this one read, not a second)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
         meta = dcp_read.read_dcp_metadata(path, want)
     except rank_files.UnsafeCheckpointFile as e:
         raise ConfigError(f"cannot resume from {path}: {e}") from None
+    return fits(path, state, meta)
+
+
+def fits(path, state: dict, meta):
+    """``check_fits`` on DCP's metadata already read (``meta``); returns it."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     try:  # DCP's own flattening (private), so that the keys are exactly the ones it looks up
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     except ImportError:  # another torch: DCP's own error stands in for this check

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from llama_fp8 import faults, parallel
-from llama_fp8.checkpoint import layout, lock, manifest
+from llama_fp8 import parallel
+from llama_fp8.checkpoint import layout, lock, places
+from llama_fp8.checkpoint.layout import probe_writable  # noqa: F401 - re-exported
 from llama_fp8.checkpoint.safe_io import UnsafeCheckpointFile
 from llama_fp8.errors import AgreedError, ConfigError
 from llama_fp8.faults.transient import AgreedTransient, TransientError
@@ -44,46 +45,31 @@ uses against the manifest: one read of the checkpoint, not two); a load that fai
 in full and fall back."""
 
 
-def probe_writable(folder: Path, rank: int = 0) -> None:
-    """Create ``folder`` if needed and write, fsync and delete a probe file in it; ConfigError if not."""
-    probe = folder / f".write_probe.rank{rank}.{os.getpid()}"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"probe\n")
-            f.flush()
-            os.fsync(f.fileno())
-        probe.unlink()
-    except OSError as e:
-        if faults.kind_of(e) is not None:  # EIO, ESTALE: the file system for a moment, not the setting
-            raise TransientError("io", f"--checkpoint_dir {folder}: a probe write from rank {rank} failed "
-                                       f"({e.strerror or e})") from e
-        raise ConfigError(f"--checkpoint_dir {folder} is not writable from rank {rank} ({e.strerror or e}): no "
-                          f"checkpoint could be saved; fix its permissions or mount, or choose another "
-                          f"--checkpoint_dir (nothing was computed)") from None
-
-
 def check_resume(cfg, env, plan):
     """The plan with the checkpoint to resume from checked (or replaced by the previous sound one)."""
-    parallel.on_every_rank(env, lambda: probe_writable(Path(plan.checkpoint_dir), env.rank))
-    # one job per checkpoint folder, taken before anything in it is renamed or deleted (lock.py)
-    parallel.on_every_rank(env, lambda: lock.acquire(Path(plan.checkpoint_dir)) if env.is_main else None)
+    for root in places.roots(cfg, plan.checkpoint_dir):  # the checkpoint dir, and the copy's S3 prefix
+        parallel.on_every_rank(env, lambda root=root: places.probe_writable(cfg, root, env.rank))
+    ckpt_dir = places.location(plan.checkpoint_dir)
+    # one job per checkpoint folder, taken before anything in it is renamed or deleted (lock.py); on S3 there is no
+    # atomic create-if-absent through the connector: one job per prefix is the user's to keep (docs/checkpoints.md)
+    if isinstance(ckpt_dir, Path):
+        parallel.on_every_rank(env, lambda: lock.acquire(ckpt_dir) if env.is_main else None)
     if env.is_main:
-        for stray in layout.incomplete_folders(Path(plan.checkpoint_dir)):
+        for stray in places.strays(cfg, ckpt_dir):
             log.warning("%s has no COMPLETE marker: not a checkpoint this run can resume from (copied by hand or "
-                        "left by another tool?); kept as it is, and renamed %s%s if this run saves that step",
-                        stray, stray.name, layout.INCOMPLETE)
+                        "left by another tool?); kept as it is, and moved to %s%s if this run saves that step",
+                        stray, stray.rstrip("/").rsplit("/", 1)[-1], layout.INCOMPLETE)
     if plan.resume_from is None:
         return plan
     explicit = cfg.resume_from_checkpoint != "auto"
-    candidates, trusted = _candidates(env, Path(plan.resume_from), Path(plan.checkpoint_dir), explicit)
+    candidates, trusted = _candidates(env, cfg, places.location(plan.resume_from), ckpt_dir, explicit)
     if trusted:  # this job saved it minutes ago: the load verifies every byte it uses, one read instead of two
         chosen = candidates[0]
         if env.is_main:
             log.info("resuming from %s, which this job saved (%s): not checked twice; the load verifies the bytes "
                      "it uses", chosen, TRUSTED_ENV)
     else:
-        chosen = _first_sound(candidates, env, explicit, Path(plan.checkpoint_dir))
+        chosen = _first_sound(candidates, env, explicit, ckpt_dir, cfg)
     parallel.on_every_rank(env, lambda: check_compatible(chosen, cfg, plan, env.is_main))
     return dataclasses.replace(plan, resume_from=str(chosen), resume_checked=not trusted)
 
@@ -93,11 +79,11 @@ def trusted_step(env_value: str | None) -> int | None:
     return int(env_value) if env_value and env_value.isdigit() else None
 
 
-def _candidates(env, first: Path, ckpt_dir: Path, explicit: bool) -> tuple[list[Path], bool]:
+def _candidates(env, cfg, first, ckpt_dir, explicit: bool) -> tuple[list, bool]:
     """The decided checkpoint, then (auto) every older complete one; rank 0's listing, so that every rank
     tries the same list even if the file system shows them different views for a moment. And whether the first is
     the one the launcher says this job saved (rank 0's answer, so that every rank checks or none does)."""
-    listed = [first] if explicit else [p for s, p in reversed(layout.complete_checkpoints(ckpt_dir)) if s <= layout.step_of(first)]
+    listed = [first] if explicit else [p for s, p in places.candidates(cfg, ckpt_dir) if s <= layout.step_of(first)]
     trusted = bool(listed) and not explicit and layout.step_of(listed[0]) == trusted_step(os.environ.get(TRUSTED_ENV))
     out: list = [(listed, trusted)]
     if env.world_size > 1:
@@ -105,12 +91,12 @@ def _candidates(env, first: Path, ckpt_dir: Path, explicit: bool) -> tuple[list[
     return out[0]
 
 
-def _first_sound(candidates: list[Path], env, explicit: bool, ckpt_dir: Path) -> Path:
+def _first_sound(candidates: list, env, explicit: bool, ckpt_dir, cfg=None):
     damaged = []
     for path in candidates:
         transient = None
         try:
-            mine = manifest.verify(path, env.rank, env.world_size)
+            mine = places.verify(cfg, path, env.rank, env.world_size)
         except TransientError as e:  # the file system failing, not the checkpoint: never set aside for it
             mine, transient = [], f"rank {env.rank}: {e}"
         except Exception as e:  # noqa: BLE001 - every rank must reach the gather below
@@ -133,19 +119,19 @@ def _first_sound(candidates: list[Path], env, explicit: bool, ckpt_dir: Path) ->
             raise AgreedError(f"--resume_from_checkpoint {path}: the checkpoint is damaged: {'; '.join(problems)}. "
                               f"Nothing was changed; resume from another one, or use auto (the latest sound one)")
         damaged.append(path)
-        _set_aside(path, problems, env.is_main)
+        _set_aside(path, problems, env.is_main, cfg)
     raise AgreedError(f"no sound checkpoint to resume from in {ckpt_dir}: every complete one is damaged "
                       f"({', '.join(p.name for p in damaged)}; renamed *.broken, see the warnings). Start over in a "
                       f"new --run_dir, or repair them (nothing was deleted)")
 
 
-def _set_aside(path: Path, problems: list[str], is_main: bool) -> None:
+def _set_aside(path, problems: list[str], is_main: bool, cfg=None) -> None:
     if not is_main:
         return
     try:
-        where = f"renamed to {layout.set_aside(path).name} for inspection"
-    except OSError as e:
-        where = f"could not be renamed ({e.strerror})"
+        where = places.set_aside(cfg, path)
+    except (OSError, ValueError, RuntimeError) as e:
+        where = f"could not be set aside ({getattr(e, 'strerror', None) or e})"
     log.warning("CHECKPOINT %s IS DAMAGED, not resuming from it (%s): %s. Trying the previous complete "
                 "checkpoint", path, where, "; ".join(problems))
 
@@ -153,7 +139,7 @@ def _set_aside(path: Path, problems: list[str], is_main: bool) -> None:
 def check_compatible(path: Path, cfg, plan, is_main: bool = True) -> None:
     """ConfigError naming every flag that makes ``path`` unusable for this run; logs what else changed."""
     try:
-        saved = manifest.read_train_state(path)
+        saved = places.read_train_state(cfg, path)
     except UnsafeCheckpointFile as e:
         raise ConfigError(f"cannot resume from {path}: {e}") from None
     asked, ran = saved.get("config") or {}, saved.get("plan") or {}

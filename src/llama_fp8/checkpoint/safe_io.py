@@ -69,9 +69,10 @@ class UnsafeCheckpointFile(ValueError):
     """A checkpoint file that is unreadable, malformed, outside its folder, not a regular file, or holds
     something that could execute code."""
 
-    def __init__(self, path: Path, reason: str):
+    def __init__(self, path: Path | str, reason: str):
         super().__init__(f"{path}: {reason}")
-        self.path, self.reason = Path(path), reason
+        # an object's address (s3://bucket/key) stays a string: a Path would fold its "//"
+        self.path, self.reason = (path if isinstance(path, str) and "://" in path else Path(path)), reason
 
     def __reduce__(self):  # DCP sends a rank's read error to every rank (pickled)
         return type(self), (self.path, self.reason)
@@ -157,6 +158,13 @@ def read_checked(path: Path, want: dict | None, cap: int, hashers: dict[str, Cal
     hasher = hashers[algorithm]() if algorithm else None
     with open_regular(path) as f:
         data = _read_all(f, min(size, cap) + 1, hasher, alloc)
+    return checked(path, data, want, cap, hasher, algorithm)
+
+
+def checked(path, data, want: dict, cap: int, hasher, algorithm: str | None):
+    """``data`` (read from ``path`` and fed to ``hasher`` as it was read) if it is what the manifest entry ``want``
+    says; UnsafeCheckpointFile naming the difference otherwise."""
+    size = int(want["bytes"])
     if size > cap:
         raise UnsafeCheckpointFile(path, f"the manifest says {size} bytes, more than the {cap} a file of its kind "
                                          f"may have; refused")
@@ -181,8 +189,9 @@ class VerifiedBlocks:
     bytes is reused; ``span`` may move what it holds, so a view is valid until the next call. Spans are
     cheapest in increasing order (an earlier one restarts the read at its block)."""
 
-    def __init__(self, path: Path, want: dict, hashers: dict[str, Callable], largest: int) -> None:
-        self.path, self.size = Path(path), int(want["bytes"])
+    def __init__(self, path: Path, want: dict, hashers: dict[str, Callable], largest: int,
+                 opener: Callable[[], Any] | None = None) -> None:
+        self.path, self.size = path if opener else Path(path), int(want["bytes"])
         blocks = want.get("blocks")
         algorithm = next((a for a in hashers if isinstance(blocks, dict) and a in blocks), None)
         self.block = blocks.get("size") if isinstance(blocks, dict) else None
@@ -195,9 +204,10 @@ class VerifiedBlocks:
         self.buf = bytearray(min(self.size, largest + 2 * self.block))
         self._address = ctypes.addressof((ctypes.c_char * len(self.buf)).from_buffer(self.buf)) if self.buf else 0
         self.lo = self.n = 0  # the buffer holds verified bytes [lo, lo + n) of the file
-        self.f = open_regular(self.path)
+        # ``opener``: any seekable reader (an S3 object's); a local file also gets a read-ahead thread
+        self.f = opener() if opener else open_regular(self.path)
         try:
-            self._ahead = _ReadAhead(self.f.fileno(), self.size, self.block)
+            self._ahead = _ReadAhead(self.f.fileno() if not opener else -1, self.size, self.block)
         except BaseException:
             self.f.close()
             raise
@@ -259,7 +269,7 @@ class _ReadAhead:
         self._loader, self._done, self._cv = 0, False, threading.Condition()
         self._fd = -1
         self._thread = threading.Thread(target=self._run, name="checkpoint-read-ahead", daemon=True)
-        if hasattr(os, "preadv"):
+        if hasattr(os, "preadv") and fd >= 0:
             try:
                 self._fd = os.dup(fd)
                 self._thread.start()

@@ -165,7 +165,24 @@ class TrainConfig:
                      group="parallel")
     # --- checkpoints and faults -------------------------------------------------------------------
     checkpoint_dir: str | None = _f(None, "where step_N checkpoints go (default: <run_dir>/checkpoints; use a shared "
-                                    "file system on a cluster)", group="checkpoint")
+                                    "file system on a cluster), or an s3://bucket/prefix (the Amazon S3 Connector for "
+                                    "PyTorch: pip install 'llama-fp8[s3]')", group="checkpoint")
+    checkpoint_copy_dir: str | None = _f(None, "s3://bucket/prefix: copy checkpoints of the file-system "
+                                         "--checkpoint_dir there in the background (the fast tier and the durable "
+                                         "one); resume takes the newest complete checkpoint of either",
+                                         group="checkpoint")
+    checkpoint_copy_every: int = _f(1, "with --checkpoint_copy_dir: copy every M-th checkpoint saved (1: each one)",
+                                    min=1, group="checkpoint")
+    s3_region: str | None = _f(None, "region of the s3:// bucket (default: AWS_REGION or AWS_DEFAULT_REGION)",
+                               group="checkpoint")
+    s3_endpoint: str | None = _f(None, "http(s)://host:port of an S3-compatible store, addressed path-style (default: "
+                                 "AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else AWS's endpoint of the region)",
+                                 group="checkpoint")
+    s3_threads: int = _f(4, "upload threads per rank for an s3:// save (DCP's thread_count: each writes its own "
+                         "objects)", min=1, max=64, group="checkpoint")
+    s3_prefix_strategy: str = _f("auto", "how shard keys are spread under a checkpoint's prefix against S3's 503 Slow "
+                                 "Down: default (one prefix), binary, hex, or auto (hex from 16 ranks on)",
+                                 choices=("auto", "default", "binary", "hex"), group="checkpoint")
     checkpoint_freq: int = _f(0, "save a checkpoint every N steps and at the end (0 = only on SIGUSR1/SIGTERM)",
                               min=0, group="checkpoint")
     keep_last_k: int = _f(2, "complete checkpoints to keep (0 = all)", min=0, group="checkpoint")

@@ -48,6 +48,8 @@ POINTS = {
     "save.renamed": "a save (rank 0): step_N complete under its final name, before older checkpoints are deleted",
     "save.pruning": "a save (rank 0): an old checkpoint renamed for deletion, before its files are deleted",
     "save.async_in_flight": "an async save: state staged, the background write under way, training resumes",
+    "save.uploading": "an S3 save: this rank's first shard object part-way uploaded (its first bytes sent, the "
+                      "upload not finished)",
     "checkpoint.read": "a checkpoint load: before a file of model and optimizer shards is read (the read is "
                        "retried on a transient I/O error)",
     "finished": "the last step done, its checkpoint complete and `finished` reported to the launcher, before the "

@@ -38,6 +38,13 @@ _NETWORK = ("temporary failure in name resolution", "max retries exceeded", "rea
             "ncclsystemerror", "ncclremoteerror", "unhandled system error", "remote process exited or there was a "
             "network error")
 _PEER = ("connection closed by peer", "connection reset by peer", "broken pipe")
+_S3_TRANSIENT = ("slow down", "slowdown", "slow_down", "throttl", "service unavailable", "internal error",
+                 "internalerror", "internal_error", "internal server error",
+                 "request timeout", "requesttimeout", "aws_io_", "aws_error_http", "connection", "socket", "timed out",
+                 "timeout", "broken pipe", "reset by peer")
+"""Words of an S3 error (the AWS CRT client's, as the S3 Connector for PyTorch raises it, after the client's own
+retries) that say the service or the network failed for a moment: a 503 Slow Down, a 500, a connection refused or
+reset, a timeout. Anything else (Forbidden, NoSuchBucket, a wrong region) is a setting: a rerun repeats it."""
 _NETWORK_TYPES = {"ConnectionError", "Timeout", "ReadTimeout", "ConnectTimeout", "ChunkedEncodingError",
                   "MaxRetryError", "ProtocolError", "NewConnectionError", "RemoteDisconnected", "IncompleteRead",
                   "ServerDisconnectedError", "ClientConnectorError", "LocalEntryNotFoundError"}
@@ -85,6 +92,8 @@ def kind_of(exc: BaseException) -> str | None:
         if isinstance(e, TransientError):
             return e.kind if e.kind in KINDS else "io"
         name, module, text = type(e).__name__, type(e).__module__ or "", str(e).lower()
+        if name == "S3Exception":  # s3torchconnectorclient: the status is only in the message
+            return "network" if any(p in text for p in _S3_TRANSIENT) and "forbidden" not in text else None
         if "offlinemode" in text.replace(" ", "") or name == "OfflineModeIsEnabled":
             return None  # HF_HUB_OFFLINE set: a setting, not the network
         if isinstance(e, OSError) and e.errno in IO_ERRNOS:

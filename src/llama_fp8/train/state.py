@@ -58,6 +58,7 @@ class TrainState:
     def close(self) -> None:
         with self.observer.waiting_for_save():  # an async save still in flight
             self.checkpointer.wait()
+            self.checkpointer.join_copy()  # the last copy to S3 (rank 0, --checkpoint_copy_dir)
         self.observer.close()
         self.watch.close()
         self.writer.close(self.observer.clock.ended)
@@ -75,13 +76,16 @@ def start(cfg: TrainConfig, env: parallel.DistEnv, beat: heartbeat.Heartbeat | N
     scheduler = build.build_scheduler(optimizer, cfg)
     train_loader, val_loader = parallel.on_every_rank(env, lambda: build.build_loaders(cfg, env, plan.dims))
     marks.mark("optimizer_and_data")
-    ckpt = checkpoint.Checkpointer(Path(plan.checkpoint_dir), cfg.keep_last_k, cfg.async_checkpoint, env.rank,
-                                   env.world_size, cfg.checkpoint_timeout)
+    places = checkpoint.places
+    ckpt = checkpoint.Checkpointer(places.location(plan.checkpoint_dir), cfg.keep_last_k, cfg.async_checkpoint,
+                                   env.rank, env.world_size, cfg.checkpoint_timeout,
+                                   s3=places.target(cfg, plan.checkpoint_dir),
+                                   copy=places.copier(cfg, env.rank))
     start_step = 0
     if plan.resume_from:
         try:
-            start_step = ckpt.load(Path(plan.resume_from), model, optimizer, scheduler, train_loader,
-                                   cfg.train_batch_size)
+            start_step = ckpt.load(places.location(plan.resume_from), model, optimizer, scheduler, train_loader,
+                                   cfg.train_batch_size, source=places.target(cfg, plan.resume_from))
         except data.DataStateError as e:
             raise ConfigError(f"cannot resume from {plan.resume_from}: {e}") from None
         except AgreedError as e:  # a checkpoint loaded without the start-up check: the next attempt checks it
@@ -97,13 +101,14 @@ def start(cfg: TrainConfig, env: parallel.DistEnv, beat: heartbeat.Heartbeat | N
     meter, writer = start_metrics(cfg, plan, env, size, start_step)
     beat.latest_checkpoint = lambda: ckpt.last_complete
     lead = time_limit.LeadCheck(time_limit.lead_from_env(), time_limit.limit_from_env(),
-                                lambda step: checkpoint.recorded_save_s(Path(plan.checkpoint_dir) / f"step_{step}"),
+                                lambda step: places.recorded_save_s(cfg, places.location(plan.checkpoint_dir) /
+                                                                    f"step_{step}"),
                                 log) if env.is_main else None
     if plan.resume_from:  # the launcher's hang bound for the first save, and the lead: what this checkpoint's took
-        saved_s = checkpoint.recorded_save_s(Path(plan.resume_from))
+        saved_s = places.recorded_save_s(cfg, places.location(plan.resume_from))
         beat.expect("save", saved_s)
         if lead is not None:
-            lead.at_start(saved_s, f"the save of {Path(plan.resume_from).name}, as its manifest recorded")
+            lead.at_start(saved_s, f"the save of {places.location(plan.resume_from).name}, as its manifest recorded")
     beat.beat(start_step, "startup")  # built and resumed: a failure from here on is not a start-up failure
     observer = RunObserver(
         heartbeat=beat, clock=clock, meter=meter, writer=writer, precision=prec,

@@ -186,6 +186,7 @@ def test_make_kit_dry_run_shows_the_target_in_every_step(tmp_path):
     downloads = [x for x in lines if " pip download " in x]
     assert len(downloads) == 2 and all("--python-version 3.12" in x and "--only-binary=:all:" in x for x in downloads)
     assert "transformer_engine==2.20.2" in downloads[0] and "torchao==0.18.0" in downloads[0]
+    assert "s3torchconnector==1.5.0" in downloads[0] and "s3torchconnectorclient==1.5.0" in downloads[0]
     assert "transformer_engine_cu13==2.20.2" in downloads[1]
     assert any("kit.py sdist transformer_engine_torch 2.20.2" in x for x in lines)
     assert any("kit.py prune" in x and x.endswith("sm_90 sm_100") for x in lines)

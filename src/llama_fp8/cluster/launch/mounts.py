@@ -149,8 +149,8 @@ def run_paths(values: dict[str, str], cwd: str, env: dict[str, str],
         value = values.get(flag)
         if value is not None and flag in URI_FLAGS:
             value = tracking_uri_path(str(value))
-        if value is None or str(value).lower() in NOT_PATHS:
-            continue
+        if value is None or str(value).lower() in NOT_PATHS or str(value).startswith("s3://"):
+            continue  # an S3 prefix is reached over the network, not through a mount
         value = str(value)
         if write or flag == "config" or looks_local(value, cwd):
             out.append(RunPath(f"--{flag}", absolute(value, cwd), write))

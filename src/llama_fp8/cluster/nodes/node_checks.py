@@ -144,8 +144,33 @@ def check_mounts(s: Settings) -> Check:
     return Check("mounts", OK, f"{len(paths)} path(s) on mounts ({spec})")
 
 
+def check_bucket(s: Settings, where: str) -> Check:
+    """An s3:// checkpoint prefix is reachable and writable from this node with the credentials it has: one small
+    object written, then deleted (the AWS credential chain of the node: its instance or pod role, never a key)."""
+    from llama_fp8.checkpoint import places
+
+    try:
+        places.probe_writable(s.cfg, where, rank=0)
+    except Exception as e:  # noqa: BLE001 - any failure is this check's result, named
+        return Check("checkpoint_dir", FAIL, f"{where}: {e}")
+    return Check("checkpoint_dir", OK, f"{where} reachable and writable from {socket.gethostname()} (a probe object "
+                                       f"written and deleted)")
+
+
 def check_writable(s: Settings) -> Check:
-    """The checkpoint dir (or its nearest existing parent) accepts a file; nothing is left behind."""
+    """The checkpoint dir (or its nearest existing parent) accepts a file; nothing is left behind. An s3:// prefix
+    (the checkpoint dir, or --checkpoint_copy_dir's) gets a probe object instead."""
+    copy = getattr(s.cfg, "checkpoint_copy_dir", None) if s.cfg is not None else None
+    if str(s.checkpoint_dir).startswith("s3://") or copy:
+        checks = [check_bucket(s, w) for w in (s.checkpoint_dir, copy) if w and str(w).startswith("s3://")]
+        bad = [c for c in checks if c.status == FAIL]
+        if not str(s.checkpoint_dir).startswith("s3://"):
+            checks.append(_check_folder(s))
+        return bad[0] if bad else Check("checkpoint_dir", OK, "; ".join(c.message for c in checks))
+    return _check_folder(s)
+
+
+def _check_folder(s: Settings) -> Check:
     path = Path(s.checkpoint_dir).expanduser().resolve()
     existing = path
     while not existing.exists():
