@@ -35,8 +35,17 @@ def _cpu() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _runs(folder: Path, since: float) -> list[dict]:
-    """Goodput records of the attempts whose metrics.jsonl under ``folder`` changed during the test."""
+def _process_start() -> float:
+    """When this process started (as goodput.process_start_time reads it): a run inside the test process has it."""
+    from llama_fp8.telemetry.goodput import process_start_time
+
+    return process_start_time()
+
+
+def _runs(folder: Path, since: float, seen: set, here: float) -> list[dict]:
+    """Goodput records of the attempts whose metrics.jsonl under ``folder`` changed during the test, each counted
+    once per session (a test that copies another's run folder did not run it). A run inside the test process has
+    its imports behind it: its "imports" part is the process's age, not an import, and is left out."""
     out = []
     for path in folder.rglob("metrics.jsonl"):
         try:
@@ -54,10 +63,15 @@ def _runs(folder: Path, since: float) -> list[dict]:
                 continue
             if not isinstance(rec, dict) or rec.get("type") != "goodput":
                 continue
+            key = (rec.get("process_start"), rec.get("wall_s"), rec.get("step"))
+            if key in seen:
+                continue
+            seen.add(key)
             parts = rec.get("startup_parts") or {}
             imports = float(parts.get("imports", 0.0))
+            in_process = isinstance(rec.get("process_start"), (int, float)) and abs(rec["process_start"] - here) < 1
             out.append({
-                "imports": imports,
+                "imports": 0.0 if in_process else imports,
                 "startup": max(float(rec.get("startup_s", 0.0)) - imports, 0.0),
                 "training": sum(float(rec.get(k, 0.0)) for k in ("warmup_s", "productive_s", "data_wait_s",
                                                                    "restart_loss_s")),
@@ -72,6 +86,8 @@ class Timer:
         self.path = path
         self.current: dict | None = None
         self.tmp: Path | None = None
+        self.seen: set = set()
+        self.here = _process_start()
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_fixture_setup(self, fixturedef, request):
@@ -88,7 +104,8 @@ class Timer:
         yield
         rec, self.current = self.current, None
         rec.update(wall_s=round(time.monotonic() - t0, 2), cpu_s=round(_cpu() - c0, 2))
-        rec["runs"] = _runs(self.tmp, started - 1) if self.tmp is not None and self.tmp.is_dir() else []
+        found = self.tmp is not None and self.tmp.is_dir()
+        rec["runs"] = _runs(self.tmp, started - 1, self.seen, self.here) if found else []
         with self.path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
 
