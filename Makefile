@@ -26,7 +26,7 @@ demo: $(STAMP)
 	VENV=$(VENV) bash scripts/demo.sh
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu and not te"
+	$(PY) -m pytest -q --durations=30 -m "not gpu and not te"
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu and not te and not slow and not slurm and not container"
