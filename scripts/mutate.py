@@ -182,7 +182,16 @@ def run_one(scratch: Path, m: dict, lock: Path | None, timeout: float) -> dict:
     finally:
         restore(scratch, m, original)
     res = verdict(rc)
-    return dict(id=m["id"], result=res, seconds=round(secs, 1), detail="" if res == "caught" else out[-800:])
+    return dict(id=m["id"], result=res, seconds=round(secs, 1), detail=why_caught(out) if res == "caught" else
+                out[-800:])
+
+
+def why_caught(out: str) -> str:
+    """The failed test and its first error lines: a catch a reader can check is the mutation's doing (and not, say,
+    a wait that ran out on a busy host)."""
+    failed = [ln for ln in out.splitlines() if ln.startswith("FAILED ")]
+    errors = [ln.strip() for ln in out.splitlines() if ln.startswith("E ")]
+    return "\n".join(failed[:1] + errors[:4])[:600]
 
 
 def main(argv: list[str] | None = None) -> int:
