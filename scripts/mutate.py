@@ -9,10 +9,11 @@ Each mutation is one small edit of the code (a threshold, an exit code, a sign, 
 and the tests that must catch it. The script copies the tree (the files git knows, plus untracked ones it does not
 ignore) to a scratch folder, checks that the listed tests pass there unmutated, then for each mutation applies the
 edit to the scratch copy only, runs only its tests, and reports caught (a test failed), missed (all passed) or
-timeout (the run outlasted --timeout: not a catch, see ``verdict``). The tree itself is never edited. The tests run with this interpreter and the scratch copy's src/ first on
-PYTHONPATH, so in-process imports and the subprocesses the tests start both see the mutated code. With --lock FILE
-the runs that hold tests marked slurm or container take an exclusive flock on FILE first (the local Slurm cluster's
-ports are fixed: one such run at a time on a host).
+timeout (the run outlasted --timeout: not a catch, see ``verdict``), with the run's wall and CPU seconds (the CPU
+seconds are what it costs on a host of its own). The tree itself is never edited. The tests run with this
+interpreter and the scratch copy's src/ first on PYTHONPATH, so in-process imports and the subprocesses the tests
+start both see the mutated code. With --lock FILE the runs that hold tests marked slurm or container take an
+exclusive flock on FILE first (the local Slurm cluster's ports are fixed: one such run at a time on a host).
 
 A mutation's `old` text must occur exactly once in its file (else the list is stale: an error, not a miss).
 """
@@ -24,6 +25,7 @@ import contextlib
 import fcntl
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -127,14 +129,15 @@ def held(lock: Path | None):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def run_tests(scratch: Path, tests: list[str], timeout: float) -> tuple[int | None, float, str]:
-    """(pytest's exit code, or None if it ran past ``timeout``; seconds; the end of its output)."""
+def run_tests(scratch: Path, tests: list[str], timeout: float) -> tuple[int | None, float, float, str]:
+    """(pytest's exit code, or None if it ran past ``timeout``; seconds; CPU seconds of pytest and every process it
+    waited for, what the run costs on a host of its own; the end of its output)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(scratch / "src"), *filter(None, [env.get("PYTHONPATH")])])
     env.pop("PYTEST_ADDOPTS", None)
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=--strict-markers",
            *tests]
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), _children_cpu()
     # its own process group: on a timeout the whole tree goes (the runs and launchers a test started too), not
     # only pytest, whose children would otherwise train on, orphaned, through the next mutation's run
     proc = subprocess.Popen(cmd, cwd=scratch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -145,8 +148,13 @@ def run_tests(scratch: Path, tests: list[str], timeout: float) -> tuple[int | No
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        return None, time.monotonic() - t0, out[-2000:] + f"\n(timed out after {timeout:.0f} s)"
-    return proc.returncode, time.monotonic() - t0, out[-2000:]
+        return None, time.monotonic() - t0, _children_cpu() - cpu0, out[-2000:] + f"\n(timed out after {timeout:.0f} s)"
+    return proc.returncode, time.monotonic() - t0, _children_cpu() - cpu0, out[-2000:]
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def verdict(rc: int | None) -> str:
@@ -163,8 +171,8 @@ def clean_check(scratch: Path, every: list[str], locked: set[str], lock: Path | 
         if not part:
             continue
         with held(held_lock):
-            rc, secs, out = run_tests(scratch, part, timeout)
-        print(f"clean run of {len(part)} test ids: rc {rc} in {secs:.0f} s", flush=True)
+            rc, secs, cpu, out = run_tests(scratch, part, timeout)
+        print(f"clean run of {len(part)} test ids: rc {rc} in {secs:.0f} s ({cpu:.0f} CPU s)", flush=True)
         if rc != 0:
             print(out, file=sys.stderr)
             raise SystemExit("the listed tests do not pass on the unmutated tree: fix that first")
@@ -175,15 +183,15 @@ def run_one(scratch: Path, m: dict, lock: Path | None, timeout: float) -> dict:
     try:
         original = apply(scratch, m)
     except LookupError as e:
-        return dict(id=m["id"], result="error", seconds=0.0, detail=str(e))
+        return dict(id=m["id"], result="error", seconds=0.0, cpu_seconds=0.0, detail=str(e))
     try:
         with held(lock):
-            rc, secs, out = run_tests(scratch, m["tests"], timeout)
+            rc, secs, cpu, out = run_tests(scratch, m["tests"], timeout)
     finally:
         restore(scratch, m, original)
     res = verdict(rc)
-    return dict(id=m["id"], result=res, seconds=round(secs, 1), detail=why_caught(out) if res == "caught" else
-                out[-800:])
+    return dict(id=m["id"], result=res, seconds=round(secs, 1), cpu_seconds=round(cpu, 1),
+                detail=why_caught(out) if res == "caught" else out[-800:])
 
 
 def why_caught(out: str) -> str:
@@ -225,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_one(scratch, m, args.lock if locked & set(m["tests"]) else None, args.timeout))
             r = results[-1]
             stale = f"   {r['detail']}" if r["result"] == "error" and not r["seconds"] else ""  # the list, not the run
-            print(f"{m['id']:32s} {r['result']:7s} {r['seconds']:6.0f} s{stale}", flush=True)
+            print(f"{m['id']:32s} {r['result']:7s} {r['seconds']:6.0f} s {r['cpu_seconds']:6.0f} CPU s{stale}",
+                  flush=True)
     caught = sum(r["result"] == "caught" for r in results)
     others = {kind: [r["id"] for r in results if r["result"] == kind] for kind in ("missed", "timeout", "error")}
     print(f"caught {caught} of {len(results)}; " + "; ".join(f"{k} {v}" for k, v in others.items()))
@@ -236,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                                capture_output=True, text=True).stdout.strip()
         args.out.write_text(json.dumps(dict(commit=commit + ("+changes" if dirty else ""), caught=caught,
                                             total=len(results), seconds=round(time.monotonic() - started),
+                                            cpu_seconds=round(_children_cpu()),
                                             results=results), indent=1) + "\n")
     return 0 if caught == len(results) else 1
 
