@@ -25,6 +25,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -157,12 +158,22 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def verdict(rc: int | None) -> str:
+def verdict(rc: int | None, out: str = "") -> str:
     """pytest's exit codes: 0 all passed (missed), 1 a test failed (caught). A run past --timeout (None) is its own
     result, not a catch: on a busy host a slow test times out with or without the mutation (a mutation that makes a
-    test hang shows as a timeout of its run where the clean run finished). 2-5, or pytest killed by a signal (< 0),
-    mean the run itself was broken: an error."""
+    test hang shows as a timeout of its run where the clean run finished). A run that passed with a test skipped
+    (its prerequisite missing here: the local Slurm cluster, a GPU) did not run what should catch the mutation:
+    skipped, not missed. 2-5, or pytest killed by a signal (< 0), mean the run itself was broken: an error."""
+    if rc == 0 and skipped(out):
+        return "skipped"
     return {0: "missed", 1: "caught", None: "timeout"}.get(rc, "error")
+
+
+def skipped(out: str) -> int:
+    """How many tests pytest's closing line says it skipped."""
+    last = next((ln for ln in reversed(out.splitlines()) if " in " in ln and ("passed" in ln or "skipped" in ln)), "")
+    found = re.search(r"(\d+) skipped", last)
+    return int(found.group(1)) if found else 0
 
 
 def clean_check(scratch: Path, every: list[str], locked: set[str], lock: Path | None, timeout: float) -> None:
@@ -172,7 +183,8 @@ def clean_check(scratch: Path, every: list[str], locked: set[str], lock: Path | 
             continue
         with held(held_lock):
             rc, secs, cpu, out = run_tests(scratch, part, timeout)
-        print(f"clean run of {len(part)} test ids: rc {rc} in {secs:.0f} s ({cpu:.0f} CPU s)", flush=True)
+        print(f"clean run of {len(part)} test ids: rc {rc} in {secs:.0f} s ({cpu:.0f} CPU s)"
+              + (f"; {skipped(out)} skipped: they cannot catch anything here" if skipped(out) else ""), flush=True)
         if rc != 0:
             print(out, file=sys.stderr)
             raise SystemExit("the listed tests do not pass on the unmutated tree: fix that first")
@@ -189,7 +201,7 @@ def run_one(scratch: Path, m: dict, lock: Path | None, timeout: float) -> dict:
             rc, secs, cpu, out = run_tests(scratch, m["tests"], timeout)
     finally:
         restore(scratch, m, original)
-    res = verdict(rc)
+    res = verdict(rc, out)
     return dict(id=m["id"], result=res, seconds=round(secs, 1), cpu_seconds=round(cpu, 1),
                 detail=why_caught(out) if res == "caught" else out[-800:])
 
@@ -236,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{m['id']:32s} {r['result']:7s} {r['seconds']:6.0f} s {r['cpu_seconds']:6.0f} CPU s{stale}",
                   flush=True)
     caught = sum(r["result"] == "caught" for r in results)
-    others = {kind: [r["id"] for r in results if r["result"] == kind] for kind in ("missed", "timeout", "error")}
+    others = {kind: [r["id"] for r in results if r["result"] == kind] for kind in ("missed", "timeout", "skipped", "error")}
     print(f"caught {caught} of {len(results)}; " + "; ".join(f"{k} {v}" for k, v in others.items()))
     if args.out:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.repo, capture_output=True,
