@@ -1,7 +1,6 @@
-"""The offline kit's Python half (``make_kit.sh`` and ``install_kit.sh`` call it):
+"""The offline kit's files (``build_kit.py`` and ``install_kit.sh`` use it):
 
     python kit.py prune LIB.so sm_90 [sm_100 ...]     keep only these archs' cubins in LIB's .nv_fatbin, in place
-    python kit.py sdist NAME VERSION DEST              fetch a source distribution from PyPI (sha256 checked)
     python kit.py manifest KIT --python 3.12 --torch 2.11.0 --arch sm_90 [--te V] [--torchao V]
     python kit.py verify KIT                           every wheel listed with its sha256, nothing else
 
@@ -24,7 +23,6 @@ import mmap
 import re
 import struct
 import sys
-import urllib.request
 from pathlib import Path
 
 FATBIN_MAGIC = 0xBA55ED50
@@ -115,27 +113,6 @@ def prune(path: Path, archs: set[int]) -> dict:
     return stats
 
 
-# --- PyPI sdist --------------------------------------------------------------------------------------------
-def fetch_sdist(name: str, version: str, dest: Path) -> Path:
-    """The sdist of ``name==version`` from PyPI's JSON API, checked against the sha256 PyPI lists. (pip download
-    would first build the sdist's metadata, which for TE's torch extension needs a CUDA torch.)"""
-    with urllib.request.urlopen(f"https://pypi.org/pypi/{name}/{version}/json", timeout=60) as r:
-        info = json.load(r)
-    files = [u for u in info["urls"] if u["packagetype"] == "sdist"]
-    if not files:
-        raise KitError(f"{name}=={version} has no source distribution on PyPI")
-    url, digest, filename = files[0]["url"], files[0]["digests"]["sha256"], files[0]["filename"]
-    if "/" in filename or not in_kit(filename):
-        raise KitError(f"PyPI named the sdist {filename!r}: not a plain file name")
-    with urllib.request.urlopen(url, timeout=300) as r:
-        data = r.read()
-    if hashlib.sha256(data).hexdigest() != digest:
-        raise KitError(f"{filename}: sha256 differs from PyPI's")
-    out = dest / filename
-    out.write_bytes(data)
-    return out
-
-
 # --- manifest ----------------------------------------------------------------------------------------------
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
@@ -199,10 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("prune")
     a.add_argument("lib", type=Path)
     a.add_argument("archs", nargs="+")
-    a = sub.add_parser("sdist")
-    a.add_argument("name")
-    a.add_argument("version")
-    a.add_argument("dest", type=Path)
     a = sub.add_parser("manifest")
     a.add_argument("kit", type=Path)
     for flag in ("--python", "--torch", "--arch"):
@@ -217,8 +190,6 @@ def main(argv: list[str] | None = None) -> int:
             stats = prune(args.lib, {parse_arch(x) for x in args.archs})
             print(f"{args.lib.name}: {stats['containers']} fatbin containers, kept {stats['kept'] / 1e6:.1f} MB of "
                   f"GPU code, zeroed {stats['zeroed'] / 1e6:.1f} MB")
-        elif args.cmd == "sdist":
-            print(fetch_sdist(args.name, args.version, args.dest))
         elif args.cmd == "manifest":
             for arch in args.arch.split(","):
                 parse_arch(arch)

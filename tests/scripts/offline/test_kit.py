@@ -14,43 +14,12 @@ from pathlib import Path
 
 import kit
 import pytest
+from kit_fakes import elf
+from kit_fakes import fatbin_container as container
+from kit_fakes import fatbin_entry as entry
 
 REPO = Path(__file__).resolve().parents[3]
 MAKE_KIT, INSTALL_KIT = REPO / "scripts" / "offline" / "make_kit.sh", REPO / "scripts" / "offline" / "install_kit.sh"
-
-
-def entry(arch: int, payload: bytes) -> bytes:
-    """A fatbin entry: a 64-byte header (kind, flags, header size, payload size, ..., SM number at byte 28)."""
-    head = bytearray(64)
-    struct.pack_into("<HHIQ", head, 0, 2, 0x101, 64, len(payload))
-    struct.pack_into("<I", head, 28, arch)
-    return bytes(head) + payload
-
-
-def container(entries: list[bytes]) -> bytes:
-    body = b"".join(entries)
-    return struct.pack("<IHHQ", kit.FATBIN_MAGIC, 1, 16, len(body)) + body
-
-
-def elf(sections: dict[str, bytes]) -> tuple[bytes, dict[str, tuple[int, int]]]:
-    """A minimal ELF64 little-endian file holding ``sections`` (and .shstrtab); returns it and where each lies."""
-    names = [*sections, ".shstrtab"]
-    strtab = b"\0" + b"".join(n.encode() + b"\0" for n in names)
-    body, where = bytearray(64), {}
-    for name, data in [*sections.items(), (".shstrtab", strtab)]:
-        body += bytes(-len(body) % 8)
-        where[name] = (len(body), len(data))
-        body += data
-    body += bytes(-len(body) % 8)
-    shoff, headers, name_off = len(body), bytearray(64), 1
-    for name in names:
-        off, size = where[name]
-        headers += struct.pack("<IIQQQQIIQQ", name_off, 3 if name == ".shstrtab" else 1, 0, 0, off, size, 0, 0, 8, 0)
-        name_off += len(name) + 1
-    body += headers
-    body[:16] = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9)
-    struct.pack_into("<HHIQQQIHHHHHH", body, 16, 3, 62, 1, 0, 0, shoff, 0, 64, 0, 0, 64, len(names) + 1, len(names))
-    return bytes(body), where
 
 
 def payload(rng: random.Random, n: int) -> bytes:
