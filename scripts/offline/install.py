@@ -3,7 +3,7 @@ anything of the kit is installed). ``install_kit.sh`` checks the kit against its
 a GPU visit (``scripts/gpu/visit.sh``) does the same first.
 
     python scripts/offline/install.py WHEELS_DIR [TARGET] [--no-build] [--force-build] [--export DIR]
-                                      [--jobs N] [--build-timeout S] [--dry-run]
+                                      [--jobs N] [--build-timeout S] [--budget-seconds S] [--dry-run]
 
 A kit (``scripts/offline/make_kit.sh DIR ...``) holds, at its top level, the wheels a bare node lacks (torchao,
 Transformer Engine's Python part and core library, their small needs, datasets), the
@@ -18,6 +18,11 @@ the versions block (versions.py).
 
 Which wheel matches this node's torch, and how one is compiled: te_wheel.py.
 
+Inside a command with a time limit (``--budget-seconds``, scripts/gpu/visit.sh), every wait is cut to what is left:
+the pip install, each check (TE's import, its kernels: at most CHECK_S each), the compile (at most half the budget,
+and --build-timeout), the versions block. A later run into the same TARGET whose kit (its MANIFEST.json), chosen TE
+extension, Python and torch are those of the install there reuses it: only TE's import is checked again.
+
 Use TARGET with ``export PYTHONPATH=TARGET:$REPO/src``. Exit codes: 0 ready; 2 bad arguments or an unusable
 kit (the message names the missing or conflicting wheel); 3 TE's PyTorch extension is not usable (it does not
 import and was not compiled, the compile failed, or its kernels do not run): torchao and the HF model still work.
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import platform
 import re
@@ -38,6 +44,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kit import sha256  # in this folder
 from te_wheel import (  # in this folder
     BUILT_DIR,
     OFFLINE_ENV,
@@ -52,12 +59,15 @@ from te_wheel import (  # in this folder
     normalize,
     problems,
     record_path,
+    run_bounded,
     save_build,
 )
 
 HERE = Path(__file__).resolve().parent
-MARKER = ".llama-fp8-install"  # written into TARGET: only a folder holding it is ever emptied
+MARKER = ".llama-fp8-install"  # written into TARGET: only a folder holding it is ever emptied; what it holds
 EXIT_BAD_KIT, EXIT_NO_TE = 2, 3
+NO_ANSWER = "no answer in"  # a check cut at its time
+CHECK_S = 120.0  # at most, each check (TE's import, one FP8 step): TE imports in seconds, a GPU runs the step in one
 IMPORT_CHECK = ("import torch\nimport transformer_engine.pytorch\nimport importlib.metadata as m\n"
                 "print('transformer_engine.pytorch imports; transformer_engine_torch', "
                 "m.version('transformer_engine_torch'))")
@@ -92,6 +102,26 @@ class InstallError(Exception):
         self.code = code
 
 
+class Clock:
+    """What is left of --budget-seconds (None: no bound); every wait of the install is cut to it."""
+
+    def __init__(self, seconds: float | None = None):
+        self.end = None if seconds is None else time.monotonic() + seconds
+
+    def left(self) -> float | None:
+        return None if self.end is None else self.end - time.monotonic()
+
+    def bound(self, own: float, what: str, code: int = EXIT_NO_TE) -> float:
+        """``own`` cut to what is left; an error naming ``what`` when nothing is left."""
+        left = self.left()
+        if left is not None and left < 1:
+            raise InstallError(f"no time left for {what} (--budget-seconds)", code)
+        return own if left is None else min(own, left)
+
+
+CLOCK = Clock()  # set by run() from --budget-seconds
+
+
 def say(message: str) -> None:
     print(f"[install] {message}", flush=True)
 
@@ -106,6 +136,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--export", metavar="DIR", help="also copy a freshly built wheel and its record to DIR/<key>/")
     p.add_argument("--jobs", type=int, help="parallel compile jobs (MAX_JOBS; default: the CPU cores)")
     p.add_argument("--build-timeout", type=float, default=480.0, help="seconds the compile may take (default 480)")
+    p.add_argument("--budget-seconds", type=float, help="the whole install's time: every wait is cut to what is left, "
+                   "the compile to half of it")
     p.add_argument("--dry-run", action="store_true",
                    help="print the install and build commands (with their environment) and change nothing")
     args = p.parse_args(argv)
@@ -113,6 +145,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--no-build and --force-build contradict each other")
     if args.jobs is not None and args.jobs < 1:
         p.error(f"--jobs {args.jobs}: must be >= 1")
+    if args.budget_seconds is not None and args.budget_seconds <= 0:
+        p.error(f"--budget-seconds {args.budget_seconds}: must be > 0")
     return args
 
 
@@ -125,14 +159,26 @@ class Node:
     installed: frozenset[str]
 
 
-def node_info() -> Node:
-    """This Python: its tag, machine, torch (imported: the one TE's extension must match) and packages."""
-    try:
-        import torch
+def torch_versions() -> tuple[str | None, str | None]:
+    """(torch.__version__, torch.version.cuda) of this Python's torch, read from its torch/version.py without
+    importing torch (an import takes seconds to minutes on a busy node: outside any bound); (None, None) without."""
+    import importlib.util
 
-        torch_version, cuda = torch.__version__, torch.version.cuda
-    except ImportError:
-        torch_version = cuda = None
+    spec = importlib.util.find_spec("torch")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        try:
+            text = (Path(folder) / "version.py").read_text()[:20_000]
+        except OSError:
+            continue
+        found = dict(re.findall(r"^(__version__|cuda)\s*(?::\s*[^=]+)?=\s*['\"]?([^'\"\n]*)['\"]?", text, re.M))
+        if found.get("__version__"):
+            return found["__version__"], (found.get("cuda") or None) if found.get("cuda") != "None" else None
+    return None, None
+
+
+def node_info() -> Node:
+    """This Python: its tag, machine, torch (the one TE's extension must match) and packages."""
+    torch_version, cuda = torch_versions()
     names = frozenset(normalize(d.metadata["Name"] or "") for d in importlib.metadata.distributions())
     return Node(f"cp{sys.version_info[0]}{sys.version_info[1]}", platform.machine(), torch_version, cuda, names)
 
@@ -165,49 +211,66 @@ def install(wheels: list[Path], target: Path) -> None:
     prepare_target(target)
     say(f"installing {len(wheels)} wheels into {target}")
     t0 = time.perf_counter()
-    proc = subprocess.run(install_command(wheels, target), env=child_env(target), capture_output=True, text=True)
+    limit = CLOCK.bound(600, "the pip install", EXIT_BAD_KIT)
+    try:
+        proc = run_bounded(install_command(wheels, target), limit, child_env(target))
+    except subprocess.TimeoutExpired:
+        raise InstallError(f"the pip install took more than {limit:.0f} s (--budget-seconds)", EXIT_BAD_KIT) from None
     if proc.returncode != 0:
-        raise InstallError(f"pip install failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}",
+        raise InstallError(f"pip install failed ({proc.returncode}):\n{proc.stdout[-6000:]}",
                              EXIT_BAD_KIT)
     say(f"installed in {time.perf_counter() - t0:.1f} s")
 
 
+def check(target: Path, code: str, what: str) -> tuple[bool, str]:
+    """Run ``code`` with TARGET on the path, at most CHECK_S (and what is left): (ok, its last line or the error)."""
+    limit = CLOCK.bound(CHECK_S, what)
+    try:
+        proc = run_bounded([sys.executable, "-c", code], limit, child_env(target))
+    except subprocess.TimeoutExpired:
+        return False, f"{what}: {NO_ANSWER} {limit:.0f} s"
+    text = proc.stdout.strip()
+    return proc.returncode == 0, text.splitlines()[-1] if proc.returncode == 0 and text else text[-3000:]
+
+
 def import_check(target: Path) -> tuple[bool, str]:
     """Does TE's PyTorch extension import from TARGET with this node's torch? (ok, output)"""
-    proc = subprocess.run([sys.executable, "-c", IMPORT_CHECK], env=child_env(target), capture_output=True,
-                          text=True, timeout=600)
-    text = (proc.stdout + proc.stderr).strip()
-    return proc.returncode == 0, text.splitlines()[-1] if proc.returncode == 0 and text else text[-3000:]
+    return check(target, IMPORT_CHECK, "TE's import check")
 
 
 def kernel_check(target: Path) -> tuple[bool, str]:
     """Do TE's kernels run (KERNEL_CHECK)? (ok, its last line or the error)"""
-    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=child_env(target), capture_output=True,
-                          text=True, timeout=600)
-    text = (proc.stdout + proc.stderr).strip()
-    return proc.returncode == 0, text.splitlines()[-1] if proc.returncode == 0 and text else text[-3000:]
+    return check(target, KERNEL_CHECK, "TE's kernel check")
+
+
+def compile_timeout(build_timeout: float) -> float:
+    """--build-timeout, and at most half of what is left of --budget-seconds: the runs after it need the rest."""
+    left = CLOCK.left()
+    return CLOCK.bound(build_timeout if left is None else min(build_timeout, left / 2), "a compile")
 
 
 def build(kit: Kit, te_version: str, node: Node, target: Path, args: argparse.Namespace) -> Path:
     """Compile transformer_engine_torch into WHEELS_DIR/built/<key>/ (and --export); returns the wheel."""
     out_dir = Path(tempfile.mkdtemp(prefix="te-torch-wheel-"))
-    bp = build_plan(sys.executable, kit.sdist, out_dir, target, args.jobs, dict(os.environ))
+    timeout = compile_timeout(args.build_timeout)
+    bp = build_plan(sys.executable, kit.sdist, out_dir, target, args.jobs, dict(os.environ),
+                    probe_s=CLOCK.bound(60, "the compile's probe"))
     if bp.problems:
         raise InstallError("cannot compile transformer_engine_torch:\n  " + "\n  ".join(bp.problems), EXIT_NO_TE)
     log = out_dir.with_suffix(".log")
     say(f"compiling {kit.sdist.name} against torch {node.torch} (MAX_JOBS={bp.env['MAX_JOBS']}, up to "
-        f"{args.build_timeout:.0f} s; log {log})")
+        f"{timeout:.0f} s; log {log})")
     t0 = time.perf_counter()
     with open(log, "w") as fh:
         proc = subprocess.Popen(bp.command, env={**os.environ, **bp.env}, stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
-            rc = proc.wait(timeout=args.build_timeout)
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()
-            raise InstallError(f"the compile took more than {args.build_timeout:.0f} s and was stopped "
-                                 f"(--build-timeout); log {log}", EXIT_NO_TE) from None
+            raise InstallError(f"the compile took more than {timeout:.0f} s and was stopped (--build-timeout, or half "
+                               f"of --budget-seconds); log {log}", EXIT_NO_TE) from None
     built = sorted(out_dir.glob(f"{TE_TORCH}-*.whl"))
     if rc != 0 or not built:
         raise InstallError(f"the compile failed (exit {rc}); last lines of {log}:\n"
@@ -226,7 +289,11 @@ def build(kit: Kit, te_version: str, node: Node, target: Path, args: argparse.Na
 
 
 def versions_block(target: Path) -> None:
-    subprocess.run([sys.executable, str(HERE / "versions.py")], env=child_env(target), check=False, timeout=300)
+    try:
+        run_bounded([sys.executable, str(HERE / "versions.py")], CLOCK.bound(60, "the versions block"), child_env(target),
+                    capture=False)
+    except (subprocess.TimeoutExpired, InstallError) as e:  # the block is information: its loss stops nothing
+        say(f"versions block not printed: {e}")
 
 
 def check_kit(args: argparse.Namespace) -> tuple[Kit, Node, str]:
@@ -269,6 +336,8 @@ def install_te(kit: Kit, wheels: list[Path], choice: Choice, te_version: str, no
         say(("TE: " if ok else "TE does not import with this wheel: ") + message)
     if ok:
         return
+    if NO_ANSWER in message:  # a slow or hung import: a compile would not answer it either, and has no time
+        raise InstallError(f"{message}: TE is not used in this command (no compile tried)", EXIT_NO_TE)
     missing = missing_module(message)
     if missing is not None:  # a compile builds TE's extension only: it cannot bring a Python module
         raise InstallError(f"TE does not import: it needs the Python module {missing!r}, which this node lacks; "
@@ -287,6 +356,8 @@ def install_te(kit: Kit, wheels: list[Path], choice: Choice, te_version: str, no
 
 
 def run(args: argparse.Namespace) -> int:
+    global CLOCK
+    CLOCK = Clock(args.budget_seconds)
     kit, node, te_version = check_kit(args)
     target = Path(args.target).resolve()
     say(f"kit {kit.root}: {len(kit.wheels)} wheels, TE {te_version}; node: {node.cp_tag}, torch {node.torch}")
@@ -303,16 +374,56 @@ def run(args: argparse.Namespace) -> int:
     wheels = [w.path for w in kit.wheels]
     if args.dry_run:
         return dry_run(kit, wheels, choice, target, args)
+    fp = fingerprint(kit, choice, node)
+    if not args.force_build and reuse(target, fp):
+        return 0
     try:
         install_te(kit, wheels, choice, te_version, node, target, args)
         ok, message = kernel_check(target)
         if not ok:  # the extension imports, its kernels fail (e.g. a core library without this GPU's code)
             raise InstallError(f"TE imports but its kernels do not run on this GPU:\n{message}", EXIT_NO_TE)
         say("TE kernels: " + message)
+        mark(target, fp, message)
     finally:  # the versions block, also when TE is not usable: what the node has is worth knowing then too
         versions_block(target)
     say(f"ready: export PYTHONPATH={target}:$REPO/src")
     return 0
+
+
+def fingerprint(kit: Kit, choice: Choice, node: Node) -> dict:
+    """What an install is of: the kit (its MANIFEST.json, else its wheels' names and sizes), the TE extension chosen,
+    this Python and torch."""
+    manifest = kit.root / "MANIFEST.json"
+    files = sha256(manifest) if manifest.is_file() else sorted(
+        f"{w.path.name}:{w.path.stat().st_size}" for w in [*kit.wheels, *kit.te_torch])
+    return {"kit": files, "te_torch": choice.wheel.path.name if choice.wheel else None, "python": node.cp_tag,
+            "torch": node.torch}
+
+
+def mark(target: Path, fp: dict, kernels: str) -> None:
+    """After a whole install whose TE runs: what it was of, in TARGET's marker (reuse reads it)."""
+    (target / MARKER).write_text(json.dumps({"made_by": "scripts/offline/install.py", "fingerprint": fp,
+                                             "kernels": kernels}) + "\n")
+
+
+def reuse(target: Path, fp: dict) -> bool:
+    """TARGET holds a whole install of this very kit for this Python and torch, and TE still imports from it: use it
+    (a second command on the same node keeps its time for measuring). False: install afresh."""
+    try:
+        done = json.loads((target / MARKER).read_text()[:100_000])
+    except (OSError, ValueError):
+        return False
+    if not isinstance(done, dict) or done.get("fingerprint") != fp:
+        return False
+    ok, message = import_check(target)
+    if not ok:
+        say(f"{target}: installed from this kit, but TE does not import there now: installing again")
+        return False
+    say(f"reused the install in {target} (same kit, TE extension, Python and torch); TE: {message}; TE kernels "
+        f"(when installed): {done.get('kernels')}")
+    versions_block(target)
+    say(f"ready: export PYTHONPATH={target}:$REPO/src")
+    return True
 
 
 def dry_run(kit: Kit, wheels: list[Path], choice: Choice, target: Path,

@@ -143,9 +143,8 @@ def write_manifest(kit: Path, target: dict) -> dict:
     return manifest
 
 
-def verify(kit: Path) -> dict:
-    """The manifest, after checking that every file it lists is there with its sha256 and that no wheel or sdist
-    beside them is unlisted (a kit is installed whole: a stray wheel would be installed too)."""
+def read_manifest(kit: Path) -> dict:
+    """MANIFEST.json as written (capped in size; refused when it is not a kit manifest)."""
     path = kit / MANIFEST
     if not path.is_file():
         raise KitError(f"{kit}: no {MANIFEST} (make the kit with scripts/offline/make_kit.sh)")
@@ -157,6 +156,15 @@ def verify(kit: Path) -> dict:
         assert isinstance(files, dict) and all(isinstance(v, dict) and "sha256" in v for v in files.values())
     except (ValueError, KeyError, TypeError, AssertionError):
         raise KitError(f"{path}: not a kit manifest (expected JSON with files: {{name: {{sha256}}}})") from None
+    return manifest
+
+
+def verify(kit: Path) -> dict:
+    """The manifest, after checking that every file it lists is there with its sha256 and that no wheel or sdist
+    beside them is unlisted (a kit is installed whole: a stray wheel would be installed too)."""
+    path = kit / MANIFEST
+    manifest = read_manifest(kit)
+    files = manifest["files"]
     bad = [n for n in files if not in_kit(n)]
     if bad:
         raise KitError(f"{path}: file names outside the kit's folder: {', '.join(map(repr, bad[:3]))}")

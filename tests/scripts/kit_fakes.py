@@ -156,6 +156,7 @@ def kit(folder: Path, *, prebuilt_for: str | None = None, with_sdist: bool = Tru
                                             "transformer_engine/pytorch/__init__.py": TE_PYTORCH}),
         "transformer_engine_cu13": (TE_VERSION, {"te_core_fake/__init__.py": ""}),
         "datasets_fake": ("1.0", {"datasets_fake/__init__.py": ""}),
+        "nvidia_cudnn_frontend": ("1.32.0", {"include/cudnn_frontend.h": ""}),  # its headers: for a compile
     }
     for name, (version, files) in wheels.items():
         if name not in skip:

@@ -295,3 +295,81 @@ def test_choice_prefers_a_recorded_build_and_passes_over_others_with_reasons(tmp
 def test_a_wheel_without_a_build_record_is_unrecorded(tmp_path):
     wheel = fakes.te_torch_wheel(tmp_path, "y")
     assert te_wheel.read_record(wheel) is None  # an unknown hash without a record: unrecorded
+
+
+# --- inside a command's time: every wait bounded, a second command reuses the install -------------------------
+def test_each_check_waits_at_most_check_s_or_what_is_left(tmp_path, monkeypatch):
+    """A check that hangs (TE's import stuck on a driver, say) is cut at CHECK_S (~2 minutes) or, inside a
+    command's budget, at what is left of it: never the 600 s of a whole command."""
+    seen = []
+    real_run = install.run_bounded
+    monkeypatch.setattr(install, "run_bounded", lambda cmd, timeout, *a, **k: seen.append(timeout) or real_run(
+        cmd, timeout, *a, **k))
+    monkeypatch.setattr(install, "CLOCK", install.Clock(None))
+    assert install.check(tmp_path, "print('fine')", "a check") == (True, "fine")
+    monkeypatch.setattr(install, "CLOCK", install.Clock(2.0))
+    ok, message = install.check(tmp_path, "import time; time.sleep(60)", "TE's import check")
+    assert not ok and message.startswith("TE's import check: no answer in 2 s")
+    assert seen[0] == install.CHECK_S <= 120 and seen[1] <= 2.0
+    monkeypatch.setattr(install, "CLOCK", install.Clock(0.5))
+    with pytest.raises(install.InstallError, match=r"no time left for TE's kernel check \(--budget-seconds\)"):
+        install.kernel_check(tmp_path)
+
+
+def test_a_compile_may_take_half_the_budget_at_most(monkeypatch):
+    monkeypatch.setattr(install, "CLOCK", install.Clock(None))
+    assert install.compile_timeout(480) == 480
+    monkeypatch.setattr(install, "CLOCK", install.Clock(300))
+    assert 149 < install.compile_timeout(480) <= 150 and install.compile_timeout(60) == 60
+    monkeypatch.setattr(install, "CLOCK", install.Clock(0.2))
+    with pytest.raises(install.InstallError, match="no time left for a compile"):
+        install.compile_timeout(480)
+
+
+@pytest.mark.slow
+def test_a_second_run_reuses_the_install_of_the_same_kit_and_installs_a_changed_one_afresh(tmp_path, capfd, guarded):
+    import kit as kit_files
+
+    kit = fakes.kit(tmp_path / "kit", prebuilt_for=fakes.torch_version())
+    kit_files.write_manifest(kit, {"python": "3.x"})
+    target = tmp_path / "site"
+    code, out, err = run_main([kit, target, "--budget-seconds", "300"], capfd)
+    assert code == 0 and "installing" in out, out + err
+    code, out, err = run_main([kit, target, "--budget-seconds", "300"], capfd)
+    assert code == 0, out + err
+    assert "reused the install" in out and "installing" not in out and "TE: transformer_engine.pytorch imports" in out
+    assert "TE kernels (when installed): no CUDA device" in out and out.count("== versions") == 1
+    fakes.make_wheel(kit, "einops", "0.8.2", {"einops/__init__.py": ""})  # the kit changed: its manifest too
+    kit_files.write_manifest(kit, {"python": "3.x"})
+    code, out, err = run_main([kit, target], capfd)
+    assert code == 0 and "reused" not in out and "installing" in out and (target / "einops").is_dir(), out + err
+    (target / "transformer_engine" / "pytorch" / "__init__.py").write_text("raise ImportError('broken')\n")
+    code, out, err = run_main([kit, target], capfd)  # same kit, but TE no longer imports there: installed again
+    assert code == 0 and "TE does not import there now: installing again" in out, out + err
+
+
+def test_a_timeout_holds_against_a_grandchild_that_keeps_the_output_open(tmp_path, monkeypatch):
+    """A check whose process started a helper that outlives it (an import that spawned one) ends at its limit: the
+    whole process group is killed, not only the child (a plain subprocess.run waits for the helper's output)."""
+    import time
+
+    monkeypatch.setattr(install, "CLOCK", install.Clock(3.0))
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    t0 = time.monotonic()
+    ok, message = install.check(tmp_path, code, "TE's import check")
+    assert not ok and "TE's import check: no answer in 3 s" in message and time.monotonic() - t0 < 20
+
+
+def test_an_import_that_does_not_answer_is_not_compiled_for(tmp_path, capfd, guarded, monkeypatch):
+    monkeypatch.setattr(install, "IMPORT_CHECK", "import time; time.sleep(30)")
+    monkeypatch.setattr(install, "CHECK_S", 2.0)
+    kit = fakes.kit(tmp_path / "kit", prebuilt_for=fakes.torch_version(), build_log=tmp_path / "build.jsonl")
+    code, out, err = run_main([kit, tmp_path / "site"], capfd)
+    assert code == install.EXIT_NO_TE and "no answer in 2 s: TE is not used in this command (no compile tried)" in err
+    assert not (tmp_path / "build.jsonl").exists() and out.count("installing") == 1
+
+
+def test_the_nodes_torch_is_read_without_importing_it():
+    import torch
+
+    assert install.torch_versions() == (torch.__version__, torch.version.cuda)
