@@ -243,6 +243,13 @@ def kernel_check(target: Path) -> tuple[bool, str]:
     return check(target, KERNEL_CHECK, "TE's kernel check")
 
 
+def compile_problems(bp, kit: Kit) -> list[str]:
+    """The compile's missing prerequisites, less the cuDNN frontend when the kit brings it (installed before the
+    compile; a dry run's probe cannot see it yet)."""
+    has = bool(kit.find("nvidia_cudnn_frontend"))
+    return [p for p in bp.problems if not (has and "nvidia-cudnn-frontend" in p)]
+
+
 def compile_timeout(build_timeout: float) -> float:
     """--build-timeout, and at most half of what is left of --budget-seconds: the runs after it need the rest."""
     left = CLOCK.left()
@@ -255,8 +262,9 @@ def build(kit: Kit, te_version: str, node: Node, target: Path, args: argparse.Na
     timeout = compile_timeout(args.build_timeout)
     bp = build_plan(sys.executable, kit.sdist, out_dir, target, args.jobs, dict(os.environ),
                     probe_s=CLOCK.bound(60, "the compile's probe"))
-    if bp.problems:
-        raise InstallError("cannot compile transformer_engine_torch:\n  " + "\n  ".join(bp.problems), EXIT_NO_TE)
+    if compile_problems(bp, kit):
+        raise InstallError("cannot compile transformer_engine_torch:\n  " + "\n  ".join(compile_problems(bp, kit)),
+                           EXIT_NO_TE)
     log = out_dir.with_suffix(".log")
     say(f"compiling {kit.sdist.name} against torch {node.torch} (MAX_JOBS={bp.env['MAX_JOBS']}, up to "
         f"{timeout:.0f} s; log {log})")
@@ -384,6 +392,10 @@ def run(args: argparse.Namespace) -> int:
             raise InstallError(f"TE imports but its kernels do not run on this GPU:\n{message}", EXIT_NO_TE)
         say("TE kernels: " + message)
         mark(target, fp, message)
+    except InstallError as e:  # the wheels are in, TE is not usable: a second command reuses them, TE checked again
+        if e.code == EXIT_NO_TE and (target / MARKER).is_file():
+            mark(target, fp, None, str(e).splitlines()[0][:300])
+        raise
     finally:  # the versions block, also when TE is not usable: what the node has is worth knowing then too
         versions_block(target)
     say(f"ready: export PYTHONPATH={target}:$REPO/src")
@@ -400,10 +412,10 @@ def fingerprint(kit: Kit, choice: Choice, node: Node) -> dict:
             "torch": node.torch}
 
 
-def mark(target: Path, fp: dict, kernels: str) -> None:
-    """After a whole install whose TE runs: what it was of, in TARGET's marker (reuse reads it)."""
+def mark(target: Path, fp: dict, kernels: str | None, te_unusable: str = "") -> None:
+    """After a whole install: what it was of and whether TE ran, in TARGET's marker (reuse reads it)."""
     (target / MARKER).write_text(json.dumps({"made_by": "scripts/offline/install.py", "fingerprint": fp,
-                                             "kernels": kernels}) + "\n")
+                                             "kernels": kernels, "te_unusable": te_unusable}) + "\n")
 
 
 def reuse(target: Path, fp: dict) -> bool:
@@ -416,12 +428,17 @@ def reuse(target: Path, fp: dict) -> bool:
     if not isinstance(done, dict) or done.get("fingerprint") != fp:
         return False
     ok, message = import_check(target)
-    if not ok:
+    if not ok and not done.get("te_unusable"):
         say(f"{target}: installed from this kit, but TE does not import there now: installing again")
         return False
-    say(f"reused the install in {target} (same kit, TE extension, Python and torch); TE: {message}; TE kernels "
-        f"(when installed): {done.get('kernels')}")
-    versions_block(target)
+    say(f"reused the install in {target} (same kit, TE extension, Python and torch)")
+    try:
+        if not ok:  # TE was not usable when installed either: the wheels stay, the runs go on without TE
+            raise InstallError(f"TE was not usable in that install ({done['te_unusable']}) and is not now: "
+                               f"{message}", EXIT_NO_TE)
+        say(f"TE: {message}; TE kernels (when installed): {done.get('kernels') or 'not run: TE did not import then'}")
+    finally:
+        versions_block(target)
     say(f"ready: export PYTHONPATH={target}:$REPO/src")
     return True
 
@@ -436,7 +453,7 @@ def dry_run(kit: Kit, wheels: list[Path], choice: Choice, target: Path,
         bp = build_plan(sys.executable, kit.sdist, Path(tempfile.gettempdir()) / "te-torch-wheel", target,
                                args.jobs, dict(os.environ))
         say("dry run: then compile with\n" + describe(bp))
-        for problem in bp.problems:
+        for problem in compile_problems(bp, kit):
             say(f"dry run: the compile would fail now: {problem}")
     return 0
 

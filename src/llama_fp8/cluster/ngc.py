@@ -350,8 +350,8 @@ def check_image(tag: str, efa: str, plugin_env: Path | None, out: Path | None, t
     machine = platform.machine()
     standin = STANDIN_MARKER.read_text().strip()[:300] if STANDIN_MARKER.is_file() else ""
     row = None if standin else release(tag)
-    print(f"{'stand-in for ' if standin else ''}NGC {tag} on {machine}: "
-          + ", ".join(f"{k} {v}" for k, v in found.items()))
+    print(f"{'stand-in for ' if standin else ''}NGC {tag}: " + ", ".join(f"{k} {v}" for k, v in found.items())
+          + f", machine {machine}")
     if target == "arm64" and row is not None and row.arm64.value is None:
         print(f"note: ngc.py does not confirm an arm64 image of {tag}; this build pulled one: add it to the row")
     if standin:

@@ -327,15 +327,17 @@ def test_a_compile_may_take_half_the_budget_at_most(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_second_run_reuses_the_install_of_the_same_kit_and_installs_a_changed_one_afresh(tmp_path, capfd, guarded):
+def test_a_second_run_reuses_the_install_of_the_same_kit_and_installs_a_changed_one_afresh(tmp_path, capfd, guarded,
+                                                                                           monkeypatch):
     import kit as kit_files
 
+    monkeypatch.setattr(install, "CHECK_S", 900.0)  # a busy test machine imports torch slowly: not the question here
     kit = fakes.kit(tmp_path / "kit", prebuilt_for=fakes.torch_version())
     kit_files.write_manifest(kit, {"python": "3.x"})
     target = tmp_path / "site"
-    code, out, err = run_main([kit, target, "--budget-seconds", "300"], capfd)
+    code, out, err = run_main([kit, target, "--budget-seconds", "1800"], capfd)
     assert code == 0 and "installing" in out, out + err
-    code, out, err = run_main([kit, target, "--budget-seconds", "300"], capfd)
+    code, out, err = run_main([kit, target, "--budget-seconds", "1800"], capfd)
     assert code == 0, out + err
     assert "reused the install" in out and "installing" not in out and "TE: transformer_engine.pytorch imports" in out
     assert "TE kernels (when installed): no CUDA device" in out and out.count("== versions") == 1
@@ -346,6 +348,25 @@ def test_a_second_run_reuses_the_install_of_the_same_kit_and_installs_a_changed_
     (target / "transformer_engine" / "pytorch" / "__init__.py").write_text("raise ImportError('broken')\n")
     code, out, err = run_main([kit, target], capfd)  # same kit, but TE no longer imports there: installed again
     assert code == 0 and "TE does not import there now: installing again" in out, out + err
+
+
+def test_an_install_whose_te_was_not_usable_is_reused_without_te(tmp_path, capfd, guarded, monkeypatch):
+    """A first command's TE did not import in time (a busy node): its wheels are reused by the second, which checks
+    TE again and goes on without it (exit 3) when it still does not answer, instead of installing everything again."""
+    kit = fakes.kit(tmp_path / "kit", prebuilt_for=fakes.torch_version())
+    target = tmp_path / "site"
+    real_check = install.IMPORT_CHECK
+    monkeypatch.setattr(install, "IMPORT_CHECK", "import time; time.sleep(30)")
+    monkeypatch.setattr(install, "CHECK_S", 2.0)
+    code, out, err = run_main([kit, target], capfd)
+    assert code == install.EXIT_NO_TE and "installing" in out, out + err
+    code, out, err = run_main([kit, target], capfd)
+    assert code == install.EXIT_NO_TE and "reused the install" in out and "installing" not in out, out + err
+    assert "TE was not usable in that install (TE's import check: no answer in 2 s" in err
+    monkeypatch.setattr(install, "IMPORT_CHECK", real_check)  # TE answers now: the same install is used, with TE
+    monkeypatch.setattr(install, "CHECK_S", 900.0)
+    code, out, err = run_main([kit, target], capfd)
+    assert code == 0 and "reused the install" in out and "TE: transformer_engine.pytorch imports" in out, out + err
 
 
 def test_a_timeout_holds_against_a_grandchild_that_keeps_the_output_open(tmp_path, monkeypatch):
