@@ -76,8 +76,7 @@ class NgcRelease:
     note: str = ""
     """Driver and forward-compatibility remarks (printed under the table)."""
     arm64: Cell = Cell(None)
-    """Whether the tag is published for linux/arm64 too (GB200/GB300 hosts are Grace, aarch64): "yes" with the page
-    that shows it; not confirmed otherwise (the arm64 build of scripts/build_image.sh fails at the pull when not)."""
+    """Published for linux/arm64 too (GB200/GB300: Grace, aarch64): "yes" with its page, else not confirmed."""
 
     def cells(self) -> dict[str, Cell]:
         return {"torch": self.pytorch, "cuda": self.cuda, "cudnn": self.cudnn, "nccl": self.nccl,
@@ -116,9 +115,8 @@ OFI_NOTES = "aws-ofi-nccl RELEASENOTES.md at the installer's plugin tag (https:/
 SB_26_06 = _superbench("c514d457713a1f94fa80cb00e63571857938f481", "dockerfile/cuda13.4.dockerfile", "26.06-py3")
 SB_26_07 = _superbench("990c4dcbd79c9cfca47d7257bfd8322c9aa45a48", "dockerfile/cuda13.3.dockerfile", "26.07-py3")
 SB_26_09 = _superbench("5c29c5cdebb972114d7fcf6eecf222770eccd69a", "dockerfile/cuda13.4.dockerfile", "26.09-py3")
-ARM64_26_06 = Source("https://github.com/cl-gao777/Neu-PAN_MK-mini/blob/main/docker/README.md",
-                     "cl-gao777/Neu-PAN_MK-mini docker/README.md: builds on nvcr.io/nvidia/pytorch:26.06-py3, "
-                     "\"confirmed to contain the linux/arm64 manifest\"", third_party=True)
+ARM64_26_06 = Source("https://github.com/cl-gao777/Neu-PAN_MK-mini/blob/main/docker/README.md", "cl-gao777/Neu-PAN_MK-mini "
+                     "docker/README.md: its 26.06-py3 base \"confirmed to contain the linux/arm64 manifest\"", True)
 
 _LAYOUT_OLD = "/opt/amazon/ofi-nccl/lib/<arch>-linux-gnu"
 _LAYOUT_NEW = "/opt/amazon/ofi-nccl/lib"
@@ -164,9 +162,8 @@ NGC_RELEASES = (
                note=f"CUDA 13.4: hosts need an R615 driver (its exact minimum version is not confirmed); {_FORWARD}"),
 )
 DEFAULT_TAG = "26.09-py3"
-# 26.01-26.05 and 26.08: no page we could read lists their Transformer Engine and NCCL, so they have no row
-# (a build from one prints its versions: `check-image` says which row to add). 26.10 exists (Triton 26.10 is
-# based on CUDA 13.4.3) but no page we could read lists its PyTorch container's versions.
+# 26.01-26.05, 26.08: no page we could read lists their TE and NCCL, so no row (a build from one prints its versions:
+# `check-image` says which row to add). 26.10 exists (Triton 26.10: CUDA 13.4.3), its PyTorch versions unread.
 
 
 def release(tag: str) -> NgcRelease | None:
@@ -326,33 +323,29 @@ def requirement_problems(found: dict[str, str | None]) -> list[str]:
     return out
 
 
-# docker's/OCI's architecture names (TARGETARCH) -> the kernel's (uname -m), for the platforms the image is built for
-PLATFORMS = {"amd64": "x86_64", "arm64": "aarch64"}
+PLATFORMS = {"amd64": "x86_64", "arm64": "aarch64"}  # TARGETARCH (docker's names) -> uname -m
 
 
 def platform_problem(target: str | None, machine: str) -> str:
-    """Why the image being built does not run on the platform asked for ('' when it does, or nothing was asked)."""
-    if not target:
-        return ""
-    if target not in PLATFORMS:
+    """Why the image being built is not of the platform asked for ('' when it is, or nothing was asked)."""
+    if target and target not in PLATFORMS:
         return f"TARGETARCH {target}: not a platform of this image (valid: {', '.join(PLATFORMS)})"
-    if PLATFORMS[target] != machine:
+    if target and PLATFORMS[target] != machine:
         return f"the build asked for linux/{target} but runs on {machine}: the base image is not the {target} one"
     return ""
 
 
 def check_image(tag: str, efa: str, plugin_env: Path | None, out: Path | None, target: str | None = None) -> int:
-    """Run in the image build: print the real versions next to the table's, fail when a default cannot run.
-    On the tests' stand-in base the versions are printed and recorded (base "stand-in"), not compared."""
+    """Run in the image build: print the real versions next to the table's, fail when a default cannot run or the
+    image is not of the platform asked for. The tests' stand-in base: printed and recorded, not compared."""
     import platform
 
-    found = installed_versions()
-    machine = platform.machine()
+    found, machine = installed_versions(), platform.machine()
     standin = STANDIN_MARKER.read_text().strip()[:300] if STANDIN_MARKER.is_file() else ""
     row = None if standin else release(tag)
     print(f"{'stand-in for ' if standin else ''}NGC {tag}: " + ", ".join(f"{k} {v}" for k, v in found.items())
           + f", machine {machine}")
-    if target == "arm64" and row is not None and row.arm64.value is None:
+    if target == "arm64" and row is not None and row.arm64.value is None:  # the build just pulled one
         print(f"note: ngc.py does not confirm an arm64 image of {tag}; this build pulled one: add it to the row")
     if standin:
         print(f"note: the tests' stand-in base ({standin}): its versions are not NGC's and are not compared "
@@ -373,8 +366,8 @@ def check_image(tag: str, efa: str, plugin_env: Path | None, out: Path | None, t
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         base = {"base": "stand-in"} if standin else {}
-        out.write_text(json.dumps({"ngc_tag": tag, **base, "machine": machine, "efa_installer": efa, **found,
-                                   **plugin}, indent=1) + "\n")
+        out.write_text(json.dumps({"ngc_tag": tag, **base, "machine": machine, "efa_installer": efa, **found, **plugin},
+                                  indent=1) + "\n")
     bad = requirement_problems(found) + [x for x in [platform_problem(target, machine)] if x]
     for message in bad:
         print(f"error: {message}; choose another NGC_TAG (docs/cluster.md: Image versions)", file=sys.stderr)

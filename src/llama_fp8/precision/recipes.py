@@ -135,7 +135,7 @@ _TE_MX_CC_WHY = ("Transformer Engine's own check, check_mxfp8_support: \"MXFP8 (
                  "supported on 12.0+ architectures yet\"")
 # TE's NVFP4 check passes on 12.x, but its FSDP2 tests skip NVFP4 there as crashing; every run here is FSDP2.
 _TE_NVFP4_CC_WHY = ("Transformer Engine's own FSDP2 tests skip NVFP4BlockScaling on SM 12.x as failing, "
-                    "tests/pytorch/distributed/fsdp2_tests/conftest.py _check_nvfp4_support: \"failing on SM120 with "
+                    "TransformerEngine/tests/pytorch/distributed/fsdp2_tests/conftest.py _check_nvfp4_support: \"failing on SM120 with "
                     "hadamard_transform_cast_fusion.cu:672 in function rht_gemm_ntt_w_sfc: CUDA Error: invalid "
                     "argument\"; every run here is FSDP2")
 _TE_MX_DIMS = Dims(features=32, tokens=32, shard_rows=32,
@@ -145,7 +145,7 @@ _TE_MX_DIMS = Dims(features=32, tokens=32, shard_rows=32,
 # fsdp_pre_all_gather / fsdp_post_all_gather: TE 2.10 for Float8Tensor (delayed, current) and MXFP8Tensor. NVFP4Tensor
 # has them since 2.15, but TE's own FSDP2 test marked NVFP4 + FP4-initialized TransformerLayers failing until
 # NVIDIA/TransformerEngine#2974 (which also fixed DCP loading of MXFP8/NVFP4 weights under FSDP2: a resume) removed
-# that mark; #2974 is in the v2.16 tag (commit 1e94ebbc4, tests/pytorch/distributed/fsdp2_tests/run_fsdp2_model.py):
+# that mark; #2974 is in the v2.16 tag (commit 1e94ebbc4, TransformerEngine/tests/pytorch/distributed/fsdp2_tests/run_fsdp2_model.py):
 # 2.16 for NVFP4 here.
 # Float8BlockwiseQTensor (block) has them since 2.14, but TE's own FSDP2 tests mark block + FP8 weights
 # as failing (TransformerEngine/tests/pytorch/distributed/run_fsdp2_model.py), so the TE path refuses it: no FP8
