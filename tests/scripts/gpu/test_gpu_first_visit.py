@@ -137,3 +137,17 @@ def test_a_command_on_another_driver_or_an_h200_goes_on_with_the_plan(tmp_path, 
     records = [r for r in runs.load(results) if r["unit"] != "versions"]
     assert [(r["gpu"], r["driver"]) for r in records] == [(H100["gpu"], H100["driver"])] * len(FIRST) + [
         ("NVIDIA H200", "575.57.08")] * len(measured)
+
+
+def test_the_committed_rehearsal_ended_each_command_inside_its_budget():
+    """docs/gpu-rehearsal.json: the first visit's two commands rehearsed on CPU with the real kit (visit.sh
+    --rehearse): each ended inside its VISIT_SECONDS, below its limit, with the plan's limits and worst case."""
+    import json
+
+    rec = json.loads((VISIT.parents[2] / "docs" / "gpu-rehearsal.json").read_text())
+    assert [c["limit_s"] for c in rec["commands"]] == [c.limit_s for c in units.COMMANDS] == rec["plan"]["limits_s"]
+    for c, plan in zip(rec["commands"], units.COMMANDS):
+        assert c["VISIT_SECONDS"] == plan.budget_s and c["wall_s"] <= plan.budget_s + 2 < plan.limit_s
+    assert rec["plan"]["visit_worst_s"] == units.first_visit().worst_s() <= 780
+    assert "reused the install" in " ".join(rec["commands"][1]["install"])  # the second command reused the first's
+    assert "/tmp" not in json.dumps(rec) and "/work" not in json.dumps(rec)
