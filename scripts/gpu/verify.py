@@ -33,12 +33,12 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO / "scripts" / "offline"))  # the versions block and the install's offline settings
 
-import install  # noqa: E402
 import memory  # noqa: E402
 import runs  # noqa: E402
 import steps  # noqa: E402
 import units  # noqa: E402
 import versions  # noqa: E402
+from te_wheel import OFFLINE_ENV  # noqa: E402
 
 EXIT_MORE, EXIT_VERSIONS = 10, 3
 
@@ -89,7 +89,7 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 
 def child_env(work: Path) -> dict[str, str]:
-    env = {**os.environ, **install.OFFLINE_ENV, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+    env = {**os.environ, **OFFLINE_ENV, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_DATASETS_CACHE": str(work / "hf_datasets"), "HF_HOME": str(work / "hf_home")}
     # not scripts/gpu: its plain module names (runs, units, ...) must not shadow packages; pytest adds it
     paths = [str(REPO / "src"), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]

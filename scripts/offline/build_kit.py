@@ -32,7 +32,8 @@ from pathlib import Path
 
 import kit
 import wheelzip
-from te_wheel import find_cuda_home
+from kit import repo_bytes, size_table  # noqa: F401 - the record's parts, tests use them here
+from te_wheel import find_cuda_home, find_python
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -246,6 +247,9 @@ def te_torch(args: argparse.Namespace, stage: Path) -> None:
             shutil.copyfile(src, stage / src.name)
     elif args.build_te:
         python, cuda_home = find_python(args.python), find_cuda_home(dict(os.environ))
+        if python is None:
+            raise BuildError(f"--build-te: no Python {args.python} that runs (tried $PYTHON_BIN, python{args.python} on "
+                             f"PATH, pyenv's {args.python}.*, /usr/bin, /usr/local/bin): install it or set PYTHON_BIN")
         if cuda_home is None:
             raise BuildError("--build-te: no CUDA toolkit (nvcc with include/cuda_runtime.h beside it): set CUDA_HOME, "
                              "or put its nvcc on PATH")
@@ -254,30 +258,6 @@ def te_torch(args: argparse.Namespace, stage: Path) -> None:
             print(" ".join(cmd))
         elif subprocess.run(cmd).returncode != 0:
             raise BuildError("build_te_torch.sh failed (see above)")
-
-
-def find_python(version: str) -> str:
-    """A Python ``version`` that runs: $PYTHON_BIN, pythonX.Y on PATH, pyenv's newest X.Y.*, /usr/bin, /usr/local/bin
-    (a pyenv shim on PATH may exist without running: each candidate is asked for its version)."""
-    home = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
-    candidates = [os.environ.get("PYTHON_BIN"), shutil.which(f"python{version}"),
-                  *sorted(map(str, home.glob(f"versions/{version}.*/bin/python")), key=_version_key, reverse=True),
-                  f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"]
-    for exe in filter(None, candidates):
-        try:
-            out = subprocess.run([exe, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-                                 capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if out.returncode == 0 and out.stdout.strip() == version:
-            return exe
-    raise BuildError(f"--build-te: no Python {version} that runs (tried $PYTHON_BIN, python{version} on PATH, "
-                     f"{home}/versions/{version}.*, /usr/bin, /usr/local/bin): install it or set PYTHON_BIN")
-
-
-def _version_key(path: str) -> tuple[int, ...]:
-    m = re.search(r"versions/(\d+)\.(\d+)\.(\d+)", path)
-    return tuple(map(int, m.groups())) if m else (0,)
 
 
 def groups_of(args: argparse.Namespace) -> list[Group]:
@@ -353,14 +333,6 @@ def move_in(stage: Path, dest: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def repo_bytes(repo: Path) -> int:
-    """The bytes of the working tree a command to the node carries: tracked files and untracked ones git does
-    not ignore."""
-    out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                         capture_output=True, check=True).stdout.decode()
-    return sum((repo / n).stat().st_size for n in out.split("\0") if n and (repo / n).is_file())
-
-
 def record(args: argparse.Namespace, manifest: dict, seconds: float, repo: Path = REPO) -> dict:
     files = {n: f["bytes"] for n, f in sorted(manifest["files"].items())}
     kit_total, tree = sum(files.values()), repo_bytes(repo)
@@ -378,14 +350,6 @@ def command_line(args: argparse.Namespace) -> str:
     if args.te_torch_wheel:
         out += ["--te-torch-wheel", Path(args.te_torch_wheel).name]
     return " ".join(out + (["--build-te"] if args.build_te else []))
-
-
-def size_table(manifest: dict, missing: dict[str, str]) -> str:
-    rows = [f"  {f['bytes'] / 2**20:8.2f} MiB  {n}" for n, f in sorted(manifest["files"].items())]
-    total = sum(f["bytes"] for f in manifest["files"].values())
-    rows.append(f"  {total / 2**20:8.2f} MiB  in all ({len(rows)} files)")
-    rows += [f"  not in the kit: {k}: {v.splitlines()[0]}" for k, v in missing.items()]
-    return "\n".join(rows)
 
 
 def build(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ import json
 import mmap
 import re
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -176,6 +177,22 @@ def verify(kit: Path) -> dict:
     if problems:
         raise KitError(f"{kit}: " + "; ".join(problems))
     return manifest
+
+
+def repo_bytes(repo: Path) -> int:
+    """The bytes of the working tree a command to the node carries: tracked files and untracked ones git does
+    not ignore."""
+    out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         capture_output=True, check=True).stdout.decode()
+    return sum((repo / n).stat().st_size for n in out.split("\0") if n and (repo / n).is_file())
+
+
+def size_table(manifest: dict, missing: dict[str, str]) -> str:
+    rows = [f"  {f['bytes'] / 2**20:8.2f} MiB  {n}" for n, f in sorted(manifest["files"].items())]
+    total = sum(f["bytes"] for f in manifest["files"].values())
+    rows.append(f"  {total / 2**20:8.2f} MiB  in all ({len(rows)} files)")
+    rows += [f"  not in the kit: {k}: {v.splitlines()[0]}" for k, v in missing.items()]
+    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:

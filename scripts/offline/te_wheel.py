@@ -261,6 +261,30 @@ def find_cuda_home(env: dict[str, str]) -> Path | None:
     return None
 
 
+def find_python(version: str) -> str | None:
+    """A Python ``version`` that runs, found as find_cuda_home finds the toolkit: $PYTHON_BIN, pythonX.Y on PATH,
+    pyenv's newest X.Y.*, /usr/bin, /usr/local/bin (a pyenv shim on PATH may exist without running: each candidate
+    is asked for its version); None when none runs."""
+    home = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    candidates = [os.environ.get("PYTHON_BIN"), shutil.which(f"python{version}"),
+                  *sorted(map(str, home.glob(f"versions/{version}.*/bin/python")), key=_version_key, reverse=True),
+                  f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"]
+    for exe in filter(None, candidates):
+        try:
+            out = subprocess.run([exe, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                                 capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if out.returncode == 0 and out.stdout.strip() == version:
+            return exe
+    return None
+
+
+def _version_key(path: str) -> tuple[int, ...]:
+    m = re.search(r"versions/(\d+)\.(\d+)\.(\d+)", path)
+    return tuple(map(int, m.groups())) if m else (0,)
+
+
 def probe(python: str, env: dict[str, str], timeout: float = 300) -> tuple[list[Path], list[str]]:
     """Ask the node's Python, with the build's environment: the ``include/`` folders of the ``nvidia-*`` pip
     packages it sees (nvidia/cudnn/include, nvidia/nccl/include, nvidia/cu13/include, ...), and which of
