@@ -9,6 +9,10 @@
 #            image cannot run our defaults (llama_fp8.cluster.ngc check-image).
 #   EFA_INSTALLER_VERSION  the AWS EFA installer whose aws-ofi-nccl release names that NCCL
 #            (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-changelog.html).
+#   --platform linux/amd64 | linux/arm64 (scripts/build_image.sh PLATFORM=...): NGC publishes the PyTorch image for
+#            both (which tags have an arm64 image: ngc.py's table); GB200/GB300 hosts are Grace, aarch64. The builder
+#            sets TARGETARCH, the EFA step installs the installer's packages for that CPU, and check-image fails
+#            when the image is not of the platform asked for. An arm64 build needs an arm64 host or binfmt emulation.
 #   STANDIN_BASE  tests only, never set it for a real image: the name of the stand-in for the NGC base that
 #            scripts/container/standin/build.sh makes on a machine that cannot pull NGC's (Python, CPU torch, the
 #            files the steps below check). The build stops when it names any other image.
@@ -18,6 +22,8 @@ FROM ${STANDIN_BASE:-nvcr.io/nvidia/pytorch:${NGC_TAG}}
 
 ARG NGC_TAG
 ARG STANDIN_BASE
+# amd64 or arm64: set by BuildKit, podman and buildah from --platform (empty with docker's legacy builder)
+ARG TARGETARCH
 ARG EFA_INSTALLER_VERSION=1.50.0
 ARG EFA_INSTALLER_SHA256=
 ARG EFA_INSTALLER_ARGS=
@@ -76,4 +82,4 @@ RUN ln -s src/llama_fp8/configs configs && \
     if [ "$before" != "$after" ]; then echo "error: torch/TE changed: $before -> $after" >&2; exit 1; fi && \
     python -c "import llama_fp8.config as c; assert 'llama3.1-8b' in c.available_presets(), c.available_presets()" && \
     python -m llama_fp8.cluster.ngc check-image --tag "${NGC_TAG}" --efa "${EFA_INSTALLER_VERSION}" \
-        --plugin-env /opt/llama-fp8/nccl/plugin.env --out /opt/llama-fp8/image.json
+        --plugin-env /opt/llama-fp8/nccl/plugin.env --out /opt/llama-fp8/image.json ${TARGETARCH:+--platform "${TARGETARCH}"}

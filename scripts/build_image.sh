@@ -5,7 +5,10 @@
 #                                                  # else buildah, unless BUILDER names one
 #   REGISTRY=registry.example.com:5000 scripts/build_image.sh   # push there, import from there
 #   TAG=llama-fp8:26.09 OUT=/fsx/images/llama-fp8.sqsh scripts/build_image.sh --build-arg NGC_TAG=26.09-py3
+#   PLATFORM=linux/arm64 scripts/build_image.sh    # GB200/GB300 (Grace): an arm64 image, imported as aarch64; on an
+#                                                  # arm64 host, or an x86 one with binfmt emulation (qemu-user)
 #   scripts/build_image.sh --print-context         # the files the builder would get, one per line (no builder needed)
+#   PLATFORM=linux/arm64 scripts/build_image.sh --print-plan   # the build and import commands, run nothing
 #   scripts/build_image.sh --context-tar ctx.tar   # write that build context as a tar and stop
 # DOCKERFILE: another Dockerfile of the repository (a relative path), built with the same context and imported
 # the same way. Extra arguments go to the builder's build command (e.g. --isolation chroot for buildah/podman where RUN steps
@@ -51,6 +54,33 @@ case "${1:-}" in
                    context_tar "$2"; exit 0 ;;
 esac
 
+# The image's platform: the builder gets --platform, enroot imports that CPU's image (--arch: else it takes the host's
+# from a multi-arch source), and a host that can run neither natively nor under emulation stops here, not mid-build.
+PLATFORM=${PLATFORM:-}
+platform_args=() arch_args=()
+if [[ -n "$PLATFORM" ]]; then
+    case "$PLATFORM" in
+        linux/amd64) want=x86_64 ;;
+        linux/arm64) want=aarch64 ;;
+        *) echo "error: PLATFORM=$PLATFORM: use linux/amd64 or linux/arm64 (GB200/GB300)" >&2; exit 2 ;;
+    esac
+    platform_args=(--platform "$PLATFORM")
+    arch_args=(--arch "$want")
+    binfmt=${BINFMT_DIR:-/proc/sys/fs/binfmt_misc}
+    if [[ "$(uname -m)" != "$want" ]] && ! compgen -G "$binfmt/qemu-$want*" >/dev/null; then
+        echo "error: PLATFORM=$PLATFORM on this $(uname -m) host: no $want emulation ($binfmt/qemu-$want not" \
+            "registered). Build on an $want host (e.g. a Graviton instance), or register qemu-user-static binfmt" \
+            "handlers first" >&2
+        exit 2
+    fi
+fi
+if [[ "${1:-}" == --print-plan ]]; then  # what would run, with the platform in every step; nothing is built
+    shift
+    echo "build: $DOCKERFILE -t $TAG ${platform_args[*]} $*"
+    echo "import: enroot import ${arch_args[*]} -o $OUT"
+    exit 0
+fi
+
 # shellcheck source=scripts/container/builder.sh
 source "$REPO_DIR/scripts/container/builder.sh"
 command -v enroot >/dev/null || {
@@ -78,19 +108,20 @@ cleanup() {
 }
 trap cleanup EXIT
 
-echo "build: $TAG from $DOCKERFILE with $builder"
+echo "build: $TAG from $DOCKERFILE with $builder${PLATFORM:+ for $PLATFORM}"
 if [[ "$builder" == docker ]]; then
-    context_tar - | docker build -f "$DOCKERFILE" -t "$TAG" "$@" -
+    context_tar - | docker build ${platform_args[@]+"${platform_args[@]}"} -f "$DOCKERFILE" -t "$TAG" "$@" -
 else
     mkdir "$work/context"
     context_tar - | tar -C "$work/context" -xf -
-    builder_build "$builder" -f "$work/context/$DOCKERFILE" -t "$TAG" "$@" "$work/context"
+    builder_build "$builder" ${platform_args[@]+"${platform_args[@]}"} -f "$work/context/$DOCKERFILE" -t "$TAG" "$@" \
+        "$work/context"
 fi
 
 rm -f "$OUT" "$OUT.sha256"  # enroot import refuses to overwrite
 enroot_import() {  # enroot_import URI [VAR=VALUE...]: the image at URI into $OUT
-    echo "import: $1 -> $OUT"
-    env "${@:2}" enroot import -o "$OUT" "$1"
+    echo "import: $1 -> $OUT${PLATFORM:+ ($PLATFORM)}"
+    env "${@:2}" enroot import ${arch_args[@]+"${arch_args[@]}"} -o "$OUT" "$1"
 }
 if [[ -n "$registry" ]]; then
     remote="$registry/$name:$tag"

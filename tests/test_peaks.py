@@ -81,3 +81,35 @@ def test_log_parser_reads_both_labels_back():
            "grad_norm": None, "is_fp8": True}
     back = parse_log_line(metrics.format_line(rec))
     assert (back["mfu_vs_bf16_peak"], back["mfu_vs_fp8_peak"]) == (0.41, 0.205)
+
+
+def test_an_emulated_run_states_no_mfu_in_its_record_its_line_and_the_report(tmp_path):
+    """FP8 emulated on a GPU that has a peak (torchao's MXFP8 on an H100): the TFLOPS are measured, but a
+    utilization of the GPU's peak would read as if FP8 ran, so every MFU is blank, and the log line, the compare
+    report and the arms table say why."""
+    import json
+
+    from llama_fp8.report import compare, settings
+    from llama_fp8.report.runs import load_run
+
+    def window(emulated: bool) -> dict:
+        meter = metrics.StepMeter(torch.device("cpu"), 1, 2, 32, 1e9, 989.4, 1978.9, True, emulated=emulated)
+        meter.add_step(torch.tensor(3.0), 0.0)
+        return meter.window(1, 1e-4, None)
+
+    real, emulated = window(False), window(True)
+    assert real["mfu_vs_bf16_peak"] == pytest.approx(real["tflops_per_device"] / 989.4) and "fp8_emulated" not in real
+    assert real["mfu_vs_fp8_peak"] == pytest.approx(real["tflops_per_device"] / 1978.9)
+    assert emulated["tflops_per_device"] > 0
+    assert (emulated["mfu_vs_bf16_peak"], emulated["mfu_vs_fp8_peak"], emulated["fp8_emulated"]) == (None, None, True)
+    line = metrics.format_line(emulated)
+    assert "MFU: n/a (FP8 emulated)," in line and "MFU(bf16 peak)" not in line
+    # the report: an older run that logged an MFU while emulating has it blanked too, by its meta record
+    recs = [{"type": "meta", "precision": "fp8-torchao-mxfp8", "precision_format": "mxfp8", "fp8_emulated": True}]
+    recs += [{**real, "step": s, "type": "train"} for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    run = load_run(str(tmp_path / "metrics.jsonl"), "run")
+    summary = compare.summarize_run(run, 1)
+    assert summary["fp8_emulated"] and summary["mfu_vs_bf16_peak"] is None and summary["mfu_vs_fp8_peak"] is None
+    assert summary["tflops_per_device"] > 0
+    assert settings.format_mfu(run, 1)[0] is None

@@ -1,13 +1,7 @@
-"""verify.py's memory steps: what the GPU's memory holds besides tensors (memprobe.py on the node), and
-``llama_fp8 estimate`` of a training cell set against the memory that cell measured; and the nvidia-smi sampler
-the training runs are watched with. Together they hold what the estimate's GPU terms (``llama_fp8.estimate.terms``:
-context and driver reserve, NCCL buffers, cuBLAS workspace, allocator margin) are calibrated from.
-
-An estimate record (``kind: estimate``) holds the estimate (tracked peak, each term, the verdict) and, from the
-cell's passed runs on this GPU (the headline's pairs: the largest of each), ``max_memory_allocated``,
-``max_memory_reserved`` and nvidia-smi's used memory (peak, and before the run), with the differences the terms
-stand for.
-"""
+"""verify.py's memory steps: what the GPU's memory holds besides tensors (memprobe.py), ``llama_fp8 estimate`` of a
+training cell set against the memory its runs measured (the largest reading over the headline's pairs: the
+differences its GPU terms stand for, ``llama_fp8.estimate.terms``), and the nvidia-smi sampler the runs are watched
+with."""
 
 from __future__ import annotations
 
@@ -26,33 +20,22 @@ GIB, MIB = 2**30, 2**20
 
 
 class SmiSampler:
-    """nvidia-smi's used memory of the run's GPU every ``period_ms`` while a command runs: the reading before it
-    starts and the peak (a sampled peak: a spike shorter than the period can be missed). Without nvidia-smi the
-    fields are None."""
+    """nvidia-smi's used memory of the run's GPU every ``period_ms`` while a command runs: the reading before and the
+    sampled peak (a shorter spike can be missed); None without nvidia-smi."""
 
     def __init__(self, log: Path, period_ms: int = 200):
         self.log, self.period_ms = log, period_ms
         self.proc: subprocess.Popen | None = None
         self.idle: int | None = None
 
-    def _command(self, exe: str) -> list[str]:
-        index = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
-        return [exe, "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits", "-i",
-                index if index.isdigit() else "0"]
-
     def __enter__(self) -> SmiSampler:
-        exe = shutil.which("nvidia-smi")
-        if exe is None:
-            return self
-        try:
-            once = subprocess.run(self._command(exe), capture_output=True, text=True, timeout=30, check=True)
-            self.idle = parse(once.stdout)[0]
-        except (OSError, subprocess.SubprocessError, IndexError):
+        self.idle, cmd = smi_once()
+        if self.idle is None:
             return self
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "w") as fh:
-            self.proc = subprocess.Popen([*self._command(exe), "-lms", str(self.period_ms)], stdout=fh,
-                                         stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen([*cmd, "-lms", str(self.period_ms)], stdout=fh, stderr=subprocess.DEVNULL,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -67,9 +50,20 @@ class SmiSampler:
                 "smi_total_mib": total[-1] if total else None, "smi_samples": len(used)}
 
 
+def smi_once() -> tuple[int | None, list[str]]:
+    """nvidia-smi's used MiB of the run's GPU (None without nvidia-smi) and the query that read it."""
+    exe = shutil.which("nvidia-smi")
+    index = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    cmd = [exe or "nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits", "-i",
+           index if index.isdigit() else "0"]
+    try:
+        return parse(subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True).stdout)[0], cmd
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None, cmd
+
+
 def parse(text: str, column: int = 0) -> list[int]:
-    """The MiB numbers of one column of nvidia-smi's csv (noheader, nounits) lines; unreadable lines are left out
-    (a line cut off when the sampler was killed)."""
+    """The MiB numbers of one column of nvidia-smi's csv lines; a line cut off by the sampler's kill left out."""
     out = []
     for line in text.splitlines():
         parts = [p.strip() for p in line.split(",")]
@@ -94,13 +88,11 @@ def run_memory(ctx: Context, unit: units.Unit) -> dict:
 
 
 def last_json(text: str) -> dict | None:
-    for line in reversed(text.splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                return None
-    return None
+    line = next((x for x in reversed(text.splitlines()) if x.startswith("{")), "")
+    try:
+        return json.loads(line) if line else None
+    except json.JSONDecodeError:
+        return None
 
 
 # --- estimate/... --------------------------------------------------------------------------------------------
@@ -115,7 +107,7 @@ def estimate_gpu(gpu_name: str) -> str:
 def estimate_cmd(ctx: Context, unit: units.Unit, run_dir: Path) -> list[str]:
     """The cell's own train flags with ``estimate`` in place of ``train``, for one GPU of this node."""
     info = unit.info
-    flags = units.train_flags(ctx.opts, info["model"], info["data"], units.VARIANT[info["variant"]], run_dir, None,
+    flags = units.train_flags(ctx.opts, info["model"], units.VARIANT[info["variant"]], run_dir,
                               info.get("seed", units.SEED))
     flags[flags.index("--device") + 1] = "cuda"  # an estimate of the GPU run, also in a CPU rehearsal
     return [ctx.python, "-m", "llama_fp8", "estimate", *flags, "--nodes", "1", "--gpus_per_node", "1", "--gpu",
@@ -161,9 +153,8 @@ def measured(runs: list[dict]) -> dict | None:
 
 
 def against(est: dict, m: dict | None) -> dict | None:
-    """What each term stands for, as measured (bytes): the tracked peak against max allocated, the allocator's own
-    reserve (reserved - allocated) against the margin, what lies outside the allocator (nvidia-smi's peak -
-    reserved: context, driver, NCCL) against those terms, and the device's peak against the whole claim."""
+    """Each term as measured (bytes): tracked peak vs max allocated, reserved - allocated vs the margin, nvidia-smi's
+    peak - reserved (context, driver, NCCL) vs those terms, the device's peak vs the whole claim."""
     if m is None or m["max_allocated"] is None:
         return None
     tracked, verdict = est["peak_bytes"], est["verdict"]

@@ -1,26 +1,15 @@
-"""What one GPU's memory holds besides a training step's tensors, stage by stage: the terms ``llama_fp8
-estimate`` adds to its tracked peak (``llama_fp8.estimate.terms``), measured on the node so they can be
-calibrated from the record.
+"""What one GPU's memory holds besides a training step's tensors, stage by stage: the terms ``llama_fp8 estimate``
+adds to its tracked peak (``llama_fp8.estimate.terms``), measured so they can be calibrated from the record.
 
-    python scripts/gpu/memprobe.py [--size N]
+    python scripts/gpu/memprobe.py [--size N]       (prints one JSON object, its last line)
 
-Prints one JSON object (the last line of its output). Stages, each with the device's used memory (``total -
-free`` from ``torch.cuda.mem_get_info``: every process and the driver), PyTorch's reserved and allocated bytes
-and nvidia-smi's used MiB:
-
-- ``before CUDA``: nvidia-smi only (reading the device through torch would create the context);
-- ``context``: after ``torch.cuda.init()`` and a one-element tensor: used - reserved is the CUDA context and the
-  driver's reserve (the estimate's "CUDA context and driver reserve");
-- ``cublas``: after one BF16 N x N matmul: allocated - the three tensors is cuBLAS's workspace (PyTorch hands
-  it out of its own allocator), also measured as what ``torch._C._cuda_clearCublasWorkspaces()`` gives back;
-  the growth outside the allocator is the GEMM library's code loaded into the context (lazy loading);
-- ``te``: after one ``te.Linear`` forward+backward under FP8 current scaling (when TE imports and the GPU has
-  FP8): TE's workspaces (in the allocator) and its kernels' code (outside);
-- ``nccl``: after a one-rank NCCL process group and one all-reduce: what one communicator costs outside the
-  allocator on one rank. A single GPU cannot show the buffers NCCL opens per peer (channels x protocols, NVLS on
-  NVSwitch nodes): those need 2 or more GPUs (tests/estimate/test_estimate_gpu.py's NCCL test).
-
-Without CUDA it prints ``{"cuda": false, ...}`` and exits 0. Standard library and torch only (TE optional).
+Each stage reads the device's used memory (``torch.cuda.mem_get_info``: every process and the driver), PyTorch's
+reserved and allocated bytes, and nvidia-smi's used MiB: ``before CUDA`` (nvidia-smi only); ``context`` (CUDA
+initialized: used - reserved is the context and the driver's reserve); ``cublas`` (one BF16 N x N matmul:
+allocated - its tensors is cuBLAS's workspace, also what ``_cuda_clearCublasWorkspaces`` gives back); ``te`` (one
+``te.Linear`` step under FP8 current scaling: TE's workspaces and kernels); ``nccl`` (a one-rank NCCL group and one
+all-reduce: one communicator on one rank; the buffers NCCL opens per peer need 2 or more GPUs). Without CUDA it
+prints ``{"cuda": false, ...}`` and exits 0. Standard library and torch only (TE optional).
 """
 
 from __future__ import annotations
@@ -28,27 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
+
+from memory import smi_once  # nvidia-smi, read the same way as the runs' sampler
 
 ENV_NAMES = ("CUDA_MODULE_LOADING", "CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "PYTORCH_CUDA_ALLOC_CONF",
              "NCCL_BUFFSIZE", "NCCL_NVLS_ENABLE", "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN")
-
-
-def smi_used_mib() -> int | None:
-    """nvidia-smi's used MiB of the first visible GPU, or None without nvidia-smi."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    index = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
-    try:
-        out = subprocess.run([exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i",
-                              index if index.isdigit() else "0"], capture_output=True, text=True, timeout=30,
-                             check=True).stdout
-        return int(out.split()[0])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
 
 
 def reading(torch, name: str, **extra) -> dict:
@@ -56,7 +30,7 @@ def reading(torch, name: str, **extra) -> dict:
     free, total = torch.cuda.mem_get_info()
     return {"stage": name, "device_used": total - free, "device_total": total,
             "reserved": torch.cuda.memory_reserved(), "allocated": torch.cuda.memory_allocated(),
-            "smi_used_mib": smi_used_mib(), **extra}
+            "smi_used_mib": smi_once()[0], **extra}
 
 
 def outside(r: dict) -> int:
@@ -122,16 +96,11 @@ def probe(size: int) -> dict:
         return {"cuda": False, "message": "no CUDA device: nothing measured", "torch": torch.__version__}
     out = {"cuda": True, "torch": torch.__version__, "cuda_version": torch.version.cuda, "gpu":
            torch.cuda.get_device_name(), "env": {k: os.environ[k] for k in ENV_NAMES if k in os.environ}}
-    stages = [{"stage": "before CUDA", "smi_used_mib": smi_used_mib()}]
+    stages = [{"stage": "before CUDA", "smi_used_mib": smi_once()[0]}]
     torch.cuda.init()
     torch.zeros(1, device="cuda")
-    stages.append(reading(torch, "context"))
-    stages.append(cublas_stage(torch, size))
-    stages.append(te_stage(torch, size))
-    stages.append(nccl_stage(torch))
-    out["stages"] = stages
-    out["terms"] = terms(stages)
-    return out
+    stages += [reading(torch, "context"), cublas_stage(torch, size), te_stage(torch, size), nccl_stage(torch)]
+    return {**out, "stages": stages, "terms": terms(stages)}
 
 
 def terms(stages: list[dict]) -> dict:

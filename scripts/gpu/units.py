@@ -1,46 +1,34 @@
-"""What a GPU visit runs, as a list of units in a fixed order, and the command line of each.
+"""What a GPU visit runs: units in a fixed order (steps pytest, train: the A/B matrix, memory: memprobe.py, estimate:
+``llama_fp8 estimate`` of a cell against its measured memory), their command lines, and the visit's clock. Plans:
+``first`` (one visit, by value) and ``all`` (then the rest, over later visits).
 
-Steps: pytest (``pytest -m gpu``, the TE tests first, then the rest: save/resume under each recipe is one of
-them), bench (``benchmarks/bench_linear.py``), train (the A/B matrix through ``python -m llama_fp8 train``),
-memory (what the node's memory holds besides tensors: memprobe.py), estimate (``python -m llama_fp8 estimate``
-of a training cell, set against that cell's measured memory), profile (one configuration under the trainer's
-profiler). A unit's id names it in the results file; ``verify.py --match`` selects ids by glob.
-
-Two plans: ``first`` (a first visit to a GPU node: what fits one visit, 15 minutes of the node's time, in one
-command and an optional short second, ordered by value; ``first_visit`` adds it up) and ``all`` (the first
-visit's units, then everything else, over later visits).
+The clock (``VisitPlan``): a visit has 15 minutes of the node's time, its start, the transfers and the idle time
+included. Each command has a hard limit (the node kills it there) and a budget a little below it (visit.sh's
+VISIT_SECONDS: verify.py starts no unit that would not fit and cuts a running one at the budget's end); the budget
+check (tests/scripts/gpu/test_gpu_first_visit.py) adds up the worst case: every command killed at its limit.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STEPS = ("pytest", "bench", "train", "memory", "estimate", "profile")
-PLANS = ("first", "all")
-SEED = 1234
-TOKENS = 8192  # bench_linear rows: the training batch below (2 sequences of 4096)
+STEPS, PLANS, SEED = ("pytest", "train", "memory", "estimate"), ("first", "all"), 1234
 
-# name -> (train flags, seconds a synthetic-data cell of it takes on one H100: start-up + 40 steps + exit). The
-# issue's three shapes: Llama 3.2 1B and 3B at 4096 tokens (3B with activation checkpointing: FP32 AdamW states
-# alone take ~51 GB of the 80), and the AWS sample's Llama 2 7B shape cut to 8 layers. 1B: the CPU rehearsal's
-# fixed parts at their median, scale 1 (the trainer's start-up 8-35 s, median 18 s, and ~3 s of exit, on 2 shared
-# cores: no credit for the node's faster, unshared cores) + CUDA/NCCL init and the weights on the GPU (~5 s) + the
-# first step's and the FP8 check's profiled step's overheads (~10 s) + 40 steps of 7.4e13 FLOPs at an assumed 35 %
-# MFU of 989 TFLOPS (0.21 s each, ~9 s): ~45 s (scripts/gpu/README.md, "The first visit"). 3B, 7B-8L: guesses.
+# name -> (train flags, seconds a cell takes on one H100). 1B: the CPU rehearsal's start-up and exit at their median
+# (~21 s) + CUDA init and weights (~5 s) + the first and the FP8 check's profiled step (~10 s) + 40 steps of 7.4e13
+# FLOPs at an assumed 35 % MFU of 989 TFLOPS (~9 s). 3B (AdamW states alone ~51 GB: checkpointing), 7B-8L: guesses.
 MODELS: dict[str, tuple[tuple[str, ...], int]] = {
     "llama3.2-1b": (("--model", "llama3.2-1b", "--max_context_width", "4096"), 50),
     "llama3.2-3b": (("--model", "llama3.2-3b", "--max_context_width", "4096", "--activation_checkpointing", "full"),
                     150),
     "llama2-7b-8l": (("--model", "llama2-7b", "--num_layers", "8"), 150),
 }
-COMPILE_S = 60  # what --compile 1 adds to a cell (Inductor compiling the blocks, cold cache): a guess
-MEMORY_S = 30  # memory/terms: memprobe.py (rehearsal: 9-10 s without CUDA; + CUDA init, TE's FP8 step, NCCL init)
-ESTIMATE_S = 55  # one `llama_fp8 estimate` of a 1B cell on the node's CPU (rehearsal: 44-71 s, median 54; no GPU work)
+COMPILE_S = 60  # what --compile 1 adds to a cell (Inductor, cold cache): a guess
+MEMORY_S = 30  # memprobe.py (rehearsal: 9-10 s without CUDA; + CUDA init, TE's FP8 step, NCCL init)
+ESTIMATE_S = 55  # one `llama_fp8 estimate` of a 1B cell on the node's CPU (rehearsal: 44-71 s, median 54)
 TE_TESTS_S = 90  # a TE value test set (rehearsal: 26-41 s of pytest start-up and TE import; + the tests on a GPU)
-DATA = ("synthetic", "text")
 
 
 @dataclass(frozen=True)
@@ -60,13 +48,11 @@ class Variant:
         out = ["--model_impl", self.impl, "--fp8", "1" if self.fp8 else "0"]
         if self.fp8:
             out += ["--fp8_backend", self.backend, "--fp8_recipe", self.recipe]
-        if self.compile:
-            out += ["--compile", "1"]
-        return out
+        return out + (["--compile", "1"] if self.compile else [])
 
     def fields(self) -> dict:
-        return {"variant": self.name, "impl": self.impl, "fp8": self.fp8, "recipe": self.recipe,
-                "compile": self.compile, "backend": self.backend}
+        return {"variant": self.name, "impl": self.impl, "fp8": self.fp8, "recipe": self.recipe, "compile": self.compile,
+                "backend": self.backend}
 
 
 # torchao's FP8 needs torch.compile to be fast, so HF FP8 runs compiled and has a compiled BF16 baseline;
@@ -83,52 +69,28 @@ VARIANTS = (
     Variant("te-fp8-mxfp8", "te", True, "mxfp8", expect="refuse"),
 )
 VARIANT = {v.name: v for v in VARIANTS}
-# The GPU test that compares TE and HF logits at 4096 tokens through the build path from a save_pretrained
-# checkpoint (--init_from_hf): one of the TE value tests.
-HF_INIT_TEST = "tests/models/te/test_te_gpu.py::test_te_logits_match_hf_at_4096_tokens_through_the_build_path"
-# The estimate's GPU test last, as a unit of its own: llama_fp8 estimate against the node's own memory counters.
+_TE_GPU = "tests/models/te/test_te_gpu.py::"  # TE vs HF logits (RoPE with/without llama3 scaling; 4096 tokens)
+TE_LOGITS_TESTS = (f"{_TE_GPU}test_te_logits_match_hf", f"{_TE_GPU}test_te_logits_match_hf_at_4096_tokens_through_"
+                   "the_build_path")
+TE_RESUME_TESTS = (f"{_TE_GPU}test_te_fp8_resume_matches_the_uninterrupted_run[delayed]",
+                   f"{_TE_GPU}test_te_fp8_resume_matches_the_uninterrupted_run[current]")
 PYTEST_SETS = (("te", ("tests/models/te",)),
                ("other", ("tests", "--ignore=tests/models/te", "--ignore=tests/estimate/test_estimate_gpu.py")),
                ("estimate", ("tests/estimate/test_estimate_gpu.py", "-s")))
-# The TE value tests: TE vs HF logits (RoPE with and without llama3 scaling; 4096 tokens through the build
-# path), then TE FP8 save/resume under current and delayed scaling.
-_TE_GPU = "tests/models/te/test_te_gpu.py::"
-TE_LOGITS_TESTS = (f"{_TE_GPU}test_te_logits_match_hf", HF_INIT_TEST)
-TE_RESUME_TESTS = (f"{_TE_GPU}test_te_fp8_resume_matches_the_uninterrupted_run[delayed]",
-                   f"{_TE_GPU}test_te_fp8_resume_matches_the_uninterrupted_run[current]")
-BENCH_SETS = (("current", "tensorwise"), ("delayed", "rowwise"), ("block", "tensorwise"))
-
-# --- the first visit ---------------------------------------------------------------------------------------
-# The headline: TE BF16 against TE FP8 (current scaling) on one model, the same implementation, in interleaved
-# pairs (the A/B's own schedule, llama_fp8.cluster.launch.schedule: bf16 fp8, then fp8 bf16, pair i with seed
-# SEED + i - 1), so that a node's slow drift (clocks, heat) lands on both arms; each run is a unit of its own, so
-# a command cut short keeps the runs it finished.
+# The headline: TE BF16 against TE FP8 (current scaling), the same implementation, in interleaved pairs (the A/B's
+# own schedule: bf16 fp8, then fp8 bf16, pair i with seed SEED + i - 1), so that a node's drift lands on both arms.
 HEADLINE_MODEL = "llama3.2-1b"
 HEADLINE = (("te-bf16", 1), ("te-fp8-current", 1), ("te-fp8-current", 2), ("te-bf16", 2))
-# What a visit pays besides its units (seconds): the node's start (1-2 minutes, counted in the visit's time),
-# each command's install and verify.py's versions probe (the kit, TE's import, one TE FP8 forward+backward, the
-# versions block: 59-71 s in the CPU rehearsal, where no kernel runs), the idle node between two commands (the
-# results taken back, the next call), and the margin visit.sh leaves before its budget's end.
-NODE_START_S, INSTALL_S, GAP_S, MARGIN_S = 120, 65, 30, 15
-VISIT_S = 15 * 60  # one visit: the node's start, its idle time and every command
-COMMANDS_S = (540, 180)  # the first visit's commands: the main one (9 minutes), an optional second on the warm node
-VISIT_COMMAND_S = COMMANDS_S[0]  # one command's budget (visit.sh VISIT_SECONDS)
 
 
 @dataclass(frozen=True)
-class Options:
-    """What the verify flags decide (and a few shapes that only tests change)."""
-
+class Options:  # what the verify flags decide
     device: str = "cuda"
     models: tuple[str, ...] = tuple(MODELS)
-    data: tuple[str, ...] = DATA
-    max_steps: int = 40  # synthetic cells: 10 warm-up + 30 timed steps
-    text_steps: int = 100  # real-text cells: the loss goal is stated after 100 steps
+    max_steps: int = 40  # 10 warm-up + 30 timed steps
     warmup: int = 10
     logging_freq: int = 5
     train_batch_size: int = 2
-    profile_cell: str = "llama3.2-1b/synthetic/te-fp8-current"
-    profile_steps: str = "21:23"
     rehearse: bool = False  # a CPU rehearsal: training cells run as their CPU twins (rehearsal_twin)
 
 
@@ -136,64 +98,33 @@ class Options:
 class Unit:
     id: str
     step: str
-    estimate_s: float  # for the budget check: a unit is not started with less left than this
+    estimate_s: float  # for the budget rule: a unit is not started with less left than this
     timeout_s: float  # its own limit: killed there, recorded as timeout
     info: dict = field(default_factory=dict)
 
 
-def model_flags(name: str) -> tuple[str, ...]:
-    """The issue's shapes by name; any other name is a preset (``tiny`` for CPU tests)."""
-    return MODELS[name][0] if name in MODELS else ("--model", name)
-
-
-def train_flags(opts: Options, model: str, data: str, variant: Variant, run_dir: Path,
-                demo: tuple[Path, Path] | None, seed: int = SEED) -> list[str]:
-    """Flags of one A/B matrix cell (after ``python -m llama_fp8 train``)."""
-    steps = opts.text_steps if data == "text" else opts.max_steps
-    out = [*model_flags(model), "--seed", str(seed), "--device", opts.device, "--train_batch_size",
-           str(opts.train_batch_size), "--max_steps", str(steps), "--logging_freq", str(opts.logging_freq),
-           "--run_dir", str(run_dir), *variant.flags()]
-    if data == "text":
-        if demo is None:
-            raise ValueError("a text cell needs the demo corpus (dataset dir, tokenizer dir)")
-        out += ["--dataset", str(demo[0]), "--tokenizer", str(demo[1])]
-    else:
-        out += ["--dataset", "synthetic"]
-    return out
+def train_flags(opts: Options, model: str, variant: Variant, run_dir: Path, seed: int = SEED) -> list[str]:
+    """Flags of one cell (after ``llama_fp8 train``): a model of MODELS, or a preset (``tiny`` for CPU tests)."""
+    shape = MODELS[model][0] if model in MODELS else ("--model", model)
+    return [*shape, "--seed", str(seed), "--device", opts.device, "--train_batch_size", str(opts.train_batch_size),
+            "--max_steps", str(opts.max_steps), "--logging_freq", str(opts.logging_freq), "--run_dir", str(run_dir),
+            "--dataset", "synthetic", *variant.flags()]
 
 
 def rehearsal_twin(variant: Variant) -> tuple[str, Variant]:
-    """What a CPU rehearsal runs for a training cell: the tiny preset, on CPU, the HF model in place of TE (TE's
-    kernels need CUDA), eager (a compile takes minutes on a few cores), torchao's FP8 tensorwise (emulated on CPU)
-    in place of any FP8 recipe. The harness, the trainer and the records run end to end; the numbers mean
-    nothing for a GPU."""
+    """What a CPU rehearsal runs for a training cell: the tiny preset, the HF model in place of TE (TE's kernels
+    need CUDA), eager, torchao's FP8 tensorwise (emulated on CPU) in place of any FP8 recipe."""
     if not variant.fp8:
         return "tiny", VARIANT["hf-bf16"]
     return "tiny", Variant("hf-fp8-tensorwise-eager", "hf", True, "tensorwise")
 
 
-def profile_flags(opts: Options, run_dir: Path, demo: tuple[Path, Path] | None) -> list[str]:
-    """The profiled matrix cell, run two steps past the profiled ones."""
-    model, data, variant = opts.profile_cell.split("/")
-    last = int(opts.profile_steps.split(":")[1])
-    short = dataclasses.replace(opts, max_steps=last + 2, text_steps=last + 2)
-    return train_flags(short, model, data, VARIANT[variant], run_dir, demo) + [
-        "--profile_steps", opts.profile_steps, "--memory_snapshot", "1"]
-
-
-def train_unit(model: str, data: str, v: Variant, pair: int = 1) -> Unit:
-    """One run of a matrix cell; ``pair`` > 1: the cell again, in a later pair of an interleaved A/B (its own
-    seed and id; pair 1 is the matrix's own cell)."""
+def train_unit(model: str, v: Variant, pair: int = 1) -> Unit:
+    """One run of a matrix cell; ``pair`` > 1: the cell again in a later pair of an interleaved A/B."""
     base = MODELS.get(model, ((), 60))[1]
-    estimate = 30 if v.expect == "refuse" else base + COMPILE_S * v.compile + 30 * (data == "text")
-    return Unit(f"train/{model}/{data}/{v.name}" + (f"/pair{pair}" if pair > 1 else ""), "train", estimate, 480,
-                {"model": model, "data": data, **v.fields(), "pair": pair, "seed": SEED + pair - 1})
-
-
-def bench_unit(te: str, ao: str, models: str | None = None) -> Unit:
-    info = {"te_recipe": te, "torchao_recipe": ao, **({"models": models} if models else {})}
-    return Unit(f"bench/te-{te}+torchao-{ao}" + (f"/{models}" if models else ""), "bench", 60 if models else 90, 400,
-                info)
+    estimate = 30 if v.expect == "refuse" else base + COMPILE_S * v.compile
+    return Unit(f"train/{model}/synthetic/{v.name}" + (f"/pair{pair}" if pair > 1 else ""), "train", estimate, 480,
+                {"model": model, "data": "synthetic", **v.fields(), "pair": pair, "seed": SEED + pair - 1})
 
 
 def estimate_unit(cell: Unit) -> Unit:
@@ -202,52 +133,94 @@ def estimate_unit(cell: Unit) -> Unit:
 
 
 def first_plan() -> list[Unit]:
-    """A first visit, in the order of what it is worth (issue: "GPU truth, take four"); the install comes first
-    in every command (TE's import, one TE FP8 forward+backward, the versions block):
-    the headline (TE BF16 vs TE FP8, interleaved pairs), the memory the node holds besides tensors and the
-    estimate of the headline's two configurations against their measured memory, then HF BF16 (with the
-    headline's TE FP8: HF BF16 -> TE FP8) and the TE vs HF logits tests; TE FP8 save/resume, the compiled torchao
-    pair and the rest come in ``all``, after these (``after_first``)."""
-    model, data = HEADLINE_MODEL, "synthetic"
-    units = [train_unit(model, data, VARIANT[v], pair) for v, pair in HEADLINE]
-    units += [Unit("memory/terms", "memory", MEMORY_S, 180, {})]
-    units += [estimate_unit(u) for u in units[:2]]
-    units.append(train_unit(model, data, VARIANT["hf-bf16"]))
-    return units + [Unit("pytest/te-logits", "pytest", TE_TESTS_S, 300, {"args": list(TE_LOGITS_TESTS)})]
-
-
-def after_first() -> list[Unit]:
-    """What the first visit leaves of its last part, first in plan ``all``: TE FP8 save/resume, then the compiled
-    torchao pair (HF BF16 compiled against torchao FP8 compiled: torchao's FP8 needs torch.compile to be fast)."""
-    return [Unit("pytest/te-resume", "pytest", TE_TESTS_S, 300, {"args": list(TE_RESUME_TESTS)})] + [
-        train_unit(HEADLINE_MODEL, "synthetic", VARIANT[v]) for v in ("hf-bf16-compile", "hf-fp8-tensorwise")]
+    """A first visit by value: the headline, the memory terms and the estimate of its FP8 configuration, TE vs HF
+    logits; then (a later visit, by the clock) the BF16 configuration's estimate and HF BF16 (-> TE FP8)."""
+    head = [train_unit(HEADLINE_MODEL, VARIANT[v], pair) for v, pair in HEADLINE]
+    return [*head, Unit("memory/terms", "memory", MEMORY_S, 180, {}), estimate_unit(head[1]),
+            Unit("pytest/te-logits", "pytest", TE_TESTS_S, 300, {"args": list(TE_LOGITS_TESTS)}),
+            estimate_unit(head[0]), train_unit(HEADLINE_MODEL, VARIANT["hf-bf16"])]
 
 
 def plan(opts: Options, which: str = "all") -> list[Unit]:
-    """Every unit of plan ``which`` (``first`` or ``all``), in the order a visit runs them."""
-    first = first_plan()
-    if which == "first":
-        return first
-    later = after_first() + [Unit(f"pytest/{name}", "pytest", 300, 540, {"args": list(args)}) for name, args in PYTEST_SETS]
-    later += [bench_unit(te, ao) for te, ao in BENCH_SETS]
-    later += [train_unit(model, data, v) for model in opts.models for data in opts.data for v in VARIANTS]
-    later.append(Unit(f"profile/{opts.profile_cell}", "profile", 150, 480, {"cell": opts.profile_cell}))
-    out: dict[str, Unit] = {}
-    for u in first + later:  # each unit once, where it comes first
-        out.setdefault(u.id, u)
-    return list(out.values())
+    """Every unit of plan ``which``, in the order a visit runs them, each once."""
+    units = first_plan()
+    if which == "all":
+        units += [Unit("pytest/te-resume", "pytest", TE_TESTS_S, 300, {"args": list(TE_RESUME_TESTS)})]
+        units += [train_unit(HEADLINE_MODEL, VARIANT[v]) for v in ("hf-bf16-compile", "hf-fp8-tensorwise")]
+        units += [Unit(f"pytest/{name}", "pytest", 300, 540, {"args": list(a)}) for name, a in PYTEST_SETS]
+        units += [train_unit(model, v) for model in opts.models for v in VARIANTS]
+    return [u for i, u in enumerate(units) if u.id not in {v.id for v in units[:i]}]  # each once, where first
 
 
-def command_budget(command_s: float) -> float:
-    """Seconds of units one visit.sh command of ``command_s`` runs: what is left after the install and the
-    margin (visit.sh passes verify.py ``VISIT_SECONDS`` - its own time so far - the margin)."""
-    return command_s - INSTALL_S - MARGIN_S
+def select(units: list[Unit], only: tuple[str, ...] | None, match: tuple[str, ...] | None) -> list[Unit]:
+    """Units of the ``only`` steps whose id matches one of the ``match`` globs (None: any)."""
+    return [u for u in units if (not only or u.step in only)
+            and (not match or any(fnmatch.fnmatchcase(u.id, m) for m in match))]
 
 
-def pack(units: list[Unit], budgets: tuple[float, ...]) -> list[list[Unit]]:
+# --- the visit's clock -----------------------------------------------------------------------------------------
+VISIT_S = 15 * 60  # the node's time for a visit, everything included
+VISIT_WORST_S = 780  # what the plan may take at worst: 2 minutes kept back
+NODE_START_S = 120  # the node's start (1-2 minutes)
+# Carrying the working tree and the kit in (up to 64 MiB) and the output folder back: not measured here, an
+# allowance per command
+TRANSFER_IN_S, TRANSFER_OUT_S = 30, 15
+GAP_S = 10  # the second command is sent at once (the node stays warm ~30 s after a command)
+RELEASE_S = 10  # the node handed back at once after the last command, not left idle
+SECOND_MIN_LEFT_S = 240  # the second command only when this much of the visit is left (a new start needs 4 min)
+END_S = 20  # a command's own budget ends this long before its hard limit: logs bundled, exit before the kill
+MARGIN_S = 15  # verify.py's budget ends this long before the command's (visit.sh)
+INSTALL_S = 65  # the first install: the kit, TE's import, one TE FP8 step, versions (rehearsal: 59-71 s)
+REUSE_S = 25  # a later command on the same node: the kit's manifest matches, only TE's import is checked
+
+
+@dataclass(frozen=True)
+class Command:
+    limit_s: int  # the node's hard limit for the command (it is killed there)
+    install_s: int  # what its install takes by the estimates
+
+    @property
+    def budget_s(self) -> int:  # visit.sh's VISIT_SECONDS
+        return self.limit_s - END_S
+
+    @property
+    def units_s(self) -> int:  # what verify.py has for units
+        return self.budget_s - self.install_s - MARGIN_S
+
+    def worst_s(self) -> int:  # carried in, killed at its limit, the output carried back
+        return TRANSFER_IN_S + self.limit_s + TRANSFER_OUT_S
+
+
+COMMANDS = (Command(400, INSTALL_S), Command(150, REUSE_S))  # the first visit: the main command, a short second
+
+
+@dataclass(frozen=True)
+class VisitPlan:
+    commands: list[list[Unit]]  # the units each command runs, by the estimates
+
+    def worst_s(self) -> int:
+        """The visit at worst: the node's start, each command killed at its limit with its transfers, the gap
+        before the second, the node handed back."""
+        used = COMMANDS[:len(self.commands)]
+        return NODE_START_S + sum(c.worst_s() for c in used) + GAP_S * (len(used) - 1) + RELEASE_S
+
+    def left_before_second_s(self) -> int:  # the visit after the first command at its worst
+        return VISIT_S - NODE_START_S - COMMANDS[0].worst_s()
+
+    def lines(self) -> list[str]:
+        out = [f"node start ~{NODE_START_S} s; transfers ~{TRANSFER_IN_S} s in, ~{TRANSFER_OUT_S} s out a command"]
+        for i, (units, c) in enumerate(zip(self.commands, COMMANDS), 1):
+            out.append(f"command {i}: limit {c.limit_s} s (VISIT_SECONDS={c.budget_s}): install ~{c.install_s} s, "
+                       f"{len(units)} units ~{sum(u.estimate_s for u in units):.0f} s of {c.units_s} s")
+        out.append(f"visit at worst: {self.worst_s()} s of {VISIT_S} (the plan's bound {VISIT_WORST_S}); the second "
+                   f"command only with >= {SECOND_MIN_LEFT_S} s left (after the first at worst: "
+                   f"{self.left_before_second_s()} s)")
+        return out
+
+
+def pack(units: list[Unit], budgets: tuple[int, ...]) -> list[list[Unit]]:
     """How verify.py's budget rule splits ``units`` over commands with these unit budgets (by the estimates; the
-    last budget repeats): a unit starts only when what is left covers its estimate, except the first of a
-    command."""
+    last budget repeats): a unit starts only when what is left covers its estimate, except the first of a command."""
     commands: list[list[Unit]] = []
     left = 0.0
     for u in units:
@@ -259,32 +232,7 @@ def pack(units: list[Unit], budgets: tuple[float, ...]) -> list[list[Unit]]:
     return commands
 
 
-@dataclass(frozen=True)
-class VisitBudget:
-    commands: list[list[Unit]]  # the units each command runs, by the estimates
-    command_s: list[float]  # each command's time: install + margin + its units
-    total_s: float  # the visit: node start + commands + the idle gaps between them
-
-    def lines(self) -> list[str]:
-        out = [f"node start ~{NODE_START_S} s"]
-        for i, (units, seconds) in enumerate(zip(self.commands, self.command_s), 1):
-            limit = COMMANDS_S[i - 1] if i <= len(COMMANDS_S) else COMMANDS_S[-1]
-            out.append(f"command {i}: ~{seconds:.0f} s of {limit} s (install ~{INSTALL_S} s, {len(units)} units "
-                       f"~{sum(u.estimate_s for u in units):.0f} s, margin {MARGIN_S} s)")
-        out.append(f"visit: ~{self.total_s:.0f} s = {self.total_s / 60:.1f} min of {VISIT_S / 60:.0f} "
-                   f"(gaps between commands {GAP_S} s each)")
-        return out
-
-
-def first_visit(units: list[Unit] | None = None) -> VisitBudget:
-    """What a first visit takes by the estimates: the node's start, then each command (install, margin, its units
-    as verify.py's budget rule packs them into COMMANDS_S), with an idle gap between commands."""
-    commands = pack(first_plan() if units is None else units, tuple(command_budget(c) for c in COMMANDS_S))
-    seconds = [INSTALL_S + MARGIN_S + sum(u.estimate_s for u in c) for c in commands]
-    return VisitBudget(commands, seconds, NODE_START_S + sum(seconds) + GAP_S * (len(commands) - 1))
-
-
-def select(units: list[Unit], only: tuple[str, ...] | None, match: tuple[str, ...] | None) -> list[Unit]:
-    """Units of the ``only`` steps (all when None) whose id matches one of the ``match`` globs (all when None)."""
-    return [u for u in units if (not only or u.step in only)
-            and (not match or any(fnmatch.fnmatchcase(u.id, m) for m in match))]
+def first_visit(units: list[Unit] | None = None) -> VisitPlan:
+    """The first visit: its units packed into COMMANDS by the estimates, only as many commands as COMMANDS has."""
+    packed = pack(first_plan() if units is None else units, tuple(c.units_s for c in COMMANDS))
+    return VisitPlan(packed[:len(COMMANDS)])

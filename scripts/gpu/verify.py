@@ -1,18 +1,16 @@
-"""Verify the package on a GPU node, in slices that each fit one command's time budget on the node, resumable across visits.
+"""Verify the package on a GPU node in slices that each fit one command's budget, resumable across commands.
 
     python scripts/gpu/verify.py [--plan first|all] [--only STEP,...] [--match GLOB]... [--budget-seconds S]
                                  [--merge-from FILE] [--rehearse] [--list] [--dry-run]
 
-Runs the units of units.py in order (plan first: the headline A/B, the memory terms and estimates, ...; plan
-all: then pytest -m gpu, bench_linear, the training A/B matrix, profile) and appends one record per unit (per
-test for pytest) to the results file (default docs/gpu-results/results.jsonl) as soon as the unit ends. A unit already recorded with a final status for this GPU architecture + versions
-(versions.key; a measurement: on this very GPU) is skipped, so running the same command again continues where
-the last one stopped. Each unit has its own time limit, and no unit is started with less of
---budget-seconds left than it is expected to take.
+Runs the units of units.py in order and appends one record per unit (per test for pytest) to the results file
+(default docs/gpu-results/results.jsonl) as soon as the unit ends. A unit recorded with a final status for this
+GPU architecture + versions (versions.key; a measurement: on this very GPU) is skipped, so the same command again
+continues where the last stopped. No unit starts with less of --budget-seconds left than its estimate, and a
+running one is cut at the budget's end (recorded ``interrupted``, run again next time).
 
---rehearse runs the plan on CPU (its training cells as their CPU twins, units.rehearsal_twin; the GPU tests
-skip; the memory probe finds no CUDA; the estimates run as on the node) to time and check the command before a
-GPU visit; its records go to WORK/rehearsal.jsonl unless --results names a file.
+--rehearse runs the plan on CPU (training cells as their CPU twins, units.rehearsal_twin; the GPU tests skip; the
+memory probe finds no CUDA; the estimates run as on the node); its records go to WORK/rehearsal.jsonl.
 
 Exit codes: 0 every selected unit is recorded; 10 the budget ran out first (run again); 2 bad arguments;
 3 the versions probe failed.
@@ -35,51 +33,36 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO / "scripts" / "offline"))  # the versions block and the install's offline settings
 
-import install  # noqa: E402
 import memory  # noqa: E402
 import runs  # noqa: E402
 import steps  # noqa: E402
 import units  # noqa: E402
 import versions  # noqa: E402
+from te_wheel import OFFLINE_ENV  # noqa: E402
 
 EXIT_MORE, EXIT_VERSIONS = 10, 3
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="verify.py", description=__doc__.splitlines()[0])
-    p.add_argument("--plan", default="all", choices=units.PLANS,
-                   help="first: what one 15-minute visit runs, by value (one command and an optional short second); "
-                        "all: those, then everything else")
-    p.add_argument("--only", help=f"comma-separated steps to run, in this order: {','.join(units.STEPS)}")
-    p.add_argument("--match", action="append", metavar="GLOB",
-                   help="only units whose id matches (repeatable), e.g. 'train/llama3.2-1b/synthetic/*'")
-    p.add_argument("--budget-seconds", type=float, help="stop before a unit that would not fit in what is left")
-    p.add_argument("--results", help="the results file (JSONL, appended to; default docs/gpu-results/results.jsonl, "
-                                      "with --rehearse WORK/rehearsal.jsonl)")
-    p.add_argument("--merge-from", metavar="FILE", help="first append the records of FILE that the results file "
-                   "lacks (visit.sh: the repository's results into the node's own file, which a second command "
-                   "on the same node finds again)")
-    p.add_argument("--mirror", default=os.environ.get("OUT"),
-                   help="copy the results file, a logs archive and kept traces here after each unit (default $OUT)")
-    p.add_argument("--work", default="/tmp/llama-fp8-verify", help="run dirs, logs, demo corpus")
+    p.add_argument("--plan", default="all", choices=units.PLANS, help="first: one visit, by value; all: then the rest")
+    p.add_argument("--only", help=f"comma-separated steps to run: {','.join(units.STEPS)}")
+    p.add_argument("--match", action="append", metavar="GLOB", help="only units whose id matches (repeatable)")
+    p.add_argument("--budget-seconds", type=float, help="start no unit that would not fit; cut one at the end")
+    p.add_argument("--results", help="the results file (default docs/gpu-results/results.jsonl; --rehearse: WORK/)")
+    p.add_argument("--merge-from", metavar="FILE", help="first append the records of FILE the results file lacks")
+    p.add_argument("--mirror", default=os.environ.get("OUT"), help="copy results and logs here after each unit ($OUT)")
+    p.add_argument("--work", default="/tmp/llama-fp8-verify", help="run dirs and logs")
     p.add_argument("--python", default=sys.executable, help="the Python that runs pytest and the trainer")
     p.add_argument("--retry", action="store_true", help="run again the units whose last record failed or timed out")
     p.add_argument("--list", action="store_true", help="print each selected unit with its status and exit")
-    p.add_argument("--dry-run", action="store_true", help="print the commands of the units still to run and exit")
-    p.add_argument("--rehearse", action="store_true",
-                   help="run on CPU as a rehearsal of a GPU visit: training cells as their CPU twins (tiny, HF model, "
-                        "eager, torchao FP8 emulated), everything else as on the node")
+    p.add_argument("--rehearse", action="store_true", help="on CPU: training cells as their CPU twins")
     d = units.Options()
     p.add_argument("--device", default=d.device, choices=("cuda", "cpu"), help="--device of the training runs")
-    p.add_argument("--models", default=",".join(d.models),
-                   help=f"matrix models: {', '.join(units.MODELS)}, or other presets (default: all three)")
-    p.add_argument("--data", default=",".join(d.data), help="matrix data: synthetic, text (the demo corpus)")
-    p.add_argument("--max-steps", type=int, default=d.max_steps, help="steps of a synthetic-data cell")
-    p.add_argument("--text-steps", type=int, default=d.text_steps, help="steps of a real-text cell")
+    p.add_argument("--models", default=",".join(d.models), help=f"matrix models: {', '.join(units.MODELS)} or presets")
+    p.add_argument("--max-steps", type=int, default=d.max_steps, help="steps of a training cell")
     p.add_argument("--warmup-steps", type=int, default=d.warmup, help="first steps left out of the timing")
-    p.add_argument("--logging-freq", type=int, default=d.logging_freq, help="--logging_freq of the matrix runs")
-    p.add_argument("--profile-cell", default=d.profile_cell, help="matrix cell to profile (model/data/variant)")
-    p.add_argument("--profile-steps", default=d.profile_steps, help="--profile_steps A:B of that run")
+    p.add_argument("--logging-freq", type=int, default=d.logging_freq, help="--logging_freq of the runs")
     args = p.parse_args(argv)
     problem = check_args(args)
     if problem:
@@ -88,44 +71,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace) -> str | None:
-    only = [s for s in (args.only or "").split(",") if s]
-    bad = [s for s in only if s not in units.STEPS]
+    bad = [s for s in (args.only or "").split(",") if s and s not in units.STEPS]
     if bad:
         return f"--only {','.join(bad)}: not a step; valid: {', '.join(units.STEPS)}"
     presets = {p.stem for p in (REPO / "src" / "llama_fp8" / "configs").glob("*.yaml")}
     bad = [m for m in args.models.split(",") if m not in units.MODELS and m not in presets]
     if bad:
         return f"--models {','.join(bad)}: valid: {', '.join(units.MODELS)} or a preset ({', '.join(sorted(presets))})"
-    bad = [d for d in args.data.split(",") if d not in units.DATA]
-    if bad:
-        return f"--data {','.join(bad)}: valid: {', '.join(units.DATA)}"
-    for name in ("max_steps", "text_steps", "logging_freq"):
+    for name in ("max_steps", "logging_freq"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1"
-    if not 0 <= args.warmup_steps < min(args.max_steps, args.text_steps):
-        return f"--warmup-steps {args.warmup_steps}: must be >= 0 and below --max-steps and --text-steps"
-    parts = args.profile_cell.split("/")
-    if len(parts) != 3 or parts[1] not in units.DATA or parts[2] not in units.VARIANT:
-        return f"--profile-cell {args.profile_cell}: expected MODEL/DATA/VARIANT, e.g. {units.Options.profile_cell}"
-    try:
-        a, b = (int(x) for x in args.profile_steps.split(":"))
-        assert 0 < a <= b
-    except (ValueError, AssertionError):
-        return f"--profile-steps {args.profile_steps}: expected A:B with 0 < A <= B"
+    if not 0 <= args.warmup_steps < args.max_steps:
+        return f"--warmup-steps {args.warmup_steps}: must be >= 0 and below --max-steps"
     if args.budget_seconds is not None and args.budget_seconds <= 0:
         return f"--budget-seconds {args.budget_seconds}: must be > 0"
     return None
 
 
-def options(args: argparse.Namespace) -> units.Options:
-    return units.Options(device="cpu" if args.rehearse else args.device, models=tuple(args.models.split(",")),
-                         data=tuple(args.data.split(",")), max_steps=args.max_steps, text_steps=args.text_steps,
-                         warmup=args.warmup_steps, logging_freq=args.logging_freq, profile_cell=args.profile_cell,
-                         profile_steps=args.profile_steps, rehearse=args.rehearse)
-
-
 def child_env(work: Path) -> dict[str, str]:
-    env = {**os.environ, **install.OFFLINE_ENV, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+    env = {**os.environ, **OFFLINE_ENV, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_DATASETS_CACHE": str(work / "hf_datasets"), "HF_HOME": str(work / "hf_home")}
     # not scripts/gpu: its plain module names (runs, units, ...) must not shadow packages; pytest adds it
     paths = [str(REPO / "src"), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
@@ -148,11 +112,11 @@ def provenance() -> dict:
     return out
 
 
-def probe_versions(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict:
+def probe_versions(args: argparse.Namespace, work: Path, env: dict[str, str], budget: runs.Budget) -> dict:
     path = work / "versions.json"
     path.unlink(missing_ok=True)
-    out = runs.timebox([args.python, versions.__file__, "--json", str(path)], 180,
-                          work / "logs" / "versions.log", env, REPO)
+    out = runs.timebox([args.python, versions.__file__, "--json", str(path)], budget.limit(180)[0],
+                       work / "logs" / "versions.log", env, REPO)
     if out.returncode != 0 or not path.is_file():
         raise SystemExit(f"verify: the versions probe failed ({out.returncode}):\n{out.tail()}")
     found = json.loads(path.read_text())
@@ -168,39 +132,14 @@ def bundle_logs(work: Path, mirror: Path | None) -> None:
     mirror.mkdir(parents=True, exist_ok=True)
     tmp = mirror / "logs.tar.gz.tmp"
     with tarfile.open(tmp, "w:gz") as tar:
-        for path in sorted(work.glob("logs/*.log")) + sorted(work.glob("logs/*.smi.csv")) + sorted(
-                work.glob("runs/**/metrics.jsonl")) + sorted(
-                work.glob("runs/**/config.yaml")):
-            tar.add(path, arcname=str(path.relative_to(work)))
+        for pattern in ("logs/*.log", "logs/*.smi.csv", "runs/**/metrics.jsonl", "runs/**/config.yaml"):
+            for path in sorted(work.glob(pattern)):
+                tar.add(path, arcname=str(path.relative_to(work)))
     tmp.replace(mirror / "logs.tar.gz")
 
 
-RUNNERS = {"pytest": steps.run_pytest, "bench": steps.run_bench, "train": steps.run_train,
-           "memory": memory.run_memory, "estimate": memory.run_estimate, "profile": steps.run_profile}
-
-
-def commands_of(ctx: runs.Context, unit: units.Unit) -> list[str]:
-    """The command lines a unit runs (for --dry-run), with the paths it would use."""
-    import shlex
-
-    root = ctx.work / "runs" / runs.slug(unit.id)
-    demo = (ctx.work / "demo" / "corpus", ctx.work / "demo" / "tokenizer")
-    v = units.VARIANT.get(unit.info.get("variant", ""))
-    if unit.step == "pytest":
-        cmds = [steps.pytest_cmd(ctx, ["-m", "gpu", *unit.info["args"]])]
-    elif unit.step == "bench":
-        cmds = [steps.bench_cmd(ctx, unit)]
-    elif unit.step == "train":
-        model, ran = units.rehearsal_twin(v) if ctx.opts.rehearse else (unit.info["model"], v)
-        cmds = [ctx.train_cmd(units.train_flags(ctx.opts, model, unit.info["data"], ran, root, demo,
-                                                unit.info.get("seed", units.SEED)))]
-    elif unit.step == "memory":
-        cmds = [[ctx.python, str(HERE / "memprobe.py")]]
-    elif unit.step == "estimate":
-        cmds = [memory.estimate_cmd(ctx, unit, root)]
-    else:
-        cmds = [ctx.train_cmd(units.profile_flags(ctx.opts, root, demo))]
-    return [shlex.join(c) for c in cmds]
+RUNNERS = {"pytest": steps.run_pytest, "train": steps.run_train, "memory": memory.run_memory,
+           "estimate": memory.run_estimate}
 
 
 def list_units(selected: list[units.Unit], records: list[dict], key: str, gpu: str, which: str) -> None:
@@ -211,7 +150,7 @@ def list_units(selected: list[units.Unit], records: list[dict], key: str, gpu: s
     budget = units.first_visit() if which == "first" else None
     command = {u.id: i for i, c in enumerate(budget.commands, 1) for u in c} if budget else {}
     for u in selected:
-        where = f"  [command {command[u.id]}]" if u.id in command else ""
+        where = f"  [command {command[u.id]}]" if u.id in command else ("  [a later visit]" if budget else "")
         print(f"{last.get(u.id, 'pending'):<12} ~{u.estimate_s:>4.0f}s  {u.id}{where}")
     if budget:
         print("\n".join(budget.lines()))
@@ -229,14 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     budget = runs.Budget(args.budget_seconds)
     env = child_env(work)
     try:
-        found = probe_versions(args, work, env)
+        found = probe_versions(args, work, env, budget)
     except SystemExit as e:
         print(e, file=sys.stderr)
         return EXIT_VERSIONS
     key, gpu = found["key"], found["gpu"]
     stamp = {**provenance(), "gpu": gpu, "driver": found.get("driver"),
              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    opts = options(args)
+    opts = units.Options(device="cpu" if args.rehearse else args.device, models=tuple(args.models.split(",")),
+                         max_steps=args.max_steps, warmup=args.warmup_steps, logging_freq=args.logging_freq,
+                         rehearse=args.rehearse)
     only = tuple(s for s in (args.only or "").split(",") if s) or None
     selected = units.select(units.plan(opts, args.plan), only, tuple(args.match) if args.match else None)
     records = store.records()
@@ -245,14 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ctx = runs.Context(REPO, work, args.python, store, key, gpu, opts, env, budget, mirror, args.retry)
     pending = [u for u in selected if u.id not in runs.done(records, key, args.retry, gpu)]
-    if args.dry_run:
-        for u in pending:
-            print(f"# {u.id} (~{u.estimate_s:.0f} s, limit {u.timeout_s:.0f} s)")
-            print("\n".join(commands_of(ctx, u)))
-        return 0
     if args.rehearse:
-        print("[verify] rehearsal on CPU: training cells run as their CPU twins (tiny, HF, eager); GPU tests skip; "
-              "the memory probe finds no CUDA; estimates run as on the node", flush=True)
+        print("[verify] rehearsal on CPU: training cells as their CPU twins; GPU tests skip; no CUDA", flush=True)
     if not any(r.get("key") == key and r.get("gpu") == gpu and r.get("unit") == "versions" for r in records):
         store.append({"key": key, "unit": "versions", "kind": "versions", "status": "passed", "versions": found,
                       **stamp})

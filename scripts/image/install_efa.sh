@@ -9,6 +9,11 @@
 #                          bases and installs its NGC plugin packages; this asks for the standard ones) or
 #                          "--enable-ngc" (>= 1.49, AWS's documented flag for NGC containers). Where the plugin
 #                          lands does not matter: scripts/image/setup_nccl_plugin.sh finds it in every layout.
+#   EFA_ARCH               optional: the image's CPU (default uname -m: x86_64, or aarch64 for GB200's Grace)
+# One installer tarball serves both CPUs: its packages lie in DEBS/<distro>/<arch>/ and RPMS/<distro>/<arch>/
+# (e.g. DEBS/UBUNTU2004/aarch64/libfabric1-aws_1.18.0amzn2.0_arm64.deb, as awsome-distributed-training's arm64
+# nccl-tests image installs it) and efa_installer.sh picks the machine's; a tarball without the image's CPU is
+# refused before the installer runs.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -29,9 +34,21 @@ if [[ -n "${EFA_INSTALLER_SHA256:-}" ]]; then
     echo "$EFA_INSTALLER_SHA256  $tarball" | sha256sum -c -
 fi
 tar -xzf "$tarball" -C "$tmp"
-if command -v apt-get >/dev/null; then apt-get update; fi
+arch=${EFA_ARCH:-$(uname -m)}
+if ! compgen -G "$tmp/aws-efa-installer/DEBS/*/$arch" >/dev/null &&
+    ! compgen -G "$tmp/aws-efa-installer/RPMS/*/$arch" >/dev/null; then
+    echo "error: EFA installer $EFA_INSTALLER_VERSION has no packages for $arch (no DEBS/*/$arch or RPMS/*/$arch);" \
+        "choose an installer release that ships $arch (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-changelog.html)" >&2
+    exit 1
+fi
+echo "EFA installer $EFA_INSTALLER_VERSION: packages for $arch: $(cd "$tmp/aws-efa-installer" &&
+    ls -d DEBS/*/"$arch" RPMS/*/"$arch" 2>/dev/null | tr '\n' ' ')"
+real_root=0
+if [[ "$ROOT" == / ]]; then real_root=1; fi  # the package lists are the image's own only then (tests: a fake root)
+if ((real_root)) && command -v apt-get >/dev/null; then apt-get update; fi
 # -y: no prompts. --skip-kmod: the kernel module belongs to the host. --skip-limit-conf: ulimits come from the
 # container runtime. --no-verify: no EFA device test (there is no device during `docker build`).
 (cd "$tmp/aws-efa-installer" && ./efa_installer.sh -y --skip-kmod --skip-limit-conf --no-verify ${EXTRA[@]+"${EXTRA[@]}"})
-rm -rf "$tmp" /var/lib/apt/lists/*
+rm -rf "$tmp"
+if ((real_root)); then rm -rf /var/lib/apt/lists/*; fi
 echo "EFA installer $EFA_INSTALLER_VERSION: installed"

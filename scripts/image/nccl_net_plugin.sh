@@ -5,12 +5,14 @@
 # Exit 0 with the path; exit 1 naming every place looked at when there is no plugin at all.
 #
 # Where the plugin lands depends on who installed it (cited in tests/cluster/test_image.py too):
-#   EFA installer 1.39-1.43 (aws-ofi-nccl <= 1.16, deb): /opt/amazon/ofi-nccl/lib/<arch>-linux-gnu/
-#       (libnccl-net-ofi.so from 1.15 on, with links libnccl-net.so, libnccl-ofi-tuner.so; <= 1.14 only a real
-#       libnccl-net.so) - aws-ofi-nccl v1.16.3 contrib/debian-template/rules (MULTIARCH_DIR)
+#   EFA installer 1.39-1.43 (aws-ofi-nccl <= 1.16, deb): /opt/amazon/ofi-nccl/lib/<arch>-linux-gnu/, i.e.
+#       x86_64-linux-gnu, and aarch64-linux-gnu on arm64 (GB200) hosts and images (libnccl-net-ofi.so from 1.15 on,
+#       with links libnccl-net.so, libnccl-ofi-tuner.so; <= 1.14 only a real libnccl-net.so) - aws-ofi-nccl
+#       v1.16.3 contrib/debian-template/rules: MULTIARCH_DIR := dpkg-architecture -q DEB_HOST_MULTIARCH
 #   EFA installer >= 1.44 (aws-ofi-nccl >= 1.17, deb): /opt/amazon/ofi-nccl/lib/ + /etc/ld.so.conf.d/100_ofinccl.conf
 #       - aws-ofi-nccl commit 6eb0870a "packaging/deb: remove multi-arch from lib path"
-#   RPM builds: /opt/amazon/ofi-nccl/lib64/ (contrib/fedora spec: %{_libdir} under the /opt/amazon/ofi-nccl prefix)
+#   RPM builds: /opt/amazon/ofi-nccl/lib64/ on both CPUs (contrib/fedora spec: %{_libdir} under the
+#       /opt/amazon/ofi-nccl prefix; lib64 on x86_64 and aarch64 alike)
 #   EFA installer 1.48 on an NGC base (libnccl-ofi-ngc-v1/v2/v3, built with --disable-nccl-net-library, so no
 #       libnccl-net.so): v1 /opt/amazon/aws-ofi-nccl/lib/libnccl-net-aws-ofi.so, v2 /opt/amazon/aws-ofi-nccl/lib/
 #       libnccl-net-ofi.so, v3 /opt/amazon/ofi-nccl/lib/libnccl-net-ofi.so - aws-ofi-nccl commit ee7c5a43,
@@ -23,6 +25,7 @@
 # (libnccl-ofi-tuner.so); >= 1.16 also exports the tuner from the net plugin itself, and the NGC packages name it
 # libnccl-tuner-ofi.so / libnccl-tuner-aws-ofi.so. Without a separate file the net plugin is printed (NCCL >= 2.21
 # finds the tuner symbols in it; a library without them only means NCCL's internal tuner, never an error).
+# PLUGIN_ARCH: the CPU whose multiarch folder is searched (default uname -m; the tests look at aarch64 trees).
 set -euo pipefail
 
 usage() { echo "usage: $0 [--tuner] ROOT" >&2; exit 2; }
@@ -31,7 +34,7 @@ if [[ "${1:-}" == --tuner ]]; then WANT=tuner; shift; fi
 [[ $# -eq 1 ]] || usage
 ROOT=$(cd "$1" && pwd -P) || { echo "error: root folder $1 does not exist" >&2; exit 2; }
 if [[ "$ROOT" == / ]]; then ROOT=""; fi  # the paths below start with "/"
-ARCH=$(uname -m)
+ARCH=${PLUGIN_ARCH:-$(uname -m)}
 
 DIRS=(
     /opt/amazon/ofi-nccl/lib

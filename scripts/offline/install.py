@@ -3,7 +3,7 @@ anything of the kit is installed). ``install_kit.sh`` checks the kit against its
 a GPU visit (``scripts/gpu/visit.sh``) does the same first.
 
     python scripts/offline/install.py WHEELS_DIR [TARGET] [--no-build] [--force-build] [--export DIR]
-                                      [--jobs N] [--build-timeout S] [--dry-run]
+                                      [--jobs N] [--build-timeout S] [--budget-seconds S] [--dry-run]
 
 A kit (``scripts/offline/make_kit.sh DIR ...``) holds, at its top level, the wheels a bare node lacks (torchao,
 Transformer Engine's Python part and core library, their small needs, datasets), the
@@ -18,6 +18,11 @@ the versions block (versions.py).
 
 Which wheel matches this node's torch, and how one is compiled: te_wheel.py.
 
+Inside a command with a time limit (``--budget-seconds``, scripts/gpu/visit.sh), every wait is cut to what is left:
+the pip install, each check (TE's import, its kernels: at most CHECK_S each), the compile (at most half the budget,
+and --build-timeout), the versions block. A later run into the same TARGET whose kit (its MANIFEST.json), chosen TE
+extension, Python and torch are those of the install there reuses it: only TE's import is checked again.
+
 Use TARGET with ``export PYTHONPATH=TARGET:$REPO/src``. Exit codes: 0 ready; 2 bad arguments or an unusable
 kit (the message names the missing or conflicting wheel); 3 TE's PyTorch extension is not usable (it does not
 import and was not compiled, the compile failed, or its kernels do not run): torchao and the HF model still work.
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import platform
 import re
@@ -38,9 +44,22 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import node_checks as nc  # in this folder
+from kit import sha256
+from node_checks import (
+    EXIT_BAD_KIT,
+    EXIT_NO_TE,
+    NO_ANSWER,
+    InstallError,
+    child_env,
+    import_check,
+    kernel_check,
+    say,
+    torch_versions,
+    versions_block,
+)
 from te_wheel import (  # in this folder
     BUILT_DIR,
-    OFFLINE_ENV,
     TE_TORCH,
     Choice,
     Kit,
@@ -52,48 +71,12 @@ from te_wheel import (  # in this folder
     normalize,
     problems,
     record_path,
+    run_bounded,
     save_build,
 )
 
 HERE = Path(__file__).resolve().parent
-MARKER = ".llama-fp8-install"  # written into TARGET: only a folder holding it is ever emptied
-EXIT_BAD_KIT, EXIT_NO_TE = 2, 3
-IMPORT_CHECK = ("import torch\nimport transformer_engine.pytorch\nimport importlib.metadata as m\n"
-                "print('transformer_engine.pytorch imports; transformer_engine_torch', "
-                "m.version('transformer_engine_torch'))")
-# One te.Linear forward + backward on the GPU, under FP8 current scaling where the GPU has FP8 (SM >= 8.9):
-# TE's kernels run, not just its import (TE >= 2.9 has te.autocast(recipe=...), older fp8_autocast(fp8_recipe=...)).
-KERNEL_CHECK = """\
-import sys, time, torch
-if not torch.cuda.is_available():
-    print("no CUDA device: TE's kernels not run"); sys.exit(0)
-import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import Float8CurrentScaling
-fp8 = torch.cuda.get_device_capability() >= (8, 9)
-new = hasattr(te, "autocast")
-context = (te.autocast if new else te.fp8_autocast)(**{"enabled": fp8, "recipe" if new else "fp8_recipe": Float8CurrentScaling()})
-t0 = time.perf_counter()
-layer = te.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda")
-x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-with context:
-    y = layer(x)
-y.float().square().mean().backward()
-torch.cuda.synchronize()
-ok = all(bool(torch.isfinite(t).all()) for t in (y, x.grad, layer.weight.grad))
-how = "under FP8 current scaling" if fp8 else "in BF16 (this GPU has no FP8)"
-print(f"te.Linear forward+backward {how} on {torch.cuda.get_device_name()}: finite {ok}, {time.perf_counter() - t0:.1f} s")
-sys.exit(0 if ok else 1)
-"""
-
-
-class InstallError(Exception):
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
-
-
-def say(message: str) -> None:
-    print(f"[install] {message}", flush=True)
+MARKER = ".llama-fp8-install"  # written into TARGET: only a folder holding it is ever emptied; what it holds
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -106,6 +89,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--export", metavar="DIR", help="also copy a freshly built wheel and its record to DIR/<key>/")
     p.add_argument("--jobs", type=int, help="parallel compile jobs (MAX_JOBS; default: the CPU cores)")
     p.add_argument("--build-timeout", type=float, default=480.0, help="seconds the compile may take (default 480)")
+    p.add_argument("--budget-seconds", type=float, help="the whole install's time: every wait is cut to what is left, "
+                   "the compile to half of it")
     p.add_argument("--dry-run", action="store_true",
                    help="print the install and build commands (with their environment) and change nothing")
     args = p.parse_args(argv)
@@ -113,6 +98,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--no-build and --force-build contradict each other")
     if args.jobs is not None and args.jobs < 1:
         p.error(f"--jobs {args.jobs}: must be >= 1")
+    if args.budget_seconds is not None and args.budget_seconds <= 0:
+        p.error(f"--budget-seconds {args.budget_seconds}: must be > 0")
     return args
 
 
@@ -126,21 +113,10 @@ class Node:
 
 
 def node_info() -> Node:
-    """This Python: its tag, machine, torch (imported: the one TE's extension must match) and packages."""
-    try:
-        import torch
-
-        torch_version, cuda = torch.__version__, torch.version.cuda
-    except ImportError:
-        torch_version = cuda = None
+    """This Python: its tag, machine, torch (the one TE's extension must match) and packages."""
+    torch_version, cuda = torch_versions()
     names = frozenset(normalize(d.metadata["Name"] or "") for d in importlib.metadata.distributions())
     return Node(f"cp{sys.version_info[0]}{sys.version_info[1]}", platform.machine(), torch_version, cuda, names)
-
-
-def child_env(target: Path) -> dict[str, str]:
-    env = {**os.environ, **OFFLINE_ENV}
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(target), os.environ.get("PYTHONPATH", "")) if x)
-    return env
 
 
 def install_command(wheels: list[Path], target: Path) -> list[str]:
@@ -165,49 +141,53 @@ def install(wheels: list[Path], target: Path) -> None:
     prepare_target(target)
     say(f"installing {len(wheels)} wheels into {target}")
     t0 = time.perf_counter()
-    proc = subprocess.run(install_command(wheels, target), env=child_env(target), capture_output=True, text=True)
+    limit = nc.CLOCK.bound(600, "the pip install", EXIT_BAD_KIT)
+    try:
+        proc = run_bounded(install_command(wheels, target), limit, child_env(target))
+    except subprocess.TimeoutExpired:
+        raise InstallError(f"the pip install took more than {limit:.0f} s (--budget-seconds)", EXIT_BAD_KIT) from None
     if proc.returncode != 0:
-        raise InstallError(f"pip install failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}",
+        raise InstallError(f"pip install failed ({proc.returncode}):\n{proc.stdout[-6000:]}",
                              EXIT_BAD_KIT)
     say(f"installed in {time.perf_counter() - t0:.1f} s")
 
 
-def import_check(target: Path) -> tuple[bool, str]:
-    """Does TE's PyTorch extension import from TARGET with this node's torch? (ok, output)"""
-    proc = subprocess.run([sys.executable, "-c", IMPORT_CHECK], env=child_env(target), capture_output=True,
-                          text=True, timeout=600)
-    text = (proc.stdout + proc.stderr).strip()
-    return proc.returncode == 0, text.splitlines()[-1] if proc.returncode == 0 and text else text[-3000:]
+def compile_problems(bp, kit: Kit) -> list[str]:
+    """The compile's missing prerequisites, less the cuDNN frontend when the kit brings it (installed before the
+    compile; a dry run's probe cannot see it yet)."""
+    has = bool(kit.find("nvidia_cudnn_frontend"))
+    return [p for p in bp.problems if not (has and "nvidia-cudnn-frontend" in p)]
 
 
-def kernel_check(target: Path) -> tuple[bool, str]:
-    """Do TE's kernels run (KERNEL_CHECK)? (ok, its last line or the error)"""
-    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=child_env(target), capture_output=True,
-                          text=True, timeout=600)
-    text = (proc.stdout + proc.stderr).strip()
-    return proc.returncode == 0, text.splitlines()[-1] if proc.returncode == 0 and text else text[-3000:]
+def compile_timeout(build_timeout: float) -> float:
+    """--build-timeout, and at most half of what is left of --budget-seconds: the runs after it need the rest."""
+    left = nc.CLOCK.left()
+    return nc.CLOCK.bound(build_timeout if left is None else min(build_timeout, left / 2), "a compile")
 
 
 def build(kit: Kit, te_version: str, node: Node, target: Path, args: argparse.Namespace) -> Path:
     """Compile transformer_engine_torch into WHEELS_DIR/built/<key>/ (and --export); returns the wheel."""
     out_dir = Path(tempfile.mkdtemp(prefix="te-torch-wheel-"))
-    bp = build_plan(sys.executable, kit.sdist, out_dir, target, args.jobs, dict(os.environ))
-    if bp.problems:
-        raise InstallError("cannot compile transformer_engine_torch:\n  " + "\n  ".join(bp.problems), EXIT_NO_TE)
+    timeout = compile_timeout(args.build_timeout)
+    bp = build_plan(sys.executable, kit.sdist, out_dir, target, args.jobs, dict(os.environ),
+                    probe_s=nc.CLOCK.bound(60, "the compile's probe"))
+    if compile_problems(bp, kit):
+        raise InstallError("cannot compile transformer_engine_torch:\n  " + "\n  ".join(compile_problems(bp, kit)),
+                           EXIT_NO_TE)
     log = out_dir.with_suffix(".log")
     say(f"compiling {kit.sdist.name} against torch {node.torch} (MAX_JOBS={bp.env['MAX_JOBS']}, up to "
-        f"{args.build_timeout:.0f} s; log {log})")
+        f"{timeout:.0f} s; log {log})")
     t0 = time.perf_counter()
     with open(log, "w") as fh:
         proc = subprocess.Popen(bp.command, env={**os.environ, **bp.env}, stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
-            rc = proc.wait(timeout=args.build_timeout)
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()
-            raise InstallError(f"the compile took more than {args.build_timeout:.0f} s and was stopped "
-                                 f"(--build-timeout); log {log}", EXIT_NO_TE) from None
+            raise InstallError(f"the compile took more than {timeout:.0f} s and was stopped (--build-timeout, or half "
+                               f"of --budget-seconds); log {log}", EXIT_NO_TE) from None
     built = sorted(out_dir.glob(f"{TE_TORCH}-*.whl"))
     if rc != 0 or not built:
         raise InstallError(f"the compile failed (exit {rc}); last lines of {log}:\n"
@@ -223,10 +203,6 @@ def build(kit: Kit, te_version: str, node: Node, target: Path, args: argparse.Na
             shutil.copy2(f, export / f.name)
         say(f"copied to {export} (bring it back into {kit.root / BUILT_DIR}/)")
     return dest
-
-
-def versions_block(target: Path) -> None:
-    subprocess.run([sys.executable, str(HERE / "versions.py")], env=child_env(target), check=False, timeout=300)
 
 
 def check_kit(args: argparse.Namespace) -> tuple[Kit, Node, str]:
@@ -269,6 +245,8 @@ def install_te(kit: Kit, wheels: list[Path], choice: Choice, te_version: str, no
         say(("TE: " if ok else "TE does not import with this wheel: ") + message)
     if ok:
         return
+    if NO_ANSWER in message:  # a slow or hung import: a compile would not answer it either, and has no time
+        raise InstallError(f"{message}: TE is not used in this command (no compile tried)", EXIT_NO_TE)
     missing = missing_module(message)
     if missing is not None:  # a compile builds TE's extension only: it cannot bring a Python module
         raise InstallError(f"TE does not import: it needs the Python module {missing!r}, which this node lacks; "
@@ -287,6 +265,7 @@ def install_te(kit: Kit, wheels: list[Path], choice: Choice, te_version: str, no
 
 
 def run(args: argparse.Namespace) -> int:
+    nc.CLOCK = nc.Clock(args.budget_seconds)
     kit, node, te_version = check_kit(args)
     target = Path(args.target).resolve()
     say(f"kit {kit.root}: {len(kit.wheels)} wheels, TE {te_version}; node: {node.cp_tag}, torch {node.torch}")
@@ -303,16 +282,65 @@ def run(args: argparse.Namespace) -> int:
     wheels = [w.path for w in kit.wheels]
     if args.dry_run:
         return dry_run(kit, wheels, choice, target, args)
+    fp = fingerprint(kit, choice, node)
+    if not args.force_build and reuse(target, fp):
+        return 0
     try:
         install_te(kit, wheels, choice, te_version, node, target, args)
         ok, message = kernel_check(target)
         if not ok:  # the extension imports, its kernels fail (e.g. a core library without this GPU's code)
             raise InstallError(f"TE imports but its kernels do not run on this GPU:\n{message}", EXIT_NO_TE)
         say("TE kernels: " + message)
+        mark(target, fp, message)
+    except InstallError as e:  # the wheels are in, TE is not usable: a second command reuses them, TE checked again
+        if e.code == EXIT_NO_TE and (target / MARKER).is_file():
+            mark(target, fp, None, str(e).splitlines()[0][:300])
+        raise
     finally:  # the versions block, also when TE is not usable: what the node has is worth knowing then too
         versions_block(target)
     say(f"ready: export PYTHONPATH={target}:$REPO/src")
     return 0
+
+
+def fingerprint(kit: Kit, choice: Choice, node: Node) -> dict:
+    """What an install is of: the kit (its MANIFEST.json, else its wheels' names and sizes), the TE extension chosen,
+    this Python and torch."""
+    manifest = kit.root / "MANIFEST.json"
+    files = sha256(manifest) if manifest.is_file() else sorted(
+        f"{w.path.name}:{w.path.stat().st_size}" for w in [*kit.wheels, *kit.te_torch])
+    return {"kit": files, "te_torch": choice.wheel.path.name if choice.wheel else None, "python": node.cp_tag,
+            "torch": node.torch}
+
+
+def mark(target: Path, fp: dict, kernels: str | None, te_unusable: str = "") -> None:
+    """After a whole install: what it was of and whether TE ran, in TARGET's marker (reuse reads it)."""
+    (target / MARKER).write_text(json.dumps({"made_by": "scripts/offline/install.py", "fingerprint": fp,
+                                             "kernels": kernels, "te_unusable": te_unusable}) + "\n")
+
+
+def reuse(target: Path, fp: dict) -> bool:
+    """TARGET holds a whole install of this very kit for this Python and torch, and TE still imports from it: use it
+    (a second command on the same node keeps its time for measuring). False: install afresh."""
+    try:
+        done = json.loads((target / MARKER).read_text()[:100_000])
+    except (OSError, ValueError):
+        return False
+    if not isinstance(done, dict) or done.get("fingerprint") != fp:
+        return False
+    ok, message = import_check(target)
+    if not ok and not done.get("te_unusable"):
+        say(f"{target}: installed from this kit, but TE does not import there now: installing again")
+        return False
+    say(f"reused the install in {target} (same kit, TE extension, Python and torch)")
+    try:
+        if not ok:  # TE was not usable when installed either: the wheels stay, the runs go on without TE
+            raise InstallError(f"TE was not usable in that install ({done['te_unusable']}) and is not now: "
+                               f"{message}", EXIT_NO_TE)
+        say(f"TE: {message}; TE kernels (when installed): {done.get('kernels') or 'not run: TE did not import then'}")
+    finally:
+        versions_block(target)
+    say(f"ready: export PYTHONPATH={target}:$REPO/src")
+    return True
 
 
 def dry_run(kit: Kit, wheels: list[Path], choice: Choice, target: Path,
@@ -325,7 +353,7 @@ def dry_run(kit: Kit, wheels: list[Path], choice: Choice, target: Path,
         bp = build_plan(sys.executable, kit.sdist, Path(tempfile.gettempdir()) / "te-torch-wheel", target,
                                args.jobs, dict(os.environ))
         say("dry run: then compile with\n" + describe(bp))
-        for problem in bp.problems:
+        for problem in compile_problems(bp, kit):
             say(f"dry run: the compile would fail now: {problem}")
     return 0
 

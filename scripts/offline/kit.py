@@ -1,7 +1,6 @@
-"""The offline kit's Python half (``make_kit.sh`` and ``install_kit.sh`` call it):
+"""The offline kit's files (``build_kit.py`` and ``install_kit.sh`` use it):
 
     python kit.py prune LIB.so sm_90 [sm_100 ...]     keep only these archs' cubins in LIB's .nv_fatbin, in place
-    python kit.py sdist NAME VERSION DEST              fetch a source distribution from PyPI (sha256 checked)
     python kit.py manifest KIT --python 3.12 --torch 2.11.0 --arch sm_90 [--te V] [--torchao V]
     python kit.py verify KIT                           every wheel listed with its sha256, nothing else
 
@@ -23,8 +22,8 @@ import json
 import mmap
 import re
 import struct
+import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 FATBIN_MAGIC = 0xBA55ED50
@@ -115,27 +114,6 @@ def prune(path: Path, archs: set[int]) -> dict:
     return stats
 
 
-# --- PyPI sdist --------------------------------------------------------------------------------------------
-def fetch_sdist(name: str, version: str, dest: Path) -> Path:
-    """The sdist of ``name==version`` from PyPI's JSON API, checked against the sha256 PyPI lists. (pip download
-    would first build the sdist's metadata, which for TE's torch extension needs a CUDA torch.)"""
-    with urllib.request.urlopen(f"https://pypi.org/pypi/{name}/{version}/json", timeout=60) as r:
-        info = json.load(r)
-    files = [u for u in info["urls"] if u["packagetype"] == "sdist"]
-    if not files:
-        raise KitError(f"{name}=={version} has no source distribution on PyPI")
-    url, digest, filename = files[0]["url"], files[0]["digests"]["sha256"], files[0]["filename"]
-    if "/" in filename or not in_kit(filename):
-        raise KitError(f"PyPI named the sdist {filename!r}: not a plain file name")
-    with urllib.request.urlopen(url, timeout=300) as r:
-        data = r.read()
-    if hashlib.sha256(data).hexdigest() != digest:
-        raise KitError(f"{filename}: sha256 differs from PyPI's")
-    out = dest / filename
-    out.write_bytes(data)
-    return out
-
-
 # --- manifest ----------------------------------------------------------------------------------------------
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
@@ -166,9 +144,8 @@ def write_manifest(kit: Path, target: dict) -> dict:
     return manifest
 
 
-def verify(kit: Path) -> dict:
-    """The manifest, after checking that every file it lists is there with its sha256 and that no wheel or sdist
-    beside them is unlisted (a kit is installed whole: a stray wheel would be installed too)."""
+def read_manifest(kit: Path) -> dict:
+    """MANIFEST.json as written (capped in size; refused when it is not a kit manifest)."""
     path = kit / MANIFEST
     if not path.is_file():
         raise KitError(f"{kit}: no {MANIFEST} (make the kit with scripts/offline/make_kit.sh)")
@@ -180,6 +157,15 @@ def verify(kit: Path) -> dict:
         assert isinstance(files, dict) and all(isinstance(v, dict) and "sha256" in v for v in files.values())
     except (ValueError, KeyError, TypeError, AssertionError):
         raise KitError(f"{path}: not a kit manifest (expected JSON with files: {{name: {{sha256}}}})") from None
+    return manifest
+
+
+def verify(kit: Path) -> dict:
+    """The manifest, after checking that every file it lists is there with its sha256 and that no wheel or sdist
+    beside them is unlisted (a kit is installed whole: a stray wheel would be installed too)."""
+    path = kit / MANIFEST
+    manifest = read_manifest(kit)
+    files = manifest["files"]
     bad = [n for n in files if not in_kit(n)]
     if bad:
         raise KitError(f"{path}: file names outside the kit's folder: {', '.join(map(repr, bad[:3]))}")
@@ -193,16 +179,28 @@ def verify(kit: Path) -> dict:
     return manifest
 
 
+def repo_bytes(repo: Path) -> int:
+    """The bytes of the working tree a command to the node carries: tracked files and untracked ones git does
+    not ignore."""
+    out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         capture_output=True, check=True).stdout.decode()
+    return sum((repo / n).stat().st_size for n in out.split("\0") if n and (repo / n).is_file())
+
+
+def size_table(manifest: dict, missing: dict[str, str]) -> str:
+    rows = [f"  {f['bytes'] / 2**20:8.2f} MiB  {n}" for n, f in sorted(manifest["files"].items())]
+    total = sum(f["bytes"] for f in manifest["files"].values())
+    rows.append(f"  {total / 2**20:8.2f} MiB  in all ({len(rows)} files)")
+    rows += [f"  not in the kit: {k}: {v.splitlines()[0]}" for k, v in missing.items()]
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kit.py", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("prune")
     a.add_argument("lib", type=Path)
     a.add_argument("archs", nargs="+")
-    a = sub.add_parser("sdist")
-    a.add_argument("name")
-    a.add_argument("version")
-    a.add_argument("dest", type=Path)
     a = sub.add_parser("manifest")
     a.add_argument("kit", type=Path)
     for flag in ("--python", "--torch", "--arch"):
@@ -217,8 +215,6 @@ def main(argv: list[str] | None = None) -> int:
             stats = prune(args.lib, {parse_arch(x) for x in args.archs})
             print(f"{args.lib.name}: {stats['containers']} fatbin containers, kept {stats['kept'] / 1e6:.1f} MB of "
                   f"GPU code, zeroed {stats['zeroed'] / 1e6:.1f} MB")
-        elif args.cmd == "sdist":
-            print(fetch_sdist(args.name, args.version, args.dest))
         elif args.cmd == "manifest":
             for arch in args.arch.split(","):
                 parse_arch(arch)

@@ -210,7 +210,31 @@ OFFLINE_ENV = {"PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_N
                "TRANSFORMERS_OFFLINE": "1"}
 # What TE's setup.py imports before it compiles anything (setuptools first: it may provide ``wheel``).
 BUILD_IMPORTS = ("import setuptools", "import torch", "from torch.utils.cpp_extension import BuildExtension",
-                 "from wheel.bdist_wheel import bdist_wheel", "from packaging.version import parse")
+                 "from wheel.bdist_wheel import bdist_wheel", "from packaging.version import parse",
+                 CUDNN_FRONTEND := "import importlib.metadata as m; m.distribution('nvidia-cudnn-frontend')")
+
+
+def run_bounded(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
+                capture: bool = True) -> subprocess.CompletedProcess:
+    """``subprocess.run`` whose timeout holds: the command gets its own process group and, at the timeout, the whole
+    group is killed (a plain run kills only its child, then waits for the output of any grandchild still holding
+    it: an import that started a helper process, a pip that started a build). Raises TimeoutExpired after the kill."""
+    import os
+    import signal
+
+    out = subprocess.PIPE if capture else None
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if capture else None, text=True,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout or "", "")
 
 
 def cpu_count() -> int:
@@ -237,7 +261,31 @@ def find_cuda_home(env: dict[str, str]) -> Path | None:
     return None
 
 
-def probe(python: str, env: dict[str, str]) -> tuple[list[Path], list[str]]:
+def find_python(version: str) -> str | None:
+    """A Python ``version`` that runs, found as find_cuda_home finds the toolkit: $PYTHON_BIN, pythonX.Y on PATH,
+    pyenv's newest X.Y.*, /usr/bin, /usr/local/bin (a pyenv shim on PATH may exist without running: each candidate
+    is asked for its version); None when none runs."""
+    home = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    candidates = [os.environ.get("PYTHON_BIN"), shutil.which(f"python{version}"),
+                  *sorted(map(str, home.glob(f"versions/{version}.*/bin/python")), key=_version_key, reverse=True),
+                  f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"]
+    for exe in filter(None, candidates):
+        try:
+            out = subprocess.run([exe, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                                 capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if out.returncode == 0 and out.stdout.strip() == version:
+            return exe
+    return None
+
+
+def _version_key(path: str) -> tuple[int, ...]:
+    m = re.search(r"versions/(\d+)\.(\d+)\.(\d+)", path)
+    return tuple(map(int, m.groups())) if m else (0,)
+
+
+def probe(python: str, env: dict[str, str], timeout: float = 300) -> tuple[list[Path], list[str]]:
     """Ask the node's Python, with the build's environment: the ``include/`` folders of the ``nvidia-*`` pip
     packages it sees (nvidia/cudnn/include, nvidia/nccl/include, nvidia/cu13/include, ...), and which of
     BUILD_IMPORTS fail there (one line each)."""
@@ -247,9 +295,12 @@ def probe(python: str, env: dict[str, str]) -> tuple[list[Path], list[str]]:
             "\nspec = importlib.util.find_spec('nvidia')\n"
             "roots = list(spec.submodule_search_locations or []) if spec else []\n"
             "print(json.dumps({'roots': roots, 'failed': failed}))")
-    proc = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    try:
+        proc = run_bounded([python, "-c", code], timeout, env)
+    except subprocess.TimeoutExpired:
+        return [], [f"{python} did not answer the build probe in {timeout:.0f} s"]
     if proc.returncode != 0:
-        return [], [f"{python} could not run the build probe: {proc.stderr.strip()[-500:]}"]
+        return [], [f"{python} could not run the build probe: {proc.stdout.strip()[-500:]}"]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     dirs = [p for root in found["roots"] for p in sorted(Path(root).glob("*/include")) if p.is_dir()]
     return dirs, found["failed"]
@@ -263,7 +314,7 @@ class BuildPlan:
 
 
 def build_plan(python: str, sdist: Path, wheel_dir: Path, target: Path, jobs: int | None,
-         env: dict[str, str]) -> BuildPlan:
+               env: dict[str, str], probe_s: float = 300) -> BuildPlan:
     """The command and environment that build a wheel of ``sdist`` into ``wheel_dir``."""
     problems = []
     cuda_home = find_cuda_home(env)
@@ -272,8 +323,10 @@ def build_plan(python: str, sdist: Path, wheel_dir: Path, target: Path, jobs: in
                         "toolkit, or put its nvcc on PATH")
     add = dict(OFFLINE_ENV)
     add["PYTHONPATH"] = os.pathsep.join(x for x in (str(target), env.get("PYTHONPATH", "")) if x)
-    nvidia_dirs, failed = probe(python, {**env, **add})
-    problems += [f"the build cannot {x} (add the missing wheel to the kit)" for x in failed]
+    nvidia_dirs, failed = probe(python, {**env, **add}, probe_s)
+    problems += ["no nvidia-cudnn-frontend, whose headers the compile needs: make the kit with --with cudnn-frontend"
+                 if x.startswith(CUDNN_FRONTEND) else f"the build cannot {x} (add the missing wheel to the kit)"
+                 for x in failed]
     includes = [str(p) for p in nvidia_dirs]
     if cuda_home is not None and (cuda_home / "include").is_dir():
         includes.insert(0, str(cuda_home / "include"))

@@ -77,7 +77,7 @@ def test_every_cell_names_a_source_or_is_marked():
     table = ngc.table_markdown()
     for r in ngc.NGC_RELEASES:
         assert ngc.installer(r.efa_installer) is not None, r.tag
-        for name, cell in r.cells().items():
+        for name, cell in [*r.cells().items(), ("arm64", r.arm64)]:
             assert cell.source is None or cell.source.url.startswith("https://"), (r.tag, name, cell)
             assert ("not confirmed" in cell.text()) == (cell.source is None), (r.tag, name)
             if cell.source:
@@ -87,7 +87,7 @@ def test_every_cell_names_a_source_or_is_marked():
     listed = re.findall(r"^(\d+)\. .*: (https://\S+)$", table, flags=re.M)
     assert [int(n) for n, _ in listed] == list(range(1, len(listed) + 1)), "sources are numbered 1..n"
     for number, url in listed:  # each [n] in the table points at the source with that number
-        users = [c for r in ngc.NGC_RELEASES for c in r.cells().values() if c.source and c.source.url == url]
+        users = [c for r in ngc.NGC_RELEASES for c in (*r.cells().values(), r.arm64) if c.source and c.source.url == url]
         users += [e.ofi_nccl for e in ngc.EFA_INSTALLERS if e.ofi_nccl.source and e.ofi_nccl.source.url == url]
         assert users and all(f"{c.value} [{number}]" in table for c in users), url
 

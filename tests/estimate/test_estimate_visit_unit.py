@@ -9,7 +9,7 @@ from helpers import REPO
 
 def test_the_gpu_visit_runs_the_estimate_gpu_test_once_as_its_own_unit(monkeypatch):
     """`pytest/estimate` runs tests/estimate/test_estimate_gpu.py (with -s: its numbers in the log), after
-    `pytest/other`, which leaves that file out (a test is recorded once), and before the benchmarks."""
+    `pytest/other`, which leaves that file out (a test is recorded once), and before the training matrix."""
     monkeypatch.syspath_prepend(str(REPO / "scripts" / "gpu"))
     monkeypatch.delitem(sys.modules, "units", raising=False)
     import units
@@ -19,6 +19,6 @@ def test_the_gpu_visit_runs_the_estimate_gpu_test_once_as_its_own_unit(monkeypat
     assert plan["pytest/estimate"].info["args"] == [mine, "-s"] and plan["pytest/estimate"].step == "pytest"
     assert f"--ignore={mine}" in plan["pytest/other"].info["args"]
     ids = list(plan)
-    first_bench = next(i for i in ids if i.startswith("bench/"))
-    assert ids.index("pytest/other") < ids.index("pytest/estimate") < ids.index(first_bench)
+    matrix = ids.index("train/llama3.2-3b/synthetic/hf-bf16")
+    assert ids.index("pytest/other") < ids.index("pytest/estimate") < matrix
     assert (REPO / mine).is_file()

@@ -68,16 +68,59 @@ def test_te_nvfp4_needs_blackwell_and_te_2_8():
     with pytest.raises(ValueError, match="no CUDA device is visible"):
         te_recipes.check_recipe_supported("nvfp4", None, None, "2.20.2")
     te_recipes.check_recipe_supported("nvfp4", (10, 0), "12.8", "2.8.0")
-    te_recipes.check_recipe_supported("nvfp4", (12, 0), "12.8", "2.20.2")  # no upper bound in TE's NVFP4 check
+    te_recipes.check_recipe_supported("nvfp4", (11, 0), "12.8", "2.20.2")
 
 
-def test_te_nvfp4_weights_all_gather_in_fp4_from_te_2_17():
-    """TE 2.15 has NVFP4's FSDP2 hooks, but its own test of FP4-initialized TransformerLayers and DCP loading of
-    NVFP4 weights pass from 2.17 (NVIDIA/TransformerEngine#2974)."""
-    with pytest.raises(ValueError, match=r"nvfp4 under FSDP2 need Transformer Engine >= 2\.17 .*found 2\.16\.1"):
-        te_recipes.check_combination("nvfp4", compile=False, fp8_params=True, te_version="2.16.1")
+@pytest.mark.parametrize("capability", [(12, 0), (12, 1)])
+def test_te_nvfp4_is_refused_on_12x_naming_te_s_own_skip(capability):
+    """TE's NVFP4 check passes on 12.x, but its FSDP2 tests skip NVFP4 there as crashing
+    (tests/pytorch/distributed/fsdp2_tests/conftest.py _check_nvfp4_support, v2.15 ... main): every run here is
+    FSDP2, so the recipe is refused before anything is built, the message naming that skip."""
+    with pytest.raises(ValueError) as e:
+        te_recipes.check_recipe_supported("nvfp4", capability, "13.0", "2.20.2")
+    msg = str(e.value)
+    assert "--fp8_recipe nvfp4 needs compute capability >= 10.0 and < 12.0" in msg
+    assert "own FSDP2 tests skip NVFP4BlockScaling on SM 12.x" in msg and "_check_nvfp4_support" in msg
+    assert "rht_gemm_ntt_w_sfc" in msg and f"this GPU is SM {capability[0]}.{capability[1]}" in msg
+    assert recipes.where_it_runs(recipes.get("nvfp4", "te"), capability) == "refused"
+
+
+def test_te_nvfp4_weights_all_gather_in_fp4_from_te_2_16():
+    """TE 2.15 has NVFP4's FSDP2 hooks; its own FSDP2 test of FP4-initialized TransformerLayers passes (the xfail
+    removed) and DCP loads NVFP4 weights from NVIDIA/TransformerEngine#2974, which is in the v2.16 tag."""
+    with pytest.raises(ValueError, match=r"nvfp4 under FSDP2 need Transformer Engine >= 2\.16 .*found 2\.15\.2"):
+        te_recipes.check_combination("nvfp4", compile=False, fp8_params=True, te_version="2.15.2")
+    te_recipes.check_combination("nvfp4", compile=False, fp8_params=True, te_version="2.16.0")
     te_recipes.check_combination("nvfp4", compile=True, fp8_params=True, te_version="2.17.0")
     assert te_recipes.recipe_spec("nvfp4", 1024, "max") == ("NVFP4BlockScaling", {})
+
+
+def test_te_mxfp8_runs_where_te_s_own_check_passes_10_0_to_below_12_0():
+    """TE's _compute_mxfp8_support: refused from 12.0 ("not supported on 12.0+ architectures yet"), runs from 10.0
+    (so on 11.0 too); auto picks MXFP8 on that whole range, as TE's get_default_fp8_recipe, current on 12.x."""
+    for capability in ((10, 0), (10, 3), (11, 0)):
+        te_recipes.check_recipe_supported("mxfp8", capability, "13.0", "2.20.2")
+        assert recipes.default_for("te", capability=capability).name == "mxfp8"
+    with pytest.raises(ValueError) as e:
+        te_recipes.check_recipe_supported("mxfp8", (12, 0), "13.0", "2.20.2")
+    assert "needs compute capability >= 10.0 and < 12.0 (Transformer Engine's own check, check_mxfp8_support" in \
+        str(e.value) and "not supported on 12.0+ architectures yet" in str(e.value)
+    assert recipes.default_for("te", capability=(12, 0)).name == "current"
+    assert recipes.gpu_text(recipes.get("mxfp8", "te")) == ">= 10.0, < 12.0"
+
+
+def test_te_mxfp8_on_hopper_names_torchao_s_emulated_route():
+    """TE has no MXFP8 below 10.0; torchao's MXFP8 emulates it (its numerics, no speed-up): the refusal says so,
+    with the flags that run it. NVFP4 has no emulated route (torchao's runs Triton kernels only): none named."""
+    with pytest.raises(ValueError) as e:
+        te_recipes.check_recipe_supported("mxfp8", (9, 0), "12.8", "2.20.2")
+    msg = str(e.value)
+    assert "TE has no emulation of it); this GPU is SM 9.0" in msg
+    assert "for MXFP8's numerics on this GPU, emulated (its loss, no speed-up): --model_impl hf --fp8_backend " \
+           "torchao --fp8_recipe mxfp8" in msg
+    with pytest.raises(ValueError) as e:
+        te_recipes.check_recipe_supported("nvfp4", (9, 0), "12.8", "2.20.2")
+    assert "--fp8_backend torchao" not in str(e.value)
 
 
 # --- unsupported combinations -------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ from helpers import REPO, cli_env, read_metrics
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
-BLACKWELL = pytest.mark.skipif(torch.cuda.is_available() and not (10, 0) <= CAPABILITY < (11, 0), reason=(
-    f"needs compute capability 10.x (Blackwell: B200, GB200) for native MXFP8/NVFP4; this GPU is "
+BLACKWELL = pytest.mark.skipif(torch.cuda.is_available() and not (10, 0) <= CAPABILITY < (12, 0), reason=(
+    f"needs compute capability 10.0 to below 12.0 (Blackwell: B200, GB200) for native MXFP8/NVFP4; this GPU is "
     f"{CAPABILITY[0]}.{CAPABILITY[1]}"))
 BELOW_BLACKWELL = pytest.mark.skipif(CAPABILITY >= (10, 0), reason="tests the refusals of a GPU without MXFP8/NVFP4")
 NVFP4_DIMS = ("--hidden_width", "256", "--num_heads", "2", "--num_key_value_heads", "1", "--intermediate_size", "512",

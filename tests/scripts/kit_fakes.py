@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+import struct
 import sys
 import tarfile
 import textwrap
@@ -35,20 +36,67 @@ def _digest(data: bytes) -> str:
     return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
-def make_wheel(folder: Path, name: str, version: str, files: dict[str, str], tag: str = "py3-none-any") -> Path:
-    """A valid wheel (PEP 427) holding ``files``."""
+def make_wheel(folder: Path, name: str, version: str, files: dict[str, str | bytes], tag: str = "py3-none-any",
+               requires: tuple[str, ...] = ()) -> Path:
+    """A valid wheel (PEP 427) holding ``files``, its METADATA listing ``requires`` as Requires-Dist."""
     dist = f"{name}-{version}.dist-info"
     purelib = "true" if tag.endswith("-none-any") else "false"
-    entries = dict(files)
-    entries[f"{dist}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
-    entries[f"{dist}/WHEEL"] = f"Wheel-Version: 1.0\nGenerator: kit_fakes\nRoot-Is-Purelib: {purelib}\nTag: {tag}\n"
-    record = [f"{p},{_digest(t.encode())},{len(t.encode())}" for p, t in entries.items()] + [f"{dist}/RECORD,,"]
-    entries[f"{dist}/RECORD"] = "\n".join(record) + "\n"
+    entries = {p: t if isinstance(t, bytes) else t.encode() for p, t in files.items()}
+    entries[f"{dist}/METADATA"] = (f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                   + "".join(f"Requires-Dist: {r}\n" for r in requires)).encode()
+    entries[f"{dist}/WHEEL"] = f"Wheel-Version: 1.0\nGenerator: kit_fakes\nRoot-Is-Purelib: {purelib}\nTag: {tag}\n".encode()
+    record = [f"{p},{_digest(t)},{len(t)}" for p, t in entries.items()] + [f"{dist}/RECORD,,"]
+    entries[f"{dist}/RECORD"] = ("\n".join(record) + "\n").encode()
     path = folder / f"{name}-{version}-{tag}.whl"
     with zipfile.ZipFile(path, "w") as z:
         for p, t in entries.items():
             z.writestr(p, t)
     return path
+
+
+# --- a GPU library's fatbin, as TE's core library holds one ----------------------------------------------------
+FATBIN_MAGIC = 0xBA55ED50
+
+
+def fatbin_entry(arch: int, payload: bytes) -> bytes:
+    """A fatbin entry: a 64-byte header (kind, flags, header size, payload size, ..., SM number at byte 28)."""
+    head = bytearray(64)
+    struct.pack_into("<HHIQ", head, 0, 2, 0x101, 64, len(payload))
+    struct.pack_into("<I", head, 28, arch)
+    return bytes(head) + payload
+
+
+def fatbin_container(entries: list[bytes]) -> bytes:
+    body = b"".join(entries)
+    return struct.pack("<IHHQ", FATBIN_MAGIC, 1, 16, len(body)) + body
+
+
+def elf(sections: dict[str, bytes]) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """A minimal ELF64 little-endian file holding ``sections`` (and .shstrtab); returns it and where each lies."""
+    names = [*sections, ".shstrtab"]
+    strtab = b"\0" + b"".join(n.encode() + b"\0" for n in names)
+    body, where = bytearray(64), {}
+    for name, data in [*sections.items(), (".shstrtab", strtab)]:
+        body += bytes(-len(body) % 8)
+        where[name] = (len(body), len(data))
+        body += data
+    body += bytes(-len(body) % 8)
+    shoff, headers, name_off = len(body), bytearray(64), 1
+    for name in names:
+        off, size = where[name]
+        headers += struct.pack("<IIQQQQIIQQ", name_off, 3 if name == ".shstrtab" else 1, 0, 0, off, size, 0, 0, 8, 0)
+        name_off += len(name) + 1
+    body += headers
+    body[:16] = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9)
+    struct.pack_into("<HHIQQQIHHHHHH", body, 16, 3, 62, 1, 0, 0, shoff, 0, 64, 0, 0, 64, len(names) + 1, len(names))
+    return bytes(body), where
+
+
+def fatbin_library(archs: tuple[int, ...] = (75, 90, 100, 120), size: int = 64) -> bytes:
+    """An ELF library with one fatbin container holding an entry of ``size`` bytes per architecture (the bytes of
+    an entry are its architecture's number)."""
+    fatbin = fatbin_container([fatbin_entry(a, bytes([a % 256]) * size) for a in archs])
+    return elf({".text": b"\x90" * 32, ".nv_fatbin": fatbin})[0]
 
 
 def te_torch_wheel(folder: Path, built_for: str, version: str = TE_VERSION, tag: str | None = None) -> Path:
@@ -108,6 +156,7 @@ def kit(folder: Path, *, prebuilt_for: str | None = None, with_sdist: bool = Tru
                                             "transformer_engine/pytorch/__init__.py": TE_PYTORCH}),
         "transformer_engine_cu13": (TE_VERSION, {"te_core_fake/__init__.py": ""}),
         "datasets_fake": ("1.0", {"datasets_fake/__init__.py": ""}),
+        "nvidia_cudnn_frontend": ("1.32.0", {"include/cudnn_frontend.h": ""}),  # its headers: for a compile
     }
     for name, (version, files) in wheels.items():
         if name not in skip:

@@ -181,12 +181,14 @@ def test_validation_flags(tiny_args, capsys):
 
 
 def test_peak_tflops_gives_mfu(tiny_args):
-    rc, d = run(tiny_args, "--max_steps", "2", "--peak_tflops", "0.5", "--fp8", "1")
+    """--peak_tflops on CPU: a BF16 run's MFU against it. (FP8 here is emulated, whose MFU is left blank:
+    tests/test_peaks.py shows both, the FP8 peak's MFU of a non-emulated meter too.)"""
+    rc, d = run(tiny_args, "--max_steps", "2", "--peak_tflops", "0.5", "--fp8", "0")
     meta, *rest = read_metrics(d)
     last = [r for r in rest if r["type"] == "train"][-1]
     assert meta["peak_tflops_bf16"] == 0.5 and meta["peak_tflops_fp8"] == 1.0
     assert last["mfu_vs_bf16_peak"] == pytest.approx(last["tflops_per_device"] / 0.5)
-    assert last["mfu_vs_fp8_peak"] == pytest.approx(last["tflops_per_device"] / 1.0)
+    assert last["mfu_vs_fp8_peak"] is None  # a BF16 run
 
 
 def test_device_cuda_without_gpu_is_a_config_error(tiny_args):

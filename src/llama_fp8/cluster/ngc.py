@@ -75,6 +75,8 @@ class NgcRelease:
     efa_installer: str
     note: str = ""
     """Driver and forward-compatibility remarks (printed under the table)."""
+    arm64: Cell = Cell(None)
+    """Published for linux/arm64 too (GB200/GB300: Grace, aarch64): "yes" with its page, else not confirmed."""
 
     def cells(self) -> dict[str, Cell]:
         return {"torch": self.pytorch, "cuda": self.cuda, "cudnn": self.cudnn, "nccl": self.nccl,
@@ -113,6 +115,8 @@ OFI_NOTES = "aws-ofi-nccl RELEASENOTES.md at the installer's plugin tag (https:/
 SB_26_06 = _superbench("c514d457713a1f94fa80cb00e63571857938f481", "dockerfile/cuda13.4.dockerfile", "26.06-py3")
 SB_26_07 = _superbench("990c4dcbd79c9cfca47d7257bfd8322c9aa45a48", "dockerfile/cuda13.3.dockerfile", "26.07-py3")
 SB_26_09 = _superbench("5c29c5cdebb972114d7fcf6eecf222770eccd69a", "dockerfile/cuda13.4.dockerfile", "26.09-py3")
+ARM64_26_06 = Source("https://github.com/cl-gao777/Neu-PAN_MK-mini/blob/main/docker/README.md", "cl-gao777/Neu-PAN_MK-mini "
+                     "docker/README.md: its 26.06-py3 base \"confirmed to contain the linux/arm64 manifest\"", True)
 
 _LAYOUT_OLD = "/opt/amazon/ofi-nccl/lib/<arch>-linux-gnu"
 _LAYOUT_NEW = "/opt/amazon/ofi-nccl/lib"
@@ -146,7 +150,7 @@ NGC_RELEASES = (
     NgcRelease("26.06-py3", pytorch=Cell("2.13.0a0+8145d630e8", SB_26_06), cuda=Cell("13.3.0", _triton_notes("26-06")),
                cudnn=Cell("9.23.0", SB_26_06), nccl=Cell("2.30.5", SB_26_06),
                transformer_engine=Cell("2.16.0", SB_26_06), python=_NONE, min_driver=_NONE, efa_installer="1.49.0",
-               note=f"CUDA 13.3: the driver it needs is not confirmed; {_FORWARD}"),
+               note=f"CUDA 13.3: the driver it needs is not confirmed; {_FORWARD}", arm64=Cell("yes", ARM64_26_06)),
     NgcRelease("26.07-py3", pytorch=Cell("2.13.0a0+9186a08", SB_26_07), cuda=Cell("13.3.1", SB_26_07),
                cudnn=Cell("9.24.0.43", SB_26_07), nccl=Cell("2.30.7", SB_26_07),
                transformer_engine=Cell("2.17", SB_26_07), python=_NONE, min_driver=_NONE, efa_installer="1.49.0",
@@ -158,9 +162,8 @@ NGC_RELEASES = (
                note=f"CUDA 13.4: hosts need an R615 driver (its exact minimum version is not confirmed); {_FORWARD}"),
 )
 DEFAULT_TAG = "26.09-py3"
-# 26.01-26.05 and 26.08: no page we could read lists their Transformer Engine and NCCL, so they have no row
-# (a build from one prints its versions: `check-image` says which row to add). 26.10 exists (Triton 26.10 is
-# based on CUDA 13.4.3) but no page we could read lists its PyTorch container's versions.
+# 26.01-26.05, 26.08: no page we could read lists their TE and NCCL, so no row (a build from one prints its versions:
+# `check-image` says which row to add). 26.10 exists (Triton 26.10: CUDA 13.4.3), its PyTorch versions unread.
 
 
 def release(tag: str) -> NgcRelease | None:
@@ -209,19 +212,19 @@ def _numbered(sources: list[Source]) -> dict[Source, int]:
 
 def table_markdown() -> str:
     """docs/cluster.md's NGC/EFA table, its notes, the installer table under it and the numbered sources."""
-    cells = [c for r in NGC_RELEASES for c in r.cells().values()] + [e.ofi_nccl for e in EFA_INSTALLERS]
+    cells = [c for r in NGC_RELEASES for c in (*r.cells().values(), r.arm64)] + [e.ofi_nccl for e in EFA_INSTALLERS]
     numbers = _numbered([c.source for c in cells if c.source])
 
     def show(cell: Cell) -> str:
         return cell.text(f" [{numbers[cell.source]}]" if cell.source else "")
 
     rows = ["| NGC tag | PyTorch | CUDA | cuDNN | NCCL | Transformer Engine | Python | min. driver | EFA installer | "
-            "TE FP8 recipes | TE FP8 all-gather (FSDP2) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "TE FP8 recipes | TE FP8 all-gather (FSDP2) | linux/arm64 |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in NGC_RELEASES:
         recipes_text, gather_text = _features_text(r)
         tag = f"`{r.tag}`" + (" **(default)**" if r.tag == DEFAULT_TAG else "")
         rows.append(f"| {tag} | " + " | ".join(show(c) for c in r.cells().values()) +
-                    f" | {r.efa_installer} | {recipes_text} | {gather_text} |")
+                    f" | {r.efa_installer} | {recipes_text} | {gather_text} | {show(r.arm64)} |")
     rows += [""] + [f"- `{r.tag}`: {r.note}" for r in NGC_RELEASES if r.note]
     rows += ["", "| EFA installer | aws-ofi-nccl | NCCL the plugin release names | plugin folder |",
              "|---|---|---|---|"]
@@ -320,13 +323,30 @@ def requirement_problems(found: dict[str, str | None]) -> list[str]:
     return out
 
 
-def check_image(tag: str, efa: str, plugin_env: Path | None, out: Path | None) -> int:
-    """Run in the image build: print the real versions next to the table's, fail when a default cannot run.
-    On the tests' stand-in base the versions are printed and recorded (base "stand-in"), not compared."""
-    found = installed_versions()
+PLATFORMS = {"amd64": "x86_64", "arm64": "aarch64"}  # TARGETARCH (docker's names) -> uname -m
+
+
+def platform_problem(target: str | None, machine: str) -> str:
+    """Why the image being built is not of the platform asked for ('' when it is, or nothing was asked)."""
+    if target and target not in PLATFORMS:
+        return f"TARGETARCH {target}: not a platform of this image (valid: {', '.join(PLATFORMS)})"
+    if target and PLATFORMS[target] != machine:
+        return f"the build asked for linux/{target} but runs on {machine}: the base image is not the {target} one"
+    return ""
+
+
+def check_image(tag: str, efa: str, plugin_env: Path | None, out: Path | None, target: str | None = None) -> int:
+    """Run in the image build: print the real versions next to the table's, fail when a default cannot run or the
+    image is not of the platform asked for. The tests' stand-in base: printed and recorded, not compared."""
+    import platform
+
+    found, machine = installed_versions(), platform.machine()
     standin = STANDIN_MARKER.read_text().strip()[:300] if STANDIN_MARKER.is_file() else ""
     row = None if standin else release(tag)
-    print(f"{'stand-in for ' if standin else ''}NGC {tag}: " + ", ".join(f"{k} {v}" for k, v in found.items()))
+    print(f"{'stand-in for ' if standin else ''}NGC {tag}: " + ", ".join(f"{k} {v}" for k, v in found.items())
+          + f", machine {machine}")
+    if target == "arm64" and row is not None and row.arm64.value is None:  # the build just pulled one
+        print(f"note: ngc.py does not confirm an arm64 image of {tag}; this build pulled one: add it to the row")
     if standin:
         print(f"note: the tests' stand-in base ({standin}): its versions are not NGC's and are not compared "
               "with src/llama_fp8/cluster/ngc.py")
@@ -346,8 +366,9 @@ def check_image(tag: str, efa: str, plugin_env: Path | None, out: Path | None) -
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         base = {"base": "stand-in"} if standin else {}
-        out.write_text(json.dumps({"ngc_tag": tag, **base, "efa_installer": efa, **found, **plugin}, indent=1) + "\n")
-    bad = requirement_problems(found)
+        out.write_text(json.dumps({"ngc_tag": tag, **base, "machine": machine, "efa_installer": efa, **found, **plugin},
+                                  indent=1) + "\n")
+    bad = requirement_problems(found) + [x for x in [platform_problem(target, machine)] if x]
     for message in bad:
         print(f"error: {message}; choose another NGC_TAG (docs/cluster.md: Image versions)", file=sys.stderr)
     return 1 if bad else 0
@@ -364,6 +385,7 @@ def main(argv: list[str]) -> int:
     chk.add_argument("--efa", required=True, help="EFA_INSTALLER_VERSION")
     chk.add_argument("--plugin-env", type=Path, help="KEY=VALUE file written by scripts/image/setup_nccl_plugin.sh")
     chk.add_argument("--out", type=Path, help="write the image description here (JSON)")
+    chk.add_argument("--platform", choices=tuple(PLATFORMS), help="TARGETARCH the image was built for (amd64, arm64)")
     args = p.parse_args(argv)
     if args.cmd == "table":
         print(table_markdown())
@@ -371,7 +393,7 @@ def main(argv: list[str]) -> int:
     if args.cmd == "update-readme":
         print(f"{args.readme}: NGC table {'updated' if update_readme(args.readme) else 'already current'}")
         return 0
-    return check_image(args.tag, args.efa, args.plugin_env, args.out)
+    return check_image(args.tag, args.efa, args.plugin_env, args.out, args.platform)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ class Recipe:
     """Lowest compute capability with the FP8 tensor cores this recipe uses (8.9: Ada, 9.0: Hopper)."""
     max_capability: Capability | None = None
     """First compute capability that no longer runs it (None: no upper bound)."""
+    max_capability_why: str = ""
+    """Where that upper bound comes from (the library's own check or its own tests), said in the refusal."""
     min_cuda: tuple[tuple[Capability, str], ...] = ()
     """(capability, CUDA version) pairs: on a GPU below that capability, at least that CUDA is needed."""
     min_library: str = "0"
@@ -84,8 +86,9 @@ class Recipe:
         if capability < self.min_capability:
             return f"needs compute capability >= {_cap(self.min_capability)}"
         if self.max_capability is not None and capability >= self.max_capability:
+            why = f" ({self.max_capability_why})" if self.max_capability_why else ""
             return (f"needs compute capability >= {_cap(self.min_capability)} and < "
-                    f"{_cap(self.max_capability)}")
+                    f"{_cap(self.max_capability)}{why}")
         for below, version in self.min_cuda:
             if capability < below and (cuda is None or version_tuple(cuda) < version_tuple(version)):
                 where = "" if below >= (99, 0) else f" on compute capability < {_cap(below)}"
@@ -128,13 +131,22 @@ _TE_NVFP4_SRC = ("TE transformer_engine/common/recipe/__init__.py NVFP4BlockScal
                  "transformer_engine/pytorch/tensor/nvfp4_tensor.py (is_quantizable: 16-element blocks; "
                  "fsdp_pre_all_gather since v2.15, NVIDIA/TransformerEngine#2797), "
                  "transformer_engine/pytorch/constants.py NVFP4_BLOCK_SCALING_SIZE")
+_TE_MX_CC_WHY = ("Transformer Engine's own check, check_mxfp8_support: \"MXFP8 (for all gemm layouts) is not "
+                 "supported on 12.0+ architectures yet\"")
+# TE's NVFP4 check passes on 12.x, but its FSDP2 tests skip NVFP4 there as crashing; every run here is FSDP2.
+_TE_NVFP4_CC_WHY = ("Transformer Engine's own FSDP2 tests skip NVFP4BlockScaling on SM 12.x as failing, "
+                    "TransformerEngine/tests/pytorch/distributed/fsdp2_tests/conftest.py _check_nvfp4_support: \"failing on SM120 with "
+                    "hadamard_transform_cast_fusion.cu:672 in function rht_gemm_ntt_w_sfc: CUDA Error: invalid "
+                    "argument\"; every run here is FSDP2")
 _TE_MX_DIMS = Dims(features=32, tokens=32, shard_rows=32,
                    why="TE MXFP8Quantizer.is_quantizable: last dim and the product of the others divisible by 32")
 # TE versions: the first TE release that ships each recipe class; 2.0 is also the oldest TE whose APIs we use
 # as written. FP8 parameters (quantized_model_init) under FSDP2 need TE's QuantizedTensor to implement
 # fsdp_pre_all_gather / fsdp_post_all_gather: TE 2.10 for Float8Tensor (delayed, current) and MXFP8Tensor. NVFP4Tensor
-# has them since 2.15, but TE's own FSDP2 test marked NVFP4 + FP4-initialized TransformerLayers failing until 2.17,
-# whose #2974 also fixed DCP loading of MXFP8/NVFP4 weights under FSDP2 (a resume): 2.17 for NVFP4 here.
+# has them since 2.15, but TE's own FSDP2 test marked NVFP4 + FP4-initialized TransformerLayers failing until
+# NVIDIA/TransformerEngine#2974 (which also fixed DCP loading of MXFP8/NVFP4 weights under FSDP2: a resume) removed
+# that mark; #2974 is in the v2.16 tag (commit 1e94ebbc4, TransformerEngine/tests/pytorch/distributed/fsdp2_tests/run_fsdp2_model.py):
+# 2.16 for NVFP4 here.
 # Float8BlockwiseQTensor (block) has them since 2.14, but TE's own FSDP2 tests mark block + FP8 weights
 # as failing (TransformerEngine/tests/pytorch/distributed/run_fsdp2_model.py), so the TE path refuses it: no FP8
 # all-gather for block here. Recipe names are unique within a backend; mxfp8 and nvfp4 exist in both, so that an
@@ -175,16 +187,19 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe("current", TE, "one scale per tensor from its current amax (current scaling)",
            min_cuda=(((9, 0), "12.1"),), min_library="2.2", fp8_all_gather_since="2.10", default=True,
            source=_TE_SRC),
-    # auto on compute capability 10.x, as TE's own get_default_fp8_recipe (quantization.py): MXFP8 where
-    # check_mxfp8_support passes (10.0 <= capability < 12.0), Float8CurrentScaling on 12.x.
+    # TE's own range (transformer_engine/pytorch/quantization.py _compute_mxfp8_support, v2.16 ... 2.20): refused
+    # from 12.0 ("MXFP8 (for all gemm layouts) is not supported on 12.0+ architectures yet"), runs from 10.0; and
+    # auto there, as TE's own get_default_fp8_recipe: MXFP8 where check_mxfp8_support passes, Float8CurrentScaling
+    # on 12.x.
     Recipe("mxfp8", TE, "E8M0 scale per 32 values (MXFP8, Blackwell)", min_capability=(10, 0),
-           max_capability=(11, 0), min_library="2.0", fp8_all_gather_since="2.10", auto_on=((10, 0), (11, 0)),
-           format="mxfp8", dims=_TE_MX_DIMS, source=_TE_SRC),
+           max_capability=(12, 0), max_capability_why=_TE_MX_CC_WHY, min_library="2.0", fp8_all_gather_since="2.10",
+           auto_on=((10, 0), (12, 0)), format="mxfp8", dims=_TE_MX_DIMS, source=_TE_SRC),
     Recipe("block", TE, "scale per 1x128 activation / 128x128 weight block", min_capability=(9, 0),
            min_cuda=(((99, 0), "12.9"),), min_library="2.3", source=_TE_SRC),
     Recipe("nvfp4", TE, "E4M3 scale per 16 FP4 values (16x16 blocks for weights) + one FP32 scale per tensor, "
            "random Hadamard transform, stochastic rounding of gradients (NVFP4)", min_capability=(10, 0),
-           min_library="2.8", fp8_all_gather_since="2.17", bf16_only=True, format="nvfp4",
+           max_capability=(12, 0), max_capability_why=_TE_NVFP4_CC_WHY,
+           min_library="2.8", fp8_all_gather_since="2.16", bf16_only=True, format="nvfp4",
            quantizes="the GEMMs of every TE layer: weights in 16x16 blocks, inputs and gradients in 1x16 blocks, a "
                      "random Hadamard transform for the weight-gradient GEMM, gradients stochastically rounded",
            dims=Dims(features=16, tokens=16, shard_rows=16,

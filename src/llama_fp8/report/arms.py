@@ -112,7 +112,8 @@ def render(summary: dict[str, Any], args: argparse.Namespace) -> str:
              "| arm | precision | speed-up vs BF16 (samples/s, 95 % CI) | loss gap vs BF16 | loss verdict | "
              "MFU vs its format's peak | compile | FP8 all-gather | AC | notes |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.3g} % ({r['mfu_key'].removeprefix('mfu_vs_')})"
+        mfu = ("n/a (emulated)" if r["emulated"] else "n/a") if r["mfu"] is None else \
+            f"{100 * r['mfu']:.3g} % ({r['mfu_key'].removeprefix('mfu_vs_')})"
         notes = [x for x in (r["bf16_tail"], "emulated: speed not meaningful" if r["emulated"] else None,
                              "**warned at start** (below)" if r["notes"] else None) if x]
         link = f"[{r['arm']}]({r['report']}/report.md)" if r.get("report") else r["arm"]

@@ -73,7 +73,9 @@ def summarize_run(run: Run, warmup: int) -> dict[str, Any]:
     for key, _, _ in METRICS:
         pool = run.train if key == "mem_peak_gib" else kept
         vals = _finite([r.get(key) for r in pool])
-        if key in repeats.RATE_KEYS:
+        if key.startswith("mfu") and out["fp8_emulated"]:
+            out[key] = None  # emulated FP8: no utilization of the GPU's FP8 (or BF16) peak to state
+        elif key in repeats.RATE_KEYS:
             out[key] = stats.rate(vals)
         else:
             out[key] = (max(vals) if key == "mem_peak_gib" else statistics.median(vals)) if vals else None

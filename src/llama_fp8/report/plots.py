@@ -76,8 +76,9 @@ def render_report(summary: dict[str, Any], plots: dict[str, Path]) -> str:
     lines += [""] + hardware.markdown(summary.get("environment"), sa["label"], sb["label"])
     for tag, s in (("A", sa), ("B", sb)):
         if s["fp8_emulated"]:
-            lines += ["", f"> Run {tag} emulated FP8 on a CPU: its speed numbers say nothing about FP8 "
-                      "hardware; the loss comparison stands."]
+            lines += ["", f"> Run {tag} emulated FP8 on a CPU (or on a GPU without the format's tensor cores): "
+                      "its speed numbers say nothing about FP8 hardware and its MFU is left blank; the loss "
+                      "comparison stands."]
     ab = summary.get("ab")
     lines += ["", "## Throughput and memory", ""]
     if ab:  # the one speed-up: B's samples/s rate over A's (across pairs: their geometric mean, with a CI)

@@ -66,7 +66,7 @@ def line(s: dict[str, Any]) -> str:
 def format_mfu(run: Run, warmup: int) -> tuple[float | None, str | None]:
     """(MFU against the run's own format's dense peak over the kept windows, the record key), None when unknown."""
     key = PEAK_KEY.get(run_format(run) or "")
-    if key is None:
-        return None, None
+    if key is None or run.meta.get("fp8_emulated"):  # emulated: no FP8 tensor cores ran, no utilization to state
+        return None, key
     vals = [float(r[key]) for r in run.train if r["step"] > warmup and r.get(key) is not None]
     return stats.rate(vals), key

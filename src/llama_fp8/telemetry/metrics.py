@@ -70,6 +70,9 @@ class StepMeter:
     is_fp8: bool
     peak_fp4: float | None = None
     format: str = ""  # the GEMMs' number format (precision.PrecisionChoice.format): nvfp4 adds MFU vs the FP4 peak
+    # FP8 emulated (no FP8 tensor cores: torchao's MXFP8 on a Hopper GPU, any FP8 on CPU): its TFLOPS are real, but a
+    # utilization of the GPU's peak would read as if FP8 ran; MFU is left blank and the line says why
+    emulated: bool = False
 
     def __post_init__(self) -> None:
         self._loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
@@ -95,6 +98,8 @@ class StepMeter:
         samples = self._steps * self.global_batch
         tokens_per_device = samples * self.seq_len / self.world_size / elapsed
         tflops = tokens_per_device * self.flops_per_token / 1e12
+        peak_bf16, peak_fp8, peak_fp4 = (None, None, None) if self.emulated else (
+            self.peak_bf16, self.peak_fp8, self.peak_fp4)
         rec = {
             "type": "train", "step": step, "loss": loss, "lr": float(lr),  # a tensor for torchao.optim
             "grad_norm": None if grad_norm is None else float(grad_norm),
@@ -103,10 +108,11 @@ class StepMeter:
             "tokens_per_sec": tokens_per_device * self.world_size,
             "tokens_per_sec_per_device": tokens_per_device,
             "tflops_per_device": tflops,
-            "mfu_vs_bf16_peak": tflops / self.peak_bf16 if self.peak_bf16 else None,
-            "mfu_vs_fp8_peak": tflops / self.peak_fp8 if (self.peak_fp8 and self.is_fp8) else None,
+            "mfu_vs_bf16_peak": tflops / peak_bf16 if peak_bf16 else None,
+            "mfu_vs_fp8_peak": tflops / peak_fp8 if (peak_fp8 and self.is_fp8) else None,
             "is_fp8": self.is_fp8,
-            **({"mfu_vs_fp4_peak": tflops / self.peak_fp4 if self.peak_fp4 else None} if self.format == "nvfp4" else {}),
+            **({"mfu_vs_fp4_peak": tflops / peak_fp4 if peak_fp4 else None} if self.format == "nvfp4" else {}),
+            **({"fp8_emulated": True} if self.emulated else {}),
             "mem_peak_gib": memory_gib(self.device),
             **cuda_memory_extras(self.device),
             "data_wait_frac": min(self._data_wait / elapsed, 1.0),
@@ -124,11 +130,14 @@ def _num(x: float | None, fmt: str) -> str:
 
 def format_line(rec: dict) -> str:
     """``Batch N Loss: x, Speed: y samples/sec, lr: z`` (the prefix log monitors match), then extras.
-    MFU is always against the dense BF16 peak (``MFU(bf16 peak)``); FP8 runs add ``MFU(fp8 peak)``."""
+    MFU is always against the dense BF16 peak (``MFU(bf16 peak)``); FP8 runs add ``MFU(fp8 peak)``; an emulated
+    run has none (``MFU: n/a (FP8 emulated)``)."""
     mfu = f"MFU(bf16 peak): {_num(rec.get('mfu_vs_bf16_peak'), '.3f')}"
-    if rec.get("is_fp8"):
+    if rec.get("fp8_emulated"):
+        mfu = "MFU: n/a (FP8 emulated)"
+    elif rec.get("is_fp8"):
         mfu += f", MFU(fp8 peak): {_num(rec.get('mfu_vs_fp8_peak'), '.3f')}"
-    if "mfu_vs_fp4_peak" in rec:
+    if "mfu_vs_fp4_peak" in rec and not rec.get("fp8_emulated"):
         mfu += f", MFU(fp4 peak): {_num(rec.get('mfu_vs_fp4_peak'), '.3f')}"
     return (f"Batch {rec['step']} Loss: {rec['loss']:.5f}, Speed: {rec['samples_per_sec']:.2f} samples/sec, "
             f"lr: {rec['lr']:.6f}, tokens/s/device: {rec['tokens_per_sec_per_device']:.1f}, "

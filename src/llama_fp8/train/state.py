@@ -149,7 +149,8 @@ def start_metrics(cfg: TrainConfig, plan: RunPlan, env: parallel.DistEnv, size: 
                                                      cfg.peak_tflops)
     peak_fp4 = peaks.fp4_peak(device_name if env.device.type == "cuda" else None, cfg.peak_tflops)
     meter = metrics.StepMeter(env.device, env.world_size, plan.global_batch, cfg.max_context_width,
-                              size.flops_per_token, peak_bf16, peak_fp8, cfg.fp8, peak_fp4, plan.precision.format)
+                              size.flops_per_token, peak_bf16, peak_fp8, cfg.fp8, peak_fp4, plan.precision.format,
+                              emulated=plan.precision.emulated)
     run_dir = Path(plan.run_dir)
     # attempts before this one (a resumed or restarted run's metrics.jsonl has their meta records): read before the
     # writer appends this attempt's

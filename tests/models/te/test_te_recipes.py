@@ -26,7 +26,7 @@ from llama_fp8.models.te.fp8.recipes import (
         ("current", (8, 6), "12.4", r"current needs compute capability >= 8\.9.*SM 8\.6"),
         ("delayed", (8, 9), "12.0", r"CUDA >= 12\.1 on compute capability < 9\.0.*SM 8\.9"),
         ("mxfp8", (9, 0), "12.8", r"mxfp8 needs compute capability >= 10\.0.*SM 9\.0"),
-        ("mxfp8", (12, 0), "12.8", r">= 10\.0 and < 11\.0.*SM 12\.0"),
+        ("mxfp8", (12, 0), "12.8", r">= 10\.0 and < 12\.0.*SM 12\.0"),
         ("block", (8, 9), "12.9", r"block needs compute capability >= 9\.0"),
         ("block", (9, 0), "12.8", r"CUDA >= 12\.9.*CUDA 12\.8"),
         ("delayed", None, None, r"no CUDA device"),

@@ -85,7 +85,7 @@ def test_a_run_dir_with_two_starts_is_read_as_the_report_reads_it(tmp_path):
 
 def test_the_results_pages_speed_up_is_the_ab_reports(tmp_path):
     """One speed-up: for the same two runs the results page's ratio is the headline of `llama_fp8 compare`."""
-    import results
+    import sections
 
     from llama_fp8.report import compare
 
@@ -99,7 +99,7 @@ def test_the_results_pages_speed_up_is_the_ab_reports(tmp_path):
     ra, rb = steps.summarize(a, warmup=4), steps.summarize(b, warmup=4)
     summary = compare.compare(compare.build_parser().parse_args(
         [str(a), str(b), "--out", str(tmp_path / "rep"), "--warmup_steps_excluded", "4"]))
-    assert results.speedup(rb, ra) == pytest.approx(summary["speedup"], rel=1e-12)
+    assert sections.speedup(rb, ra) == pytest.approx(summary["speedup"], rel=1e-12)
     assert f"{summary['speedup']:.3g}x" in (tmp_path / "rep" / "report.md").read_text()
 
 

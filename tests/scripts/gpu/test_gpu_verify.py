@@ -32,18 +32,15 @@ def train_argv(cmd: list[str]) -> list[str]:
 def test_every_matrix_cell_is_accepted_by_the_trainers_parser(tmp_path):
     opts = units.Options()
     cells = [u for u in units.plan(opts) if u.step == "train"]
-    assert len([u for u in cells if u.info["pair"] == 1]) == 3 * 2 * 9
+    assert len([u for u in cells if u.info["pair"] == 1]) == 3 * 9
     assert [u.id for u in cells if u.info["pair"] > 1] == [f"train/llama3.2-1b/synthetic/{v}/pair2"
                                                             for v in ("te-fp8-current", "te-bf16")]
     for unit in cells:
         v = units.VARIANT[unit.info["variant"]]
-        flags = units.train_flags(opts, unit.info["model"], unit.info["data"], v, tmp_path / "run", DEMO,
-                                  unit.info["seed"])
-        cfg = parse_args(flags)
+        cfg = parse_args(units.train_flags(opts, unit.info["model"], v, tmp_path / "run", unit.info["seed"]))
         assert (cfg.seed, cfg.device, cfg.max_context_width) == (units.SEED + unit.info["pair"] - 1, "cuda", 4096)
-        assert cfg.max_steps == (100 if unit.info["data"] == "text" else 40) and cfg.logging_freq == 5
+        assert cfg.max_steps == 40 and cfg.logging_freq == 5 and cfg.dataset == "synthetic"
         assert cfg.model_impl == v.impl and cfg.fp8 == v.fp8 and cfg.compile == v.compile
-        assert cfg.dataset == ("synthetic" if unit.info["data"] == "synthetic" else "/demo/corpus")
         if v.fp8:
             assert (cfg.fp8_backend, cfg.fp8_recipe) == (v.backend, v.recipe)
         assert cfg.activation_checkpointing == ("full" if unit.info["model"] == "llama3.2-3b" else "none")
@@ -54,73 +51,34 @@ def test_every_matrix_cell_is_accepted_by_the_trainers_parser(tmp_path):
     assert not any(v.compile for v in units.VARIANTS if v.impl == "te")  # TE delayed refuses compile
 
 
-def test_profile_command(tmp_path):
-    flags = units.profile_flags(units.Options(), tmp_path / "p", None)
-    assert flags[-4:] == ["--profile_steps", "21:23", "--memory_snapshot", "1"]
-    assert parse_args(flags[:-4]).max_steps == 25 and parse_args(flags[:-4]).fp8_recipe == "current"
-
-
-def test_units_run_in_the_issues_order_and_select_by_step_and_glob():
+def test_units_run_in_the_plans_order_and_select_by_step_and_glob():
     plan = units.plan(units.Options())
     first = units.plan(units.Options(), "first")
     assert plan[:len(first)] == first  # a later visit goes on with what the first one left
-    rest = plan[len(first) + len(units.after_first()):]
+    rest = plan[len(first) + 3:]
     steps = [u.step for u in rest]
-    assert [s for i, s in enumerate(steps) if i == 0 or steps[i - 1] != s] == ["pytest", "bench", "train", "profile"]
-    assert [u.id for u in rest[:2]] == ["pytest/te", "pytest/other"]  # the TE path first
-    picked = units.select(plan, ("train", "profile"), ("train/llama3.2-1b/synthetic/te-*", "profile/*"))
+    assert [s for i, s in enumerate(steps) if i == 0 or steps[i - 1] != s] == ["pytest", "train"]
+    assert [u.id for u in rest[:3]] == ["pytest/te", "pytest/other", "pytest/estimate"]  # the TE path first
+    picked = units.select(plan, ("train",), ("train/llama3.2-1b/synthetic/te-*",))
     assert [u.id for u in picked] == [f"train/llama3.2-1b/synthetic/{x}" for x in (
         "te-bf16", "te-fp8-current", "te-fp8-current/pair2", "te-bf16/pair2", "te-fp8-delayed", "te-fp8-block",
-        "te-fp8-mxfp8")] + ["profile/llama3.2-1b/synthetic/te-fp8-current"]
-    assert units.select(plan, ("bench",), None) == [u for u in plan if u.step == "bench"]
+        "te-fp8-mxfp8")]
+    assert units.select(plan, ("memory",), None) == [u for u in plan if u.step == "memory"]
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """The versions probe answers as on an H100 (the probe itself: tests/scripts/offline/test_versions.py)."""
-    monkeypatch.setattr(verify, "probe_versions", lambda args, work, env: dict(H100))
-
-
-def test_dry_run_shows_the_flags_in_the_commands_and_runs_nothing(tmp_path, capsys, fake_gpu):
-    argv = ["--dry-run", "--only", "train", "--models", "llama3.2-1b,tiny", "--data", "synthetic",
-            "--match", "train/*/synthetic/te-fp8-*", "--max-steps", "40",
-            "--warmup-steps", "5", "--logging-freq", "2", "--device", "cpu", "--python",
-            "/opt/py/bin/python3", "--work", str(tmp_path / "work"), "--results", str(tmp_path / "r.jsonl")]
-    assert verify.main(argv) == 0
-    out = capsys.readouterr().out
-    commands = [shlex.split(x) for x in out.splitlines() if x.startswith("/opt/py/bin/python3")]
-    assert len(commands) == 2 * 4 + 1  # two models x four TE FP8 recipes, and the headline's second FP8 run
-    assert all(c[:4] == ["/opt/py/bin/python3", "-m", "llama_fp8", "train"] for c in commands)
-    cells = [parse_args(train_argv(c)) for c in commands]
-    assert [c.seed for c in cells] == [1234, 1235] + [1234] * 7
-    assert {(c.model, c.fp8_recipe) for c in cells} == {(m, r) for m in ("llama3.2-1b", "tiny")
-                                                         for r in ("delayed", "current", "block", "mxfp8")}
-    assert all((c.max_steps, c.logging_freq, c.device) == (40, 2, "cpu") for c in cells)
-    assert not (tmp_path / "r.jsonl").exists() and not (tmp_path / "work" / "runs").exists()
-
-
-def test_text_steps_and_profile_options_reach_their_commands(tmp_path, capsys, fake_gpu):
-    base = ["--dry-run", "--work", str(tmp_path / "w"), "--results", str(tmp_path / "r.jsonl")]
-    assert verify.main(base + ["--only", "train", "--match", "train/llama3.2-3b/text/te-bf16", "--text-steps", "77"]) == 0
-    [cmd] = [shlex.split(x) for x in capsys.readouterr().out.splitlines() if " -m llama_fp8 train " in x]
-    cfg = parse_args(train_argv(cmd))
-    assert cfg.max_steps == 77 and cfg.dataset == str(tmp_path / "w" / "demo" / "corpus")
-    assert verify.main(base + ["--only", "profile", "--profile-cell", "llama2-7b-8l/synthetic/hf-bf16",
-                               "--profile-steps", "5:6"]) == 0
-    out = capsys.readouterr().out
-    assert "# profile/llama2-7b-8l/synthetic/hf-bf16" in out and "--profile_steps 5:6 --memory_snapshot 1" in out
-    assert "--num_layers 8" in out and "--max_steps 8" in out
+    monkeypatch.setattr(verify, "probe_versions", lambda args, work, env, budget: dict(H100))
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--only", "train,gpu"], "--only gpu: not a step"),
     (["--models", "llama9"], "--models llama9: valid"),
-    (["--data", "c4"], "--data c4: valid: synthetic, text"),
     (["--max-steps", "0"], "--max-steps 0: must be >= 1"),
-    (["--warmup-steps", "50"], "--warmup-steps 50: must be >= 0 and below"),
-    (["--profile-cell", "llama3.2-1b/te-bf16"], "expected MODEL/DATA/VARIANT"),
-    (["--profile-steps", "9:3"], "expected A:B with 0 < A <= B"),
+    (["--warmup-steps", "50"], "--warmup-steps 50: must be >= 0 and below --max-steps"),
     (["--budget-seconds", "0"], "--budget-seconds 0.0: must be > 0"),
+    (["--data", "text"], "unrecognized arguments: --data text"),
 ])
 def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -142,24 +100,25 @@ def test_budget_stops_before_a_unit_that_does_not_fit_and_the_next_run_goes_on(t
     clock, calls = [0.0], []
     real_budget = runs.Budget
     monkeypatch.setattr(verify.runs, "Budget", lambda s: real_budget(s, clock=lambda: clock[0]))
-    statuses = {"bench/te-delayed+torchao-rowwise": ["interrupted", "failed", "passed"]}
-    monkeypatch.setitem(verify.RUNNERS, "bench", fake_runner(clock, statuses, calls))
+    statuses = {"pytest/other": ["interrupted", "failed", "passed"]}
+    monkeypatch.setitem(verify.RUNNERS, "pytest", fake_runner(clock, statuses, calls))
     results, mirror = tmp_path / "r.jsonl", tmp_path / "out"
-    argv = ["--only", "bench", "--budget-seconds", "250", "--results", str(results), "--work", str(tmp_path / "w"),
-            "--mirror", str(mirror)]
+    argv = ["--only", "pytest", "--match", "pytest/te", "--match", "pytest/other", "--match", "pytest/estimate",
+            "--budget-seconds", "650", "--results", str(results), "--work", str(tmp_path / "w"), "--mirror", str(mirror)]
     # 1st: unit 1 (100 s), unit 2 interrupted (by the budget, says the runner): stop, more to do
     assert verify.main(argv) == verify.EXIT_MORE
-    assert calls == ["bench/te-current+torchao-tensorwise", "bench/te-delayed+torchao-rowwise"]
+    assert calls == ["pytest/te", "pytest/other"]
     # 2nd: unit 2 again (fails: final), then unit 3; 3rd: nothing left; 4th with --retry: the failed unit 2 again
     assert verify.main(argv) == 0
-    assert calls[2:] == ["bench/te-delayed+torchao-rowwise", "bench/te-block+torchao-tensorwise"]
+    assert calls[2:] == ["pytest/other", "pytest/estimate"]
     assert verify.main(argv) == 0 and len(calls) == 4
-    assert verify.main(argv + ["--retry"]) == 0 and calls[4:] == ["bench/te-delayed+torchao-rowwise"]
-    # with 150 s: unit 1 (100 s) leaves 50, unit 2 needs ~90: stopped before it, nothing recorded for it
+    assert verify.main(argv + ["--retry"]) == 0 and calls[4:] == ["pytest/other"]
+    # with 350 s: unit 1 (100 s) leaves 250, unit 2 needs ~300: stopped before it, nothing recorded for it
     other = tmp_path / "r2.jsonl"
-    assert verify.main([*argv[:3], "150", "--results", str(other), *argv[6:]]) == verify.EXIT_MORE
+    i = argv.index("--budget-seconds")
+    assert verify.main([*argv[:i + 1], "350", "--results", str(other), *argv[i + 4:]]) == verify.EXIT_MORE
     assert "stopping here" in capsys.readouterr().out
-    assert [r["unit"] for r in runs.load(other)] == ["versions", "bench/te-current+torchao-tensorwise"]
+    assert [r["unit"] for r in runs.load(other)] == ["versions", "pytest/te"]
     records = runs.load(results)
     assert [r["unit"] for r in records if r["unit"] == "versions"] == ["versions"]  # once per key
     assert all(r["key"] == KEY and r.get("src_sha") for r in records)
@@ -169,7 +128,7 @@ def test_budget_stops_before_a_unit_that_does_not_fit_and_the_next_run_goes_on(t
         assert "logs/versions.log" not in tar.getnames()  # the probe was faked here: nothing logged
     assert verify.main(argv + ["--list"]) == 0
     listing = capsys.readouterr().out
-    assert "passed       ~  90s  bench/te-delayed+torchao-rowwise" in listing
+    assert "passed       ~ 300s  pytest/other" in listing
 
 
 def test_train_outcomes_are_classified(tmp_path):
@@ -198,7 +157,7 @@ def test_a_real_cpu_cell_is_recorded_once(tmp_path, capsys):
     """The real probe and the real trainer (tiny, CPU): the record holds the command and the numbers; the same
     command again runs nothing."""
     results = tmp_path / "r.jsonl"
-    argv = ["--device", "cpu", "--models", "tiny", "--data", "synthetic", "--only", "train", "--match",
+    argv = ["--device", "cpu", "--models", "tiny", "--only", "train", "--match",
             "train/tiny/synthetic/hf-bf16", "--max-steps", "6", "--warmup-steps", "2", "--logging-freq", "2",
             "--results", str(results), "--work", str(tmp_path / "w"), "--mirror", str(tmp_path / "out")]
     assert verify.main(argv) == 0
@@ -219,10 +178,19 @@ def test_a_rehearsal_runs_cpu_twins_and_keeps_its_records_out_of_the_repository(
                                                                                     fake_gpu):
     """--rehearse: a training cell runs as its CPU twin (tiny, HF model, eager, torchao FP8 emulated: TE needs
     CUDA), the estimate runs the cell's real configuration as on the node, and the records go to the work dir."""
-    argv = ["--plan", "first", "--rehearse", "--dry-run", "--work", str(tmp_path / "w")]
+    seen = []
+
+    def timebox(cmd, timeout, log, env=None, cwd=None):  # the command each unit would run, not run
+        seen.append(cmd)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("")
+        return runs.Outcome(1, False, 0.0, log)
+
+    monkeypatch.setattr(runs, "timebox", timebox)
+    argv = ["--plan", "first", "--rehearse", "--work", str(tmp_path / "w"), "--match", "train/*", "--match",
+            "estimate/*"]
     assert verify.main(argv) == 0
-    out = capsys.readouterr().out
-    lines = [shlex.split(x) for x in out.splitlines() if " -m llama_fp8 " in x]
+    lines = [c for c in seen if "llama_fp8" in c]
     trains = [parse_args(train_argv(c)) for c in lines if "train" in c]
     assert [(c.model, c.model_impl, c.fp8, c.compile, c.device) for c in trains[:2]] == [
         ("tiny", "hf", False, False, "cpu"), ("tiny", "hf", True, False, "cpu")]
@@ -231,9 +199,11 @@ def test_a_rehearsal_runs_cpu_twins_and_keeps_its_records_out_of_the_repository(
     flags = estimates[0][estimates[0].index("estimate") + 1:]
     assert flags[flags.index("--model") + 1] == "llama3.2-1b" and flags[flags.index("--device") + 1] == "cuda"
     assert flags[flags.index("--model_impl") + 1] == "te" and "--json" in flags
+    assert not (verify.REPO / "docs" / "gpu-results" / "results.jsonl").exists()
     calls = []
     for step in units.STEPS:
         monkeypatch.setitem(verify.RUNNERS, step, lambda ctx, unit: calls.append(ctx.opts.device) or {"status": "passed"})
+    (tmp_path / "w" / "rehearsal.jsonl").unlink()
     assert verify.main(["--plan", "first", "--rehearse", "--work", str(tmp_path / "w"), "--match", "memory/*"]) == 0
     assert calls == ["cpu"] and [r["unit"] for r in runs.load(tmp_path / "w" / "rehearsal.jsonl")] == [
         "versions", "memory/terms"]
@@ -252,7 +222,7 @@ def test_merge_from_carries_the_repositorys_records_into_the_nodes_file(tmp_path
     argv = ["--plan", "first", "--results", str(node_file), "--merge-from", str(repo_file), "--work",
             str(tmp_path / "w"), "--match", "memory/*", "--match", "estimate/*"]
     assert verify.main(argv) == 0
-    assert calls == ["estimate/llama3.2-1b/synthetic/te-bf16", "estimate/llama3.2-1b/synthetic/te-fp8-current"]
+    assert calls == ["estimate/llama3.2-1b/synthetic/te-fp8-current", "estimate/llama3.2-1b/synthetic/te-bf16"]
     mirror = tmp_path / "out2"
     assert verify.main(argv + ["--mirror", str(mirror)]) == 0 and len(calls) == 2  # the second command: nothing again
     assert (mirror / "results.jsonl").read_text() == node_file.read_text()  # its output folder holds every record

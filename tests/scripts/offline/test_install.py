@@ -12,6 +12,7 @@ from pathlib import Path
 
 import install
 import kit_fakes as fakes
+import node_checks as nc
 import pytest
 import te_wheel
 from kit_fakes import read_jsonl
@@ -66,7 +67,7 @@ def test_prebuilt_wheel_for_this_torch_is_installed_and_imports(tmp_path, capfd,
 def test_te_that_imports_but_whose_kernels_fail_is_not_usable(tmp_path, capfd, guarded, monkeypatch):
     """The kernel check (one te.Linear forward+backward on the GPU) fails as a core library without this GPU's
     code would: exit 3 with TE's error, and the versions block is still printed."""
-    monkeypatch.setattr(install, "KERNEL_CHECK", "raise RuntimeError('CUDA error: no kernel image is available')")
+    monkeypatch.setattr(nc, "KERNEL_CHECK", "raise RuntimeError('CUDA error: no kernel image is available')")
     kit = fakes.kit(tmp_path / "kit", prebuilt_for=fakes.torch_version())
     code, out, err = run_main([kit, tmp_path / "site"], capfd)
     assert code == install.EXIT_NO_TE, out + err
@@ -83,7 +84,7 @@ def test_the_kernel_check_runs_an_fp8_te_linear_on_this_gpu():
 
     if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
         pytest.skip("needs a CUDA GPU and Transformer Engine")
-    proc = subprocess.run([sys.executable, "-c", install.KERNEL_CHECK], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", nc.KERNEL_CHECK], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     fp8 = torch.cuda.get_device_capability() >= (8, 9)
     assert ("under FP8 current scaling" if fp8 else "in BF16") in proc.stdout and "finite True" in proc.stdout
@@ -174,7 +175,7 @@ def test_a_missing_python_module_is_named_and_not_compiled_for(tmp_path, capfd, 
     env = fakes.toolchain(tmp_path)  # a compile would be possible (and would "succeed")
     monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"] + ":" + os.environ.get("PYTHONPATH", ""))
     monkeypatch.setenv("CUDA_HOME", env["CUDA_HOME"])
-    monkeypatch.setattr(install, "IMPORT_CHECK", "import torch\nimport onnxscript_not_on_this_node")
+    monkeypatch.setattr(nc, "IMPORT_CHECK", "import torch\nimport onnxscript_not_on_this_node")
     kit = fakes.kit(tmp_path / "kit", prebuilt_for=fakes.torch_version(), build_log=tmp_path / "build.jsonl")
     code, out, err = run_main([kit, tmp_path / "site"], capfd)
     assert code == install.EXIT_NO_TE, out + err
@@ -295,3 +296,103 @@ def test_choice_prefers_a_recorded_build_and_passes_over_others_with_reasons(tmp
 def test_a_wheel_without_a_build_record_is_unrecorded(tmp_path):
     wheel = fakes.te_torch_wheel(tmp_path, "y")
     assert te_wheel.read_record(wheel) is None  # an unknown hash without a record: unrecorded
+
+
+# --- inside a command's time: every wait bounded, a second command reuses the install -------------------------
+def test_each_check_waits_at_most_check_s_or_what_is_left(tmp_path, monkeypatch):
+    """A check that hangs (TE's import stuck on a driver, say) is cut at CHECK_S (~2 minutes) or, inside a
+    command's budget, at what is left of it: never the 600 s of a whole command."""
+    seen = []
+    real_run = nc.run_bounded
+    monkeypatch.setattr(nc, "run_bounded", lambda cmd, timeout, *a, **k: seen.append(timeout) or real_run(
+        cmd, timeout, *a, **k))
+    monkeypatch.setattr(nc, "CLOCK", nc.Clock(None))
+    assert nc.check(tmp_path, "print('fine')", "a check") == (True, "fine")
+    monkeypatch.setattr(nc, "CLOCK", nc.Clock(2.0))
+    ok, message = nc.check(tmp_path, "import time; time.sleep(60)", "TE's import check")
+    assert not ok and message.startswith("TE's import check: no answer in 2 s")
+    assert seen[0] == nc.CHECK_S <= 120 and seen[1] <= 2.0
+    monkeypatch.setattr(nc, "CLOCK", nc.Clock(0.5))
+    with pytest.raises(install.InstallError, match=r"no time left for TE's kernel check \(--budget-seconds\)"):
+        install.kernel_check(tmp_path)
+
+
+def test_a_compile_may_take_half_the_budget_at_most(monkeypatch):
+    monkeypatch.setattr(nc, "CLOCK", nc.Clock(None))
+    assert install.compile_timeout(480) == 480
+    monkeypatch.setattr(nc, "CLOCK", nc.Clock(300))
+    assert 149 < install.compile_timeout(480) <= 150 and install.compile_timeout(60) == 60
+    monkeypatch.setattr(nc, "CLOCK", nc.Clock(0.2))
+    with pytest.raises(install.InstallError, match="no time left for a compile"):
+        install.compile_timeout(480)
+
+
+@pytest.mark.slow
+def test_a_second_run_reuses_the_install_of_the_same_kit_and_installs_a_changed_one_afresh(tmp_path, capfd, guarded,
+                                                                                           monkeypatch):
+    import kit as kit_files
+
+    monkeypatch.setattr(nc, "CHECK_S", 900.0)  # a busy test machine imports torch slowly: not the question here
+    kit = fakes.kit(tmp_path / "kit", prebuilt_for=fakes.torch_version())
+    kit_files.write_manifest(kit, {"python": "3.x"})
+    target = tmp_path / "site"
+    code, out, err = run_main([kit, target, "--budget-seconds", "1800"], capfd)
+    assert code == 0 and "installing" in out, out + err
+    code, out, err = run_main([kit, target, "--budget-seconds", "1800"], capfd)
+    assert code == 0, out + err
+    assert "reused the install" in out and "installing" not in out and "TE: transformer_engine.pytorch imports" in out
+    assert "TE kernels (when installed): no CUDA device" in out and out.count("== versions") == 1
+    fakes.make_wheel(kit, "einops", "0.8.2", {"einops/__init__.py": ""})  # the kit changed: its manifest too
+    kit_files.write_manifest(kit, {"python": "3.x"})
+    code, out, err = run_main([kit, target], capfd)
+    assert code == 0 and "reused" not in out and "installing" in out and (target / "einops").is_dir(), out + err
+    (target / "transformer_engine" / "pytorch" / "__init__.py").write_text("raise ImportError('broken')\n")
+    code, out, err = run_main([kit, target], capfd)  # same kit, but TE no longer imports there: installed again
+    assert code == 0 and "TE does not import there now: installing again" in out, out + err
+
+
+@pytest.mark.slow
+def test_an_install_whose_te_was_not_usable_is_reused_without_te(tmp_path, capfd, guarded, monkeypatch):
+    """A first command's TE did not import in time (a busy node): its wheels are reused by the second, which checks
+    TE again and goes on without it (exit 3) when it still does not answer, instead of installing everything again."""
+    kit = fakes.kit(tmp_path / "kit", prebuilt_for=fakes.torch_version())
+    target = tmp_path / "site"
+    real_check = nc.IMPORT_CHECK
+    monkeypatch.setattr(nc, "IMPORT_CHECK", "import time; time.sleep(30)")
+    monkeypatch.setattr(nc, "CHECK_S", 2.0)
+    code, out, err = run_main([kit, target], capfd)
+    assert code == install.EXIT_NO_TE and "installing" in out, out + err
+    code, out, err = run_main([kit, target], capfd)
+    assert code == install.EXIT_NO_TE and "reused the install" in out and "installing" not in out, out + err
+    assert "TE was not usable in that install (TE's import check: no answer in 2 s" in err
+    monkeypatch.setattr(nc, "IMPORT_CHECK", real_check)  # TE answers now: the same install is used, with TE
+    monkeypatch.setattr(nc, "CHECK_S", 900.0)
+    code, out, err = run_main([kit, target], capfd)
+    assert code == 0 and "reused the install" in out and "TE: transformer_engine.pytorch imports" in out, out + err
+
+
+def test_a_timeout_holds_against_a_grandchild_that_keeps_the_output_open(tmp_path, monkeypatch):
+    """A check whose process started a helper that outlives it (an import that spawned one) ends at its limit: the
+    whole process group is killed, not only the child (a plain subprocess.run waits for the helper's output)."""
+    import time
+
+    monkeypatch.setattr(nc, "CLOCK", nc.Clock(3.0))
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    t0 = time.monotonic()
+    ok, message = nc.check(tmp_path, code, "TE's import check")
+    assert not ok and "TE's import check: no answer in 3 s" in message and time.monotonic() - t0 < 20
+
+
+def test_an_import_that_does_not_answer_is_not_compiled_for(tmp_path, capfd, guarded, monkeypatch):
+    monkeypatch.setattr(nc, "IMPORT_CHECK", "import time; time.sleep(30)")
+    monkeypatch.setattr(nc, "CHECK_S", 2.0)
+    kit = fakes.kit(tmp_path / "kit", prebuilt_for=fakes.torch_version(), build_log=tmp_path / "build.jsonl")
+    code, out, err = run_main([kit, tmp_path / "site"], capfd)
+    assert code == install.EXIT_NO_TE and "no answer in 2 s: TE is not used in this command (no compile tried)" in err
+    assert not (tmp_path / "build.jsonl").exists() and out.count("installing") == 1
+
+
+def test_the_nodes_torch_is_read_without_importing_it():
+    import torch
+
+    assert nc.torch_versions() == (torch.__version__, torch.version.cuda)

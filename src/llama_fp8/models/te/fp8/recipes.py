@@ -94,14 +94,26 @@ def check_recipe_supported(
         )
     problem = r.hardware_problem(tuple(capability), cuda_version)
     if problem:
-        would = (" (Blackwell: B200, GB200; TE has no emulation of it)" if r.min_capability >= (10, 0)
-                 and tuple(capability) < r.min_capability else "")
+        below = tuple(capability) < r.min_capability
+        would = " (Blackwell: B200, GB200; TE has no emulation of it)" if r.min_capability >= (10, 0) and below else ""
         raise ValueError(
             f"--fp8_recipe {recipe} {problem}{would}; this GPU is SM {capability[0]}.{capability[1]} "
-            f"with CUDA {cuda_version or 'unknown'}"
+            f"with CUDA {cuda_version or 'unknown'}{emulated_route(r) if below else ''}"
         )
     if te_version is not None and older(te_version, r.min_library):
         raise ValueError(f"--fp8_recipe {recipe} needs Transformer Engine >= {r.min_library}, found {te_version}")
+
+
+def emulated_route(r: Recipe) -> str:
+    """Where a GPU below the recipe's capability can still run its number format: another backend's row of the
+    same format that emulates it (torchao's MXFP8: its quantization in torch ops, dequantized GEMMs), or ''."""
+    rows = [x for x in recipe_table.all_recipes() if x.backend != r.backend and x.format == r.format
+            and x.emulated_on_cpu]
+    if not rows:
+        return ""
+    x = rows[0]
+    return (f"; for {x.format.upper()}'s numerics on this GPU, emulated (its loss, no speed-up): --model_impl hf "
+            f"--fp8_backend {x.backend} --fp8_recipe {x.name}")
 
 
 def check_combination(recipe: str, compile: bool, fp8_params: bool, te_version: str | None) -> None:
