@@ -3,7 +3,8 @@
 # default 2) of --fp8=0 and --fp8=1 (torchao FP8, emulated on CPU), interleaved with the order alternating,
 # pair i with seed 1234+i-1 for both arms; then the compare report of all pairs (speed-up intervals, the
 # BF16-vs-BF16 noise band, the verdict). DEMO_ARMS (default bf16,fp8) runs more arms the same way, each against
-# BF16: DEMO_ARMS=bf16,tensorwise,mxfp8 compares torchao's FP8 and its MXFP8 (both emulated on CPU).
+# BF16: DEMO_ARMS=bf16,tensorwise,mxfp8 compares torchao's FP8 and its MXFP8 (both emulated on CPU);
+# DEMO_ARMS=shootout runs the recipe shoot-out (on a CPU: tensorwise, rowwise and MXFP8, emulated).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPEATS=${DEMO_REPEATS:-2}
@@ -62,9 +63,9 @@ while read -r subdir _; do
   echo "$subdir: $(grep -E '^Batch' "$OUT/$subdir.log" | tail -n 1)"
   echo "      metrics: $OUT/$subdir/metrics.jsonl  config: $OUT/$subdir/config.yaml"
 done <<<"$schedule"
-read -r -a runs <<<"$("$PY" -m llama_fp8.cluster.launch.schedule --repeats "$REPEATS" --arms "$ARMS" --compare)"
-read -r -a arm_list <<<"${ARMS//,/ }"
-per_repeat=()
-((${#arm_list[@]} == 2)) || per_repeat=(--arms "${#arm_list[@]}")
+read -r -a runs <<<"$("$PY" -m llama_fp8.cluster.launch.schedule --repeats "$REPEATS" --arms "$ARMS" --compare \
+  -- "${common[@]}")"
+per_repeat=()  # arms per repeat, from the schedule (DEMO_ARMS=shootout: the arms this machine runs)
+((${#runs[@]} / REPEATS == 2)) || per_repeat=(--arms "$((${#runs[@]} / REPEATS))")
 echo
 "$PY" -m llama_fp8 compare ${runs[@]+"${runs[@]/#/$OUT/}"} ${per_repeat[@]+"${per_repeat[@]}"} --out "$OUT/report"

@@ -150,3 +150,28 @@ def markdown(eq: dict[str, Any], la: str, lb: str) -> list[str]:
     if not eq["seconds"]:
         lines += ["Times are per sample (a run without its global batch size: a plain log); the ratios stand.", ""]
     return lines
+
+
+def add_to(summary: dict[str, Any], pairs: list[tuple[Run, Run]], warm: list[tuple[int, int]], window: int | None,
+           axis: str, default_window) -> None:
+    """compare's summary gets ``equal_quality``, ``headline`` (the raw speed-up, the iso-loss speed-up and the verdict
+    with their intervals; the emulation note when either arm emulated FP8) and ``prediction`` (the candidate's
+    predicted speed-up from published figures, prediction_view.py)."""
+    eq = summarize(pairs, warm, window, axis, default_window)
+    summary["equal_quality"] = eq
+    emulated = summary["run_a"]["fp8_emulated"] or summary["run_b"]["fp8_emulated"]
+    summary["headline"] = headline(summary["ab"]["speed"]["samples_per_sec"]["text"], eq, summary["ab"]["verdict"],
+                                   emulated)
+    from llama_fp8.report import prediction_view
+
+    summary["prediction"] = prediction_view.predicted(pairs[0][1])
+
+
+def cli_lines(summary: dict[str, Any]) -> list[str]:
+    """compare's last lines: the iso-loss figures, then the headline (the A/B job's log ends with them)."""
+    eq = summary["equal_quality"]
+    lines = [f"iso-loss speed-up B/A (train): {text(eq, 'train')}",
+             f"iso-loss speed-up B/A (validation): {text(eq, 'validation')}"]
+    if eq.get("available") and eq["train"].get("available"):
+        lines.append(f"iso-time loss gap (B-A)/A (train): {eq['train']['iso_gap_text']}")
+    return lines + [f"headline: {summary['headline']}"]
