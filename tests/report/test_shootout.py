@@ -63,3 +63,81 @@ def test_the_ranking_names_a_winner_only_when_its_interval_clears_every_other(ar
     reached = [e for e in got["order"] if e["reached"]]
     assert [e["point"] for e in reached] == sorted((e["point"] for e in reached), reverse=True)
     assert all(not e["reached"] for e in got["order"][len(reached):])  # not reached: last
+
+
+def test_fp8_arms_run_extra_steps_on_the_baselines_lr_schedule(capsys):
+    assert schedule.main(["--repeats", "1", "--arms", "bf16,tensorwise,mxfp8", "--extra_steps", "10", "--",
+                          "--model", "tiny", "--max_steps", "100"]) == 0
+    lines = {ln.split()[0]: ln.split()[3:] for ln in capsys.readouterr().out.splitlines()}
+    assert lines["pair1/bf16"] == []
+    assert lines["pair1/tensorwise"] == ["--fp8_recipe=tensorwise", "--max_steps=110", "--lr_decay_iters=100"]
+    assert lines["pair1/mxfp8"][-2:] == ["--max_steps=110", "--lr_decay_iters=100"]
+    assert schedule.steps_flags(25, ["--model", "tiny", "--max_steps", "10", "--lr_decay_iters", "8"]) == [
+        "--max_steps=13", "--lr_decay_iters=8"]  # a schedule asked for is kept
+    assert schedule.main(["--extra_steps", "101", "--", "--model", "tiny"]) == 2
+    assert "--extra_steps 101: a percentage from 0 to 100" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_batch_job_runs_the_shootout_decided_on_its_node_and_ends_with_the_headline(tmp_path):
+    """ab_job.sbatch with Slurm faked (tests/report/test_schedule.py): AB_ARMS=shootout runs the arms its node decides
+    (a CPU here), the FP8 ones AB_EXTRA_STEPS longer, compares them as 4 arms and prints the report's headline last."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from test_schedule import FAKE_JOB_LIB, FAKE_SRUN
+
+    from helpers import REPO
+
+    repo, bin_dir, ab = tmp_path / "repo", tmp_path / "bin", tmp_path / "ab"
+    (repo / "scripts" / "slurm").mkdir(parents=True)
+    (repo / "scripts" / "slurm" / "ab_job.sbatch").write_text((REPO / "scripts/slurm/ab_job.sbatch").read_text())
+    (repo / "scripts" / "slurm" / "job_lib.sh").write_text(FAKE_JOB_LIB)
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN.replace('echo "$*" >>"$AB_DIR/compare.calls"; exit 0',
+                                                    'echo "$*" >>"$AB_DIR/compare.calls"; mkdir -p "$AB_DIR/report"; '
+                                                    'echo "at equal quality: a call" >"$AB_DIR/report/headline.txt"; '
+                                                    'exit 0'))
+    (bin_dir / "srun").chmod(0o755)
+    ab.mkdir()
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "REPO_DIR": str(repo), "AB_DIR": str(ab),
+           "AB_REPEATS": "1", "AB_ARMS": "shootout", "AB_PRESET": "none", "AB_EXTRA_STEPS": "20",
+           "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "FAKE_PY": sys.executable, "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.run(["bash", str(repo / "scripts/slurm/ab_job.sbatch"), "--model", "tiny", "--max_steps", "10"],
+                          env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = [shlex.split(line) for line in (ab / "train.calls").read_text().splitlines()]
+    runs = {c[-1].removeprefix(f"--run_dir={ab}/"): c for c in calls}
+    assert list(runs) == ["pair1/bf16", "pair1/tensorwise", "pair1/rowwise", "pair1/mxfp8"]
+    assert "--model_impl=hf" in runs["pair1/rowwise"] and "--max_steps=12" in runs["pair1/rowwise"]
+    assert "--max_steps=12" not in runs["pair1/bf16"]
+    compare = (ab / "compare.calls").read_text().split()
+    assert compare[compare.index("--arms") + 1] == "4"
+    assert proc.stdout.rstrip().splitlines()[-2:] == ["at equal quality: a call",
+                                                      f"A/B finished: report {ab}/report/report.md"]
+
+
+def test_the_ab_script_takes_the_shootout_and_extra_steps_and_records_them(tmp_path):
+    import os
+    import subprocess
+
+    from helpers import REPO
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/bash\necho "AB_ARMS=$AB_ARMS AB_EXTRA_STEPS=$AB_EXTRA_STEPS $*" '
+                                    f'>>{tmp_path}/sbatch.calls\necho 101\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "AB_DIR": str(tmp_path / "ab")}
+    proc = subprocess.run([str(REPO / "2.ab_fp8_vs_bf16.sh"), "--arms", "shootout", "--extra_steps=15", "--model",
+                           "tiny"], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "sbatch.calls").read_text().startswith("AB_ARMS=shootout AB_EXTRA_STEPS=15 ")
+    assert "--arms shootout --extra_steps 15 --model tiny" in (tmp_path / "ab" / "ab_command.sh").read_text()
+    for bad, words in ((["--extra_steps", "x"], "--extra_steps 'x'"),
+                       (["--arms", "shootout"], "--arms shootout needs AB_MODE=same")):
+        proc = subprocess.run([str(REPO / "2.ab_fp8_vs_bf16.sh"), *bad, "--model", "tiny"], cwd=tmp_path,
+                              env={**env, "AB_MODE": "two-jobs"}, capture_output=True, text=True)
+        assert proc.returncode == 2 and words in proc.stderr, proc.stderr

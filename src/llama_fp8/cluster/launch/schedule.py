@@ -8,7 +8,7 @@ ran last. The arms: ``bf16`` (the baseline, always there), ``fp8`` (``--fp8 1``,
 on whichever FP8 backend the model implementation has). Each candidate is compared with the BF16 run of its repeat.
 
     python -m llama_fp8.cluster.launch.schedule --repeats R [--arms bf16,fp8,mxfp8] [--order "bf16 fp8"]
-        [--preset ab] -- TRAIN_ARGS...
+        [--preset ab] [--extra_steps PCT] -- TRAIN_ARGS...
 prints one line per run, in run order: ``RUN_SUBDIR FP8 SEED [FLAGS...]`` (the shell loop reads it; FLAGS: the
 arm's own training flags, and with ``--preset ab`` the A/B settings of ``ab_preset.py``); with ``--compare`` instead
 the run folders for ``llama_fp8 compare``, per repeat the baseline first, then the candidates in arm order.
@@ -98,6 +98,23 @@ def compare_dirs(runs: list[Arm]) -> list[str]:
     return [by[(p, name)] for p in sorted({r.pair for r in runs}) for name in (BASELINE, *candidates)]
 
 
+def steps_flags(pct: int, train_args: list[str]) -> list[str]:
+    """An FP8 arm's longer run (``--extra_steps``): ``--max_steps`` PCT %% more, the LR decaying over the baseline's
+    steps (then at --min_lr); none for 0."""
+    if not 0 <= pct <= 100:
+        raise ValueError(f"--extra_steps {pct}: a percentage from 0 to 100")
+    if pct == 0:
+        return []
+    from llama_fp8 import config
+    from llama_fp8.errors import ConfigError
+
+    try:
+        cfg = config.parse_args(train_args)
+    except ConfigError as e:
+        raise ValueError(f"the training flags: {e}") from None
+    return [f"--max_steps={-(-cfg.max_steps * (100 + pct) // 100)}", f"--lr_decay_iters={cfg.lr_decay_iters}"]
+
+
 def base_seed(train_args: list[str]) -> int:
     """The last ``--seed N`` / ``--seed=N`` of the train flags, else the training default."""
     seed = None
@@ -122,6 +139,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--order", default=None, help="the arms of repeat 1, in run order (default: --arms' order)")
     p.add_argument("--preset", choices=("ab",), default=None, help="ab: add the A/B job's settings to each arm "
                    "(compile every arm alike where a backend needs it, FP8 all-gather where a recipe allows it)")
+    p.add_argument("--extra_steps", type=int, default=0, metavar="PCT",
+                   help="FP8 arms run PCT %% more steps than --max_steps, on the baseline's LR schedule (--lr_decay_iters "
+                        "kept at the baseline's), so that one whose loss tracks BF16's can reach BF16's final loss: the "
+                        "iso-loss speed-up (default 0: every arm the same steps)")
     p.add_argument("--compare", action="store_true", help="print the run folders for compare instead")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the training flags (for --seed)")
     args = p.parse_args(argv)
@@ -134,12 +155,12 @@ def main(argv: list[str]) -> int:
         if asked and args.arms and sorted(order) != sorted(arms):
             raise ValueError(f"--order {args.order!r}: name the arms of --arms {args.arms} once each")
         runs = plan(args.repeats, order, base_seed(train_args), specs)
-        extra = {}
+        extra = {r.name: steps_flags(args.extra_steps, train_args) if r.fp8 else [] for r in runs}
         if args.preset and not args.compare:
             from llama_fp8.cluster.launch import ab_preset
 
             own = {r.name: (bool(r.fp8), r.flags()) for r in runs}
-            extra = ab_preset.arm_flags(own, train_args)
+            extra = {k: [*v, *extra[k]] for k, v in ab_preset.arm_flags(own, train_args).items()}
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
