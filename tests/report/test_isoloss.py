@@ -158,3 +158,27 @@ def test_the_interval_covers_the_true_speedup_in_at_least_90_percent_of_200_seed
     print(f"{pairs} pair(s): truth {truth:.4f}, coverage {hits / 200:.3f}, median width {np.median(widths):.4f}")
     assert hits >= 180
     assert np.median(widths) < 0.12  # and an interval that says something (about +-4 % here)
+
+
+def test_compare_states_the_iso_loss_figures_with_its_flags_and_ends_with_the_headline(tmp_path, capsys):
+    """``compare`` on run folders: ``--iso_loss_window`` and ``--iso_loss_time`` change what is computed, the report has
+    its section, and the last line printed is the headline (headline.txt)."""
+    from test_repeats import make_pairs, run
+
+    from llama_fp8.report import compare
+
+    paths, _ = make_pairs(tmp_path / "runs", [1, 2], fp8_shift=-0.01)  # B a little lower: it reaches A's loss
+    default = run(paths, tmp_path / "a")
+    out = capsys.readouterr().out.rstrip().splitlines()
+    eq = default["equal_quality"]
+    assert (eq["time_axis"], eq["window"], eq["pairs"]) == ("productive", 5, 2) and eq["train"]["speedup"]["point"]
+    assert out[-1] == f"headline: {default['headline']}" and out[-4].startswith("iso-loss speed-up B/A (train): ")
+    assert (tmp_path / "a" / "headline.txt").read_text() == default["headline"] + "\n"
+    report = (tmp_path / "a" / "report.md").read_text()
+    assert "## At equal quality: iso-loss speed-up and iso-time loss gap" in report
+    assert f"**Train iso-loss speed-up B/A: {eq['train']['text']}**" in report
+    other = run(paths, tmp_path / "b", "--iso_loss_window", "3", "--iso_loss_time", "measured")
+    assert (other["equal_quality"]["time_axis"], other["equal_quality"]["window"]) == ("measured", 3)
+    assert other["equal_quality"]["train"]["pairs"][0]["target"] != eq["train"]["pairs"][0]["target"]
+    assert compare.main([*paths, "--iso_loss_window", "0"]) == 2
+    assert "--iso_loss_window: must be an integer >= 1" in capsys.readouterr().err
