@@ -120,8 +120,14 @@ def headline(raw: str, eq: dict[str, Any], verdict: dict[str, Any], emulated: bo
     return line
 
 
-def markdown(eq: dict[str, Any], la: str, lb: str) -> list[str]:
-    """The report's section."""
+def _matched(verdict: dict[str, Any] | None, kind: str) -> str:
+    """``; matched-step gap +0.07 % (the verdict's)``, or nothing without one."""
+    g = (verdict or {}).get("gaps", {}).get(kind)
+    return f"; matched-step gap {g['gap_pct']:+.3f} % (the verdict's, mean over pairs)" if g else ""
+
+
+def markdown(eq: dict[str, Any], la: str, lb: str, verdict: dict[str, Any] | None = None) -> list[str]:
+    """The report's section (``verdict``: the A/B's, for the matched-step gap beside the iso-time one)."""
     lines = ["## At equal quality: iso-loss speed-up and iso-time loss gap", ""]
     if not eq.get("available"):
         return lines + [f"Not computed: {eq.get('why')}.", ""]
@@ -138,7 +144,7 @@ def markdown(eq: dict[str, Any], la: str, lb: str) -> list[str]:
             lines += [f"**{kind.capitalize()}**: n/a ({part['why']})", ""]
             continue
         lines += [f"**{kind.capitalize()} iso-loss speed-up B/A: {part['text']}**; iso-time gap (B-A)/A: "
-                  f"{part['iso_gap_text']}", "",
+                  f"{part['iso_gap_text']}{_matched(verdict, kind)}", "",
                   f"| pair | target: {la} final loss | {la} reaches it | {lb} reaches it | iso-loss speed-up | "
                   f"iso-time | loss {la} | loss {lb} | iso-time gap |", "|---|---|---|---|---|---|---|---|---|"]
         for i, r in enumerate(part["pairs"], 1):
@@ -170,8 +176,11 @@ def add_to(summary: dict[str, Any], pairs: list[tuple[Run, Run]], warm: list[tup
 def cli_lines(summary: dict[str, Any]) -> list[str]:
     """compare's last lines: the iso-loss figures, then the headline (the A/B job's log ends with them)."""
     eq = summary["equal_quality"]
-    lines = [f"iso-loss speed-up B/A (train): {text(eq, 'train')}",
+    why = (" (FP8 emulated on a CPU: slower than BF16 by construction, so below 1; on FP8 hardware it measures what FP8 "
+           "buys at equal quality)" if summary["run_a"]["fp8_emulated"] or summary["run_b"]["fp8_emulated"] else "")
+    lines = [f"iso-loss speed-up B/A (train): {text(eq, 'train')}{why}",
              f"iso-loss speed-up B/A (validation): {text(eq, 'validation')}"]
     if eq.get("available") and eq["train"].get("available"):
-        lines.append(f"iso-time loss gap (B-A)/A (train): {eq['train']['iso_gap_text']}")
+        lines.append(f"iso-time loss gap (B-A)/A (train): {eq['train']['iso_gap_text']}"
+                     f"{_matched(summary['ab']['verdict'], 'train')}")
     return lines + [f"headline: {summary['headline']}"]

@@ -98,7 +98,7 @@ def render_report(summary: dict[str, Any], plots: dict[str, Path]) -> str:
               f"| final validation loss ({vstep}) | {fmt(ls['val_loss_a'], 'loss')} "
               f"| {fmt(ls['val_loss_b'], 'loss')} | {_gap(ls['val_gap_pct'])} |", ""]
     if summary.get("equal_quality"):
-        lines += equal_quality.markdown(summary["equal_quality"], la, lb)
+        lines += equal_quality.markdown(summary["equal_quality"], la, lb, ab and ab["verdict"])
     if summary.get("prediction") and ab:
         from llama_fp8.report import prediction_view
 
