@@ -141,3 +141,16 @@ def test_the_ab_script_takes_the_shootout_and_extra_steps_and_records_them(tmp_p
         proc = subprocess.run([str(REPO / "2.ab_fp8_vs_bf16.sh"), *bad, "--model", "tiny"], cwd=tmp_path,
                               env={**env, "AB_MODE": "two-jobs"}, capture_output=True, text=True)
         assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+
+
+def test_publish_logs_the_iso_loss_speedups_beside_the_raw_ones():
+    from llama_fp8 import publish
+
+    two = {"speedup": 1.3, "equal_quality": {"train": {"speedup": {"point": 1.2}}}, "ab": {"pairs": 2}}
+    assert publish._parent_numbers(two)[0]["iso_loss_speedup"] == 1.2
+    arms = {"arms": [{"arm": "bf16"}, {"arm": "tensorwise", "speedup": 1.3}, {"arm": "rowwise", "speedup": 1.1}],
+            "ranking": {"order": [entry("tensorwise", 1.25, 1.2, 1.3), BASE, entry("rowwise", None, None, None)]}}
+    metrics = publish._parent_numbers(arms)[0]
+    assert metrics["iso_loss_speedup_tensorwise"] == 1.25 and "iso_loss_speedup_rowwise" not in metrics  # not reached
+    assert "iso_loss_speedup_bf16" not in metrics and "iso_loss_speedup" not in metrics
+    assert publish._parent_numbers({"equal_quality": "half-written"})[0] == {}
