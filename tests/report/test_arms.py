@@ -39,8 +39,8 @@ def test_every_arm_runs_interleaved_with_the_same_seeds_and_its_own_recipe(demo)
     assert [Path(s).relative_to(folder).as_posix() for s in starts] == [
         "pair1/bf16", "pair1/tensorwise", "pair1/rowwise", "pair1/mxfp8", "pair2/mxfp8", "pair2/rowwise",
         "pair2/tensorwise", "pair2/bf16"]
-    # the FP8 arms run DEMO_EXTRA_STEPS (10 %) more steps on BF16's LR schedule: 18 of them for BF16's 16
-    assert "--fp8_recipe=mxfp8 --model_impl=hf --max_steps=18 --lr_decay_iters=16 --fp8=1 --seed 1235" in proc.stdout
+    # the FP8 arms run DEMO_EXTRA_STEPS (25 %) more steps on BF16's LR schedule: 20 of them for BF16's 16
+    assert "--fp8_recipe=mxfp8 --model_impl=hf --max_steps=20 --lr_decay_iters=16 --fp8=1 --seed 1235" in proc.stdout
     for pair, seed in ((1, 1234), (2, 1235)):
         for arm in ARMS:
             meta = next(r for r in read_metrics(folder / f"pair{pair}" / arm) if r["type"] == "meta")
@@ -67,7 +67,7 @@ def test_emulated_mxfp8_trains_like_bf16_within_the_noise_band(demo):
     assert (check["fp8_linears"], check["linears"], check["problems"]) == (14, 15, [])
     bf16 = [r["loss"] for r in read_metrics(folder / "pair1" / "bf16") if r["type"] == "train"]
     mx = [r["loss"] for r in read_metrics(folder / "pair1" / "mxfp8") if r["type"] == "train"]
-    assert bf16 != mx[:8] and (len(bf16), len(mx)) == (8, 9)
+    assert bf16 != mx[:8] and (len(bf16), len(mx)) == (8, 10)
     stats = [json.loads(x) for x in (folder / "pair1" / "mxfp8" / "fp8_stats.jsonl").read_text().splitlines()]
     assert {r["dtype"] for r in stats} == {"mxfp8"} and {r["tensor"] for r in stats} == {"input", "weight",
                                                                                          "grad_output"}
