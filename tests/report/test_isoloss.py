@@ -137,7 +137,7 @@ def _noisy_pairs(rng, pairs: int, sigma: float = 0.01, rate_noise: float = 0.03)
     return out
 
 
-@pytest.mark.parametrize("pairs", [1, 2])
+@pytest.mark.parametrize("pairs", [1, pytest.param(2, marks=pytest.mark.slow)])  # across pairs: 10 s
 def test_the_interval_covers_the_true_speedup_in_at_least_90_percent_of_200_seeded_trials(pairs):
     """The truth: the same estimator on the noise-free curves and rates. The noise: a normal per window on the loss
     (sigma 0.01, more than the loss falls in a window at the end) and 3 % on each window's rate, plus 1 % drift per
