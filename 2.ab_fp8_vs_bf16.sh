@@ -5,10 +5,15 @@
 #   SBATCH_ARGS="--nodes=4 --partition=p5" IMAGE=$PWD/llama-fp8.sqsh ./2.ab_fp8_vs_bf16.sh --model llama2-7b
 #   ./2.ab_fp8_vs_bf16.sh --repeats 3 --model llama3.1-8b --max_steps 200    # 3 pairs: noise band + intervals
 #   ./2.ab_fp8_vs_bf16.sh --arms bf16,fp8,mxfp8,nvfp4 --repeats 2 --model llama3.1-8b   # Blackwell: every format
+#   ./2.ab_fp8_vs_bf16.sh --arms shootout --repeats 2 --model llama3.1-8b   # every recipe, ranked at equal quality
+# A leading --extra_steps PCT (or AB_EXTRA_STEPS; default 0) runs the FP8 arms PCT % longer on the baseline's LR
+# schedule, so that the report's iso-loss speed-up finds where a candidate reaches BF16's final loss (same mode only).
 # A leading --repeats R (or AB_REPEATS=R; default 1) runs R repeats in the same allocation, interleaved with the
 # order reversed per repeat, repeat i with seed s_i = base + i - 1 (the last --seed given, else the default) for
 # every arm. A leading --arms LIST (or AB_ARMS; default bf16,fp8) names the arms: bf16 (the baseline), fp8 (--fp8 1,
-# the recipe the flags or auto pick) and --fp8_recipe names (mxfp8, nvfp4, tensorwise, current, ...). The other
+# the recipe the flags or auto pick) and --fp8_recipe names (mxfp8, nvfp4, tensorwise, current, ...), or the preset
+# shootout: BF16, torchao tensorwise (FP8 all-gather) and rowwise, TE current and delayed scaling and MXFP8, each
+# where the job's node runs it (llama_fp8.cluster.launch.shootout; same mode only). The other
 # arguments go to every training run (`llama_fp8 train` flags); --fp8, the arm's recipe, --seed (R > 1) and --run_dir
 # are set here. The exact command is kept in AB_DIR/ab_command.sh for `compare --repro`.
 # AB_MODE:
@@ -28,9 +33,11 @@
 set -euo pipefail
 
 export REPO_DIR=${REPO_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}  # read by the batch scripts
-export AB_REPEATS=${AB_REPEATS:-1} AB_ARMS=${AB_ARMS:-bf16,fp8}
-while [[ "${1:-}" == --repeats* || "${1:-}" == --arms* ]]; do  # the A/B's own options come first, in any order
+export AB_REPEATS=${AB_REPEATS:-1} AB_ARMS=${AB_ARMS:-bf16,fp8} AB_EXTRA_STEPS=${AB_EXTRA_STEPS:-0}
+while [[ "${1:-}" == --repeats* || "${1:-}" == --arms* || "${1:-}" == --extra_steps* ]]; do  # the A/B's own options
     case "$1" in
+        --extra_steps) AB_EXTRA_STEPS=${2:-}; shift 2 || shift ;;
+        --extra_steps=*) AB_EXTRA_STEPS=${1#--extra_steps=}; shift ;;
         --repeats) AB_REPEATS=${2:-}; shift 2 || shift ;;
         --repeats=*) AB_REPEATS=${1#--repeats=}; shift ;;
         --arms) AB_ARMS=${2:-}; shift 2 || shift ;;
@@ -39,9 +46,12 @@ while [[ "${1:-}" == --repeats* || "${1:-}" == --arms* ]]; do  # the A/B's own o
     esac
 done
 [[ "$AB_REPEATS" =~ ^[1-9][0-9]?$|^100$ ]] || { echo "error: --repeats '$AB_REPEATS': a number of pairs from 1 to 100" >&2; exit 2; }
+[[ "$AB_EXTRA_STEPS" =~ ^[0-9]{1,2}$|^100$ ]] || { echo "error: --extra_steps '$AB_EXTRA_STEPS': a percentage from 0 to 100" >&2; exit 2; }
 # The names are checked by the schedule in the job (it knows the recipes); here their shape and the baseline.
-if [[ ! "$AB_ARMS" =~ ^[a-z0-9_]+(,[a-z0-9_]+)+$ || ",$AB_ARMS," != *,bf16,* ]]; then
-    echo "error: --arms '$AB_ARMS': comma-separated arms with bf16 (the baseline) among them, e.g. bf16,fp8,mxfp8" >&2
+# --arms shootout: the preset the job decides on its node (every FP8 recipe it runs against BF16).
+if [[ "$AB_ARMS" != shootout && ( ! "$AB_ARMS" =~ ^[a-z0-9_]+(,[a-z0-9_]+)+$ || ",$AB_ARMS," != *,bf16,* ) ]]; then
+    echo "error: --arms '$AB_ARMS': comma-separated arms with bf16 (the baseline) among them, e.g. bf16,fp8,mxfp8," \
+        "or the preset shootout" >&2
     exit 2
 fi
 read -r -a ARM_LIST <<<"${AB_ARMS//,/ }"
@@ -81,6 +91,7 @@ mkdir -p logs "$AB_DIR"
     done
     ARMS_ARG=()
     [[ "$AB_ARMS" == bf16,fp8 ]] || ARMS_ARG=(--arms "$AB_ARMS")
+    [[ "$AB_EXTRA_STEPS" == 0 ]] || ARMS_ARG+=(--extra_steps "$AB_EXTRA_STEPS")
     printf '%q ' "$REPO_DIR/2.ab_fp8_vs_bf16.sh" --repeats "$AB_REPEATS" ${ARMS_ARG[@]+"${ARMS_ARG[@]}"} "$@"
     printf '\n'
 } >"$AB_DIR/ab_command.sh"
@@ -98,6 +109,8 @@ EOF
 fi
 [[ "$AB_MODE" == two-jobs ]] || { echo "error: AB_MODE=$AB_MODE: use same or two-jobs" >&2; exit 2; }
 ((AB_REPEATS == 1)) || { echo "error: --repeats $AB_REPEATS needs AB_MODE=same (pairs in one allocation)" >&2; exit 2; }
+[[ "$AB_ARMS" != shootout ]] || { echo "error: --arms shootout needs AB_MODE=same (its node decides the arms)" >&2; exit 2; }
+[[ "$AB_EXTRA_STEPS" == 0 ]] || { echo "error: --extra_steps needs AB_MODE=same (the schedule sets each arm's steps)" >&2; exit 2; }
 
 submit_run() {  # submit_run NAME TRAIN_ARGS... -> prints the job id (an arm other than bf16/fp8 names its recipe)
     local name=$1 flags

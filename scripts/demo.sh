@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # `make demo`: a CPU A/B of the tiny preset, 2 ranks under torchrun: R pairs (DEMO_REPEATS or --repeats R,
 # default 2) of --fp8=0 and --fp8=1 (torchao FP8, emulated on CPU), interleaved with the order alternating,
-# pair i with seed 1234+i-1 for both arms; then the compare report of all pairs (speed-up intervals, the
-# BF16-vs-BF16 noise band, the verdict). DEMO_ARMS (default bf16,fp8) runs more arms the same way, each against
-# BF16: DEMO_ARMS=bf16,tensorwise,mxfp8 compares torchao's FP8 and its MXFP8 (both emulated on CPU).
+# pair i with seed 1234+i-1 for both arms (FP8 25 % more steps on BF16's LR schedule: DEMO_EXTRA_STEPS); then the
+# compare report of all pairs (speed-up and iso-loss speed-up intervals, the BF16-vs-BF16 noise band, the verdict). DEMO_ARMS (default bf16,fp8) runs more arms the same way, each against
+# BF16: DEMO_ARMS=bf16,tensorwise,mxfp8 compares torchao's FP8 and its MXFP8 (both emulated on CPU);
+# DEMO_ARMS=shootout runs the recipe shoot-out (on a CPU: tensorwise, rowwise and MXFP8, emulated).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPEATS=${DEMO_REPEATS:-2}
@@ -20,7 +21,7 @@ OUT=${DEMO_DIR:-runs/demo-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 {  # the exact command, for `python -m llama_fp8 compare --repro` (it prints a script that re-runs the A/B)
   printf 'cd %q\n' "$PWD"
-  for var in DEMO_STEPS DEMO_NPROC DEMO_DATA DEMO_EXTRA DEMO_ARMS VENV; do
+  for var in DEMO_STEPS DEMO_NPROC DEMO_DATA DEMO_EXTRA DEMO_ARMS DEMO_EXTRA_STEPS VENV; do
     if [ -n "${!var:-}" ]; then printf '%s=%q ' "$var" "${!var}"; fi
   done
   printf '%q ' bash scripts/demo.sh --repeats "$REPEATS"
@@ -46,7 +47,10 @@ fi
 # torch.distributed.run through this venv's python (what `torchrun` is), never a script whose #! may name
 # another interpreter (a copied venv keeps its old path there).
 ARMS=${DEMO_ARMS:-bf16,fp8}
-schedule=$("$PY" -m llama_fp8.cluster.launch.schedule --repeats "$REPEATS" --arms "$ARMS" -- "${common[@]}")
+# FP8 arms run DEMO_EXTRA_STEPS % more steps (default 25) on BF16's LR schedule, so that one whose loss tracks BF16's
+# can reach BF16's final loss: the iso-loss speed-up (0: every arm the same steps).
+schedule=$("$PY" -m llama_fp8.cluster.launch.schedule --repeats "$REPEATS" --arms "$ARMS" \
+  --extra_steps "${DEMO_EXTRA_STEPS:-25}" -- "${common[@]}")
 while read -r subdir fp8 seed extra <&3; do  # fd 3: the launcher cannot take the schedule from stdin
   read -r -a flags <<<"$extra"  # an arm's own flags (its --fp8_recipe); none for bf16 and fp8
   echo "== training tiny on CPU with $NPROC ranks, ${flags[*]+${flags[*]} }--fp8=$fp8 --seed $seed -> $OUT/$subdir"
@@ -62,9 +66,9 @@ while read -r subdir _; do
   echo "$subdir: $(grep -E '^Batch' "$OUT/$subdir.log" | tail -n 1)"
   echo "      metrics: $OUT/$subdir/metrics.jsonl  config: $OUT/$subdir/config.yaml"
 done <<<"$schedule"
-read -r -a runs <<<"$("$PY" -m llama_fp8.cluster.launch.schedule --repeats "$REPEATS" --arms "$ARMS" --compare)"
-read -r -a arm_list <<<"${ARMS//,/ }"
-per_repeat=()
-((${#arm_list[@]} == 2)) || per_repeat=(--arms "${#arm_list[@]}")
+read -r -a runs <<<"$("$PY" -m llama_fp8.cluster.launch.schedule --repeats "$REPEATS" --arms "$ARMS" --compare \
+  -- "${common[@]}")"
+per_repeat=()  # arms per repeat, from the schedule (DEMO_ARMS=shootout: the arms this machine runs)
+((${#runs[@]} / REPEATS == 2)) || per_repeat=(--arms "$((${#runs[@]} / REPEATS))")
 echo
 "$PY" -m llama_fp8 compare ${runs[@]+"${runs[@]/#/$OUT/}"} ${per_repeat[@]+"${per_repeat[@]}"} --out "$OUT/report"

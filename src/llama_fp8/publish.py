@@ -113,17 +113,29 @@ def _tracked_with(runs: list[dict[str, Any]]) -> tuple[str | None, str | None]:
     return None, None
 
 
+def _get(d: Any, *keys: str) -> Any:
+    """``d[k1][k2]...``, None where a level is missing or not a mapping (summary.json may be half-written)."""
+    for k in keys:
+        d = d.get(k) if isinstance(d, dict) else None
+    return d
+
+
 def _parent_numbers(summary: dict[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
-    """The A/B's metrics (speed-up, loss gaps) and params (tolerance, pairs, seeds) from summary.json."""
+    """The A/B's metrics (speed-up, iso-loss speed-up, loss gaps) and params (tolerance, pairs, seeds) from
+    summary.json."""
     loss, ab = summary.get("loss") or {}, summary.get("ab") or {}
     metrics = {"speedup": summary.get("speedup"), "train_loss_gap_pct": loss.get("train_gap_pct"),
                "val_loss_gap_pct": loss.get("val_gap_pct"), "pairs": ab.get("pairs")}
     params = {"loss_tolerance_pct": summary.get("loss_tolerance_pct"), "pairs": ab.get("pairs"),
               "seeds": ab.get("seeds"), "baseline": summary.get("run_a", {}).get("label"),
               "candidate": summary.get("run_b", {}).get("label")}
+    metrics["iso_loss_speedup"] = _get(summary, "equal_quality", "train", "speedup", "point")
     rows = [r for r in summary.get("arms") or [] if isinstance(r, dict) and isinstance(r.get("arm"), str)]
     if rows:  # more than two arms: each candidate's speed-up, the arms and the repeats
         metrics.update({f"speedup_{r['arm']}": r.get("speedup") for r in rows[1:]}, pairs=summary.get("repeats"))
+        ranked = _get(summary, "ranking", "order") or []
+        metrics.update({f"iso_loss_speedup_{e['arm']}": e.get("point") for e in ranked
+                        if isinstance(e, dict) and isinstance(e.get("arm"), str) and not e.get("baseline")})
         params.update(baseline=rows[0].get("label"), candidate=None, pairs=summary.get("repeats"),
                       arms=",".join(r["arm"] for r in rows))
     return ({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},

@@ -125,9 +125,13 @@ def test_table_numbers_are_rates_recomputed_from_jsonl_and_the_report_states_one
     speedup = summary["run_b"]["samples_per_sec"] / summary["run_a"]["samples_per_sec"]
     assert summary["speedup"] == pytest.approx(speedup, rel=1e-12) and 1.3 < speedup < 1.7
     assert summary["ab"]["speed"]["samples_per_sec"]["overall"]["ratio"] == pytest.approx(speedup, rel=1e-12)
-    headline = [ln for ln in report.splitlines() if "speed-up" in ln.lower() and ln.startswith("**")]
+    headline = [ln for ln in report.splitlines() if ln.startswith("**Speed-up")]
     assert headline == [f"**Speed-up B/A (samples/s): {summary['ab']['speed']['samples_per_sec']['text']}**"]
     assert f"{speedup:.3g}x, 95 % CI" in headline[0]
+    # the summary line at the top states the same raw speed-up beside the iso-loss one and the verdict
+    top = next(ln for ln in report.splitlines() if ln.startswith("**Headline:**"))
+    assert f"raw speed-up {summary['ab']['speed']['samples_per_sec']['text']} | iso-loss speed-up " in top
+    assert "| verdict PASS (train gap" in top and top.endswith(summary["headline"])
     assert "median samples/s" not in report and "| B/A |" not in report.split("## Loss")[0]  # no second ratio
     assert summary["run_a"]["label"] == "bf16" and summary["run_b"]["label"] == "fp8-torchao-rowwise"
     assert summary["run_a"]["warmup_steps_excluded"] == excluded

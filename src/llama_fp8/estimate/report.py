@@ -76,6 +76,10 @@ def text(e: Estimate) -> str:
     total = sum(c["seconds"] for c in e.collectives)
     lines.append(f"  {'total':<51} {gib(sum(c['bytes'] for c in e.collectives)):>18}   {total * 1e3:.1f} ms")
     lines += ["", checkpoint_text(e)]
+    if e.cfg.fp8:
+        from llama_fp8.estimate import predict
+
+        lines += ["", predict.text(*predict.for_estimate(e))]
     if e.suggestions:
         lines += ["", "What would make it fit (each one estimated the same way):"]
         lines += [f"  {s['change']}: {s['verdict']}" for s in e.suggestions]
@@ -139,4 +143,15 @@ def to_dict(e: Estimate) -> dict:
                        "predicted_save_s": time_limit.predicted_save_s(checkpoint_bytes(e)[1]),
                        "node_write_gbps": time_limit.NODE_WRITE_GBPS, "signal_lead_s": time_limit.lead_from_env()},
         "corrections": list(CORRECTIONS), "versions": versions(),
+        "prediction": _prediction(e),
     }
+
+
+def _prediction(e: Estimate) -> dict | None:
+    """The FP8 speed-up prediction (``--fp8 1`` only), as JSON."""
+    if not e.cfg.fp8:
+        return None
+    from llama_fp8.estimate import predict
+
+    pred, recipe = predict.for_estimate(e)
+    return {**predict.to_dict(pred), "job_recipe": recipe}

@@ -1,11 +1,15 @@
 """The report of an A/B with more than two arms (``compare --arms N``): BF16 and N-1 candidates, every candidate
 compared with the BF16 run of the same repeat (same seed, same data), R repeats.
 
-Each candidate gets the full two-arm report against BF16 (``compare.compare``, in ``vs_<arm>/``: speed-up with its
-interval, loss parity against the BF16-vs-BF16 noise band, ranks, FP8 numerics); this page puts them side by side in
-one table (speed-up with interval, loss verdict, MFU against the arm's own format's peak, and compile, FP8
-all-gather and activation checkpointing as each arm ran) and one plot (speed-up with its interval per arm beside
-the arms' training losses). The A/B passes when every candidate's loss verdict passes.
+Each candidate gets the full two-arm report against BF16 (``compare.compare``, in ``vs_<arm>/``: speed-up and iso-loss
+speed-up with their intervals, loss parity against the BF16-vs-BF16 noise band, ranks, FP8 numerics); a candidate that
+ran on another model implementation than the first arm is compared with the BF16 arm of its own implementation when
+the job has one (the shoot-out's ``bf16_<impl>``), and with the first arm too (``vs_<arm>/vs_<first>/``). This page
+puts them side by side in one table (speed-up and iso-loss speed-up with intervals, loss verdict, MFU against the arm's
+own format's peak, and compile, FP8 all-gather and activation checkpointing as each arm ran), ranks every arm by its
+iso-loss speed-up over the first arm (report/shootout.py: which wins at equal quality, or that the intervals cannot
+tell) and draws one plot (speed-up with its interval per arm beside the arms' training losses). The A/B passes when
+every candidate's loss verdict passes.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from llama_fp8.report import plots, repeats, settings, stats
+from llama_fp8.report import equal_quality, plots, repeats, settings, shootout, stats
 from llama_fp8.report.runs import CompareError, Run, load_run
 
 MAX_ARMS = 8
@@ -50,15 +54,18 @@ def compare_arms(args: argparse.Namespace, compare_pairs) -> dict[str, Any]:
     out = Path(args.out) if args.out else Path(os.path.commonpath(parents)) / "compare_arms"
     out.mkdir(parents=True, exist_ok=True)
     names = [arm_name(p) for p in grouped[0]]
-    rows, subs = [], []
+    first = [load_run(p, f"arm {n}") for p, n in zip(grouped[0], names)]
+    rows, subs, ranked = [], [], [shootout.entry(names[0], first[0].label, None)]
     for k in range(1, args.arms):
-        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", names[k])
-        sub = argparse.Namespace(**{**vars(args), "runs": [p for g in grouped for p in (g[0], g[k])], "arms": 2,
-                                    "out": str(out / f"vs_{slug}")})
-        summary = compare_pairs(sub)
+        slug, j = re.sub(r"[^A-Za-z0-9._-]+", "_", names[k]), own_baseline(first, k)
+        summary = _two_arms(compare_pairs, args, grouped, j, k, out / f"vs_{slug}")
         subs.append(summary)
-        rows.append(row(names[k], summary, load_run(grouped[0][k], f"candidate {names[k]}")))
-    baseline = load_run(grouped[0][0], "baseline")
+        # the ranking is against the first arm; a candidate with a BF16 run of its own implementation gets that one too
+        vs_first = summary if j == 0 else _two_arms(compare_pairs, args, grouped, 0, k,
+                                                     out / f"vs_{slug}" / f"vs_{names[0]}")
+        ranked.append(shootout.entry(names[k], first[k].label, vs_first["equal_quality"]))
+        rows.append({**row(names[k], summary, first[k]), "against": names[j]})
+    baseline = first[0]
     base_row = row(names[0], None, baseline, subs[0]["run_a"]["warmup_steps_excluded"])
     plot = plot_arms([base_row, *rows], [baseline, *(load_run(g, n) for g, n in zip(grouped[0][1:], names[1:]))],
                      out / "arms.png")
@@ -66,12 +73,28 @@ def compare_arms(args: argparse.Namespace, compare_pairs) -> dict[str, Any]:
     summary = {"arms": [base_row, *rows], "arms_per_repeat": args.arms, "repeats": len(grouped),
                "verdict": "PASS" if ok else "FAIL", "loss_tolerance_pct": args.loss_tolerance,
                "verdict_line": ("PASS: " if ok else "FAIL: ") + "; ".join(f"{r['arm']} {r['verdict']}" for r in rows),
-               "noise": subs[0]["ab"]["noise"], "repro": _repro(subs, grouped), "plots": {"arms": plot}}
+               "noise": subs[0]["ab"]["noise"], "repro": _repro(subs, grouped), "plots": {"arms": plot},
+               "ranking": shootout.rank(ranked)}
+    summary["headline"] = [f"{r['arm']} vs {r['against']}: {r['headline']}" for r in rows] + [
+        f"at equal quality: {summary['ranking']['line']}"]
     report = out / "report.md"
     report.write_text(render(summary, args))
+    (out / "headline.txt").write_text("\n".join(summary["headline"]) + "\n")
     summary["report"] = report
     (out / "summary.json").write_text(json.dumps(stats.json_safe(summary), indent=2) + "\n")
     return summary
+
+
+def _two_arms(compare_pairs, args: argparse.Namespace, grouped: list[list[str]], base: int, k: int,
+              out: Path) -> dict[str, Any]:
+    """The two-arm report of arm ``k`` against arm ``base`` over every repeat, in ``out``."""
+    runs = [p for g in grouped for p in (g[base], g[k])]
+    return compare_pairs(argparse.Namespace(**{**vars(args), "runs": runs, "arms": 2, "out": str(out)}))
+
+
+def cli_lines(summary: dict[str, Any]) -> list[str]:
+    """compare's last lines for more arms: each candidate's raw and iso-loss speed-up and verdict, then the call."""
+    return list(summary["headline"])
 
 
 def row(name: str, summary: dict[str, Any] | None, run: Run, warmup: int | None = None) -> dict[str, Any]:
@@ -82,11 +105,24 @@ def row(name: str, summary: dict[str, Any] | None, run: Run, warmup: int | None 
     ran = settings.settings(run)
     out = {"arm": name, "label": run.label, "mfu": mfu, "mfu_key": key, **ran}
     if summary is None:
-        return {**out, "speedup": 1.0, "speedup_text": "1 (baseline)", "verdict": "baseline", "gap_text": "-"}
+        return {**out, "speedup": 1.0, "speedup_text": "1 (baseline)", "verdict": "baseline", "gap_text": "-",
+            "iso_text": "1 (baseline)", "against": "-"}
     speed, gaps = summary["ab"]["speed"][repeats.HEADLINE], summary["ab"]["verdict"]["gaps"]
     gap = "; ".join(f"{k} {g['gap_pct']:+.3f} % (bar +-{g['bar_pct']:.3g} %)" for k, g in gaps.items()) or "n/a"
     return {**out, "speedup": summary["speedup"], "speedup_text": speed["text"], "interval": speed["overall"],
-            "verdict": summary["verdict"], "gap_text": gap, "report": f"vs_{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}"}
+            "verdict": summary["verdict"], "gap_text": gap, "report": f"vs_{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}",
+            "iso_text": equal_quality.text(summary["equal_quality"], "train"), "headline": summary["headline"]}
+
+
+def own_baseline(first: list[Run], k: int) -> int:
+    """The arm candidate ``k`` is compared with: a BF16 arm of its own model implementation when the first arm (the
+    baseline) ran on another one and the job has one, else the first arm."""
+    impl = first[k].meta.get("model_impl")
+    if impl is None or impl == first[0].meta.get("model_impl"):
+        return 0
+    same = [j for j, r in enumerate(first) if j not in (0, k) and settings.run_format(r) == "bf16"
+            and r.meta.get("model_impl") == impl]
+    return same[0] if same else 0
 
 
 def _repro(subs: list[dict[str, Any]], grouped: list[list[str]]) -> dict[str, Any]:
@@ -109,15 +145,17 @@ def render(summary: dict[str, Any], args: argparse.Namespace) -> str:
              f"candidate compared with the {rows[0]['label']} run of the same repeat (same seed, same data). "
              f"Each candidate's full report: its `vs_<arm>/report.md`.", "",
              f"**Verdict: {summary['verdict_line']}** (tolerance {summary['loss_tolerance_pct']:g} %)", "",
-             "| arm | precision | speed-up vs BF16 (samples/s, 95 % CI) | loss gap vs BF16 | loss verdict | "
-             "MFU vs its format's peak | compile | FP8 all-gather | AC | notes |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| arm | precision | against | speed-up (samples/s, 95 % CI) | iso-loss speed-up (95 % CI) | loss gap | "
+             "loss verdict | MFU vs its format's peak | compile | FP8 all-gather | AC | notes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mfu = ("n/a (emulated)" if r["emulated"] else "n/a") if r["mfu"] is None else \
             f"{100 * r['mfu']:.3g} % ({r['mfu_key'].removeprefix('mfu_vs_')})"
         notes = [x for x in (r["bf16_tail"], "emulated: speed not meaningful" if r["emulated"] else None,
                              "**warned at start** (below)" if r["notes"] else None) if x]
         link = f"[{r['arm']}]({r['report']}/report.md)" if r.get("report") else r["arm"]
-        lines.append(f"| {link} | {r['label']} | {r['speedup_text']} | {r['gap_text']} | {r['verdict']} | {mfu} | "
+        lines.append(f"| {link} | {r['label']} | {r.get('against', '-')} | {r['speedup_text']} | "
+                     f"{r.get('iso_text', '-')} | {r['gap_text']} | {r['verdict']} | {mfu} | "
                      f"{settings.flag(r['compile'])} | {settings.flag(r['all_gather'])} | "
                      f"{settings.flag(r['activation_checkpointing'])} | {'; '.join(notes) or '-'} |")
     warned = [(r["arm"], n) for r in rows for n in r["notes"]]
@@ -128,6 +166,7 @@ def render(summary: dict[str, Any], args: argparse.Namespace) -> str:
             if nb["measured"] else "not measured (one repeat; run with --repeats 2 or more)")
     lines += ["", f"Noise band (BF16 vs BF16 across seeds, max |gap|): {band}. A loss verdict passes when the mean "
               "gap over repeats is within max(tolerance, noise band).", ""]
+    lines += shootout.markdown(summary["ranking"], rows[0]["arm"])
     lines += ["## Plot", "", f"![arms]({summary['plots']['arms'].name})", ""]
     return "\n".join(lines)
 

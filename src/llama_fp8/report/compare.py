@@ -21,6 +21,9 @@ Summary rules (also printed in the report):
 - Verdict: PASS when every available loss gap ``(B-A)/A`` (train, and validation when both runs
   have it; the mean over pairs) lies within ``max(--loss_tolerance, noise band)`` percent, else FAIL;
   the verdict says which of the two decided. The exit code stays 0 either way.
+- At equal quality (equal_quality.py, isoloss.py): the iso-loss speed-up, how much sooner B reaches A's final
+  smoothed loss, and the iso-time loss gap, each with its interval over pairs; the headline puts the raw speed-up,
+  the iso-loss speed-up and the verdict side by side (the last line printed, ``headline.txt``).
 - Same data: our runs log a fingerprint of rank 0's tokens per logging window (``data_crc32``); when
   both runs have them, a differing window makes the verdict FAIL (the losses are not comparable).
   Plain logs have none: "not checked".
@@ -37,7 +40,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from llama_fp8.report import fp8_view, hardware, plots, ranks, repeats, repro, stats
+from llama_fp8.report import equal_quality, fp8_view, hardware, isocurves, plots, ranks, repeats, repro, stats
 from llama_fp8.report.plots import METRICS, render_report, same_data_text
 from llama_fp8.report.runs import CompareError, Run, load_run, precision_label  # noqa: F401 - the CLI's API
 
@@ -153,6 +156,13 @@ def _nonneg_int(text: str) -> int:
     return v
 
 
+def _pos_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llama_fp8 compare", allow_abbrev=False,
                                 description="A/B report (markdown + PNG plots) of R pairs of training runs.",
@@ -170,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="runs per repeat: the baseline then N-1 candidates, each compared with the baseline of its "
                         "repeat (default 2: RUN_A RUN_B pairs); N > 2 writes one table and one plot of every arm "
                         "and each candidate's own report in vs_<arm>/")
+    p.add_argument("--iso_loss_window", type=_pos_int, default=None,
+                   help="logged train losses averaged for the iso-loss figures' smoothed curves (default: the final "
+                        "train loss's k = max(5, 5%% of the records))")
+    p.add_argument("--iso_loss_time", choices=isocurves.AXES, default="productive",
+                   help="time axis of the iso-loss figures: productive (default: training time after start-up, "
+                        "warm-up windows at the steady rate), measured (warm-up windows as measured) or elapsed "
+                        "(the training loop's clock: evaluation and saves included)")
     p.add_argument("--repro", action="store_true",
                    help="print a bash script that re-runs this A/B (recorded commit, launcher command or each "
                         "run's training command) instead of writing the report")
@@ -249,6 +266,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     summary["environment"] = hardware.compare_environments(a.environments, b.environments)
     summary["ab"] = summarize_pairs(pairs, warm, args.loss_tolerance)
     summary["speedup"] = repeats.headline(summary["ab"]["speed"])  # the one speed-up (module docstring)
+    equal_quality.add_to(summary, pairs, warm, args.iso_loss_window, args.iso_loss_time, final_loss_k)
     summary["repro"] = repro.collect(pairs)
     summary["ranks"] = rank_view(pairs, out)
     ok, line = summary["ab"]["verdict"]["ok"], summary["ab"]["verdict"]["line"]
@@ -259,6 +277,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     report = out / "report.md"
     report.write_text(render_report(summary, images) + "\n" + fp8_view.markdown([a, b], out))
     summary.update(report=report, plots=images)
+    (out / "headline.txt").write_text(summary["headline"] + "\n")
     (out / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2) + "\n")
     return summary
 
@@ -274,6 +293,8 @@ def repro_script(args: argparse.Namespace) -> str:
     rest = [f"--loss_tolerance={args.loss_tolerance:g}"] + ([f"--arms={args.arms}"] if args.arms != 2 else [])
     if args.warmup_steps_excluded is not None:
         rest.append(f"--warmup_steps_excluded={args.warmup_steps_excluded}")
+    rest += [f"--{k}={getattr(args, k)}" for k, default in (("iso_loss_window", None), ("iso_loss_time", "productive"))
+             if getattr(args, k) != default]
     try:
         return repro.script(repro.collect(pairs), [*args.runs, *rest])
     except ValueError as e:
@@ -318,6 +339,7 @@ def main(argv: list[str]) -> int:
         for row in summary["arms"][1:]:
             print(f"{row['arm']}: speed-up {row['speedup_text']}; loss {row['verdict']} ({row['gap_text']})")
         print(f"verdict: {summary['verdict_line']}")
+        print("\n".join(arms.cli_lines(summary)))
         return 0
     print(f"report: {summary['report']}")
     print(f"summary: {summary['report'].parent / 'summary.json'}")
@@ -331,6 +353,7 @@ def main(argv: list[str]) -> int:
     print(f"goodput: {goodput_text(summary['ab']['goodput'])}")
     print(f"stragglers: {stragglers_text(summary['ranks'])}; throttling: {summary['ranks']['comparable_line']}")
     print(f"verdict: {summary['verdict_line']}")
+    print("\n".join(equal_quality.cli_lines(summary)))
     return 0
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from llama_fp8.report import hardware, ranks, repeats, repro, stats
+from llama_fp8.report import equal_quality, hardware, ranks, repeats, repro, stats
 
 if TYPE_CHECKING:
     from llama_fp8.report.runs import Run
@@ -67,8 +67,10 @@ def render_report(summary: dict[str, Any], plots: dict[str, Path]) -> str:
     """The markdown report text (plots referenced by file name, next to report.md)."""
     sa, sb, ls = summary["run_a"], summary["run_b"], summary["loss"]
     la, lb = f"A: {sa['label']}", f"B: {sb['label']}"
-    lines = [f"# A/B report: {sa['label']} (A) vs {sb['label']} (B)", "",
-             "| run | source | format | last step | steps excluded (<=) | records used |",
+    lines = [f"# A/B report: {sa['label']} (A) vs {sb['label']} (B)", ""]
+    if summary.get("headline"):
+        lines += [f"**Headline:** {summary['headline']}", ""]
+    lines += ["| run | source | format | last step | steps excluded (<=) | records used |",
              "|---|---|---|---|---|---|"]
     for tag, s in (("A", sa), ("B", sb)):
         lines.append(f"| {tag}: {s['label']} | `{s['source']}` | {s['kind']} | {s['last_step']} "
@@ -96,6 +98,12 @@ def render_report(summary: dict[str, Any], plots: dict[str, Path]) -> str:
               f"| {fmt(ls['train_loss_b'], 'loss')} | {_gap(ls['train_gap_pct'])} |",
               f"| final validation loss ({vstep}) | {fmt(ls['val_loss_a'], 'loss')} "
               f"| {fmt(ls['val_loss_b'], 'loss')} | {_gap(ls['val_gap_pct'])} |", ""]
+    if summary.get("equal_quality"):
+        lines += equal_quality.markdown(summary["equal_quality"], la, lb, ab and ab["verdict"])
+    if summary.get("prediction") and ab:
+        from llama_fp8.report import prediction_view
+
+        lines += prediction_view.markdown(summary["prediction"], ab["speed"][repeats.HEADLINE]["text"])
     if ab:
         lines += repeats.markdown(ab, la, lb)
     if summary.get("ranks"):
@@ -125,7 +133,11 @@ def render_report(summary: dict[str, Any], plots: dict[str, Path]) -> str:
               "wider of the two decided.",
               "- Speed-up intervals: percentile bootstrap (4000 draws) of the B/A ratio of harmonic-mean "
               "window rates; within a pair the windows are resampled, across pairs the pairs and then "
-              "their windows (geometric mean of the pair ratios).", ""]
+              "their windows (geometric mean of the pair ratios).",
+              "- Iso-loss speed-up: the time A needs to reach its own final smoothed train loss over the time B "
+              "needs to reach it (a crossing counts when the smoothed loss stays at or below it); not reached: B's "
+              "gap to it at A's time. Iso-time gap: both smoothed losses at the shorter arm's end. Intervals: "
+              "bootstrap of the loss noise and the windows' times, across pairs the pairs too (docs/report.md).", ""]
     return "\n".join(lines)
 
 
