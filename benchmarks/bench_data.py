@@ -57,6 +57,9 @@ class Cfg:
     vocab_size: int = demo_data.DEFAULT_VOCAB_SIZE
     validation_batches: int = 1
     streaming: bool = True
+    data_blend: str | None = None
+    skip_samples: str | None = None
+    doc_masking: bool = False
 
 
 def baseline_batches(cfg: Cfg) -> Iterator[torch.Tensor]:

@@ -21,7 +21,7 @@ Summary rules (also printed in the report):
 - Verdict: PASS when every available loss gap ``(B-A)/A`` (train, and validation when both runs
   have it; the mean over pairs) lies within ``max(--loss_tolerance, noise band)`` percent, else FAIL;
   the verdict says which of the two decided. The exit code stays 0 either way.
-- Same data: our runs log a fingerprint of rank 0's tokens per logging window (``data_crc32``); when
+- Same data: our runs log a fingerprint of every rank's tokens per logging window (``data_crc32``); when
   both runs have them, a differing window makes the verdict FAIL (the losses are not comparable).
   Plain logs have none: "not checked".
 """
