@@ -126,12 +126,13 @@ class IndexedShard:
         i1 = int(np.searchsorted(self.pointers, b * size, "left"))
         lo, hi = max(i0 - 1, 0), min(i1 + 1, self.n_sequences)
         ptr, length = np.asarray(self.pointers[lo:hi]), np.asarray(self.lengths[lo:hi], np.int64)
-        if len(ptr) and (np.any(ptr[1:] != ptr[:-1] + length[:-1] * size) or ptr[0] < 0 or
-                         ptr[-1] + length[-1] * size > self.bin_bytes or np.any(length < 0)):
-            bad = lo + int(np.argmax(np.r_[ptr[1:] != ptr[:-1] + length[:-1] * size, True]))
-            raise self._fail(self.idx_path, f"sequence {bad} of {self.n_sequences} points at byte {int(ptr[bad - lo])}, "
-                                            f"which is not where the one before it ends, or past the end of "
-                                            f"{self.bin_path.name} ({self.bin_bytes} bytes)")
+        wrong = np.r_[ptr[:1] < 0, ptr[1:] != ptr[:-1] + length[:-1] * size] | (length < 0) | \
+            (ptr + length * size > self.bin_bytes)
+        if wrong.any():
+            bad = int(np.argmax(wrong))
+            raise self._fail(self.idx_path, f"sequence {lo + bad} of {self.n_sequences} points at byte {int(ptr[bad])} "
+                                            f"with {int(length[bad])} tokens, which is not where the sequence before "
+                                            f"it ends, or past the end of {self.bin_path.name} ({self.bin_bytes} bytes)")
         d0 = int(np.searchsorted(self.doc_index, i0, "left"))
         d1 = int(np.searchsorted(self.doc_index, i1, "left"))
         docs = np.asarray(self.doc_index[d0:d1])

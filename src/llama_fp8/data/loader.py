@@ -296,6 +296,7 @@ def validate_data_config(cfg: Any, dp_world: int | None = None) -> None:
                              "(each sample is one sequence)")
         return
     if corpora is not None:
+        _check_text_flags_unused(cfg)
         corpus_loader.check_corpus_config(cfg)
         return
     if not cfg.tokenizer:
@@ -305,6 +306,20 @@ def validate_data_config(cfg: Any, dp_world: int | None = None) -> None:
     open_sources(SourceKey.from_cfg(cfg))
     if dp_world is not None:
         _check_reader_slots(cfg, dp_world)
+
+
+# Flags that say how text becomes documents: a tokenized corpus was cut at tokenize time (they go to llama_fp8
+# tokenize); with a corpus they would do nothing, so they are refused. (flag, its value when not given)
+TEXT_FLAGS = (("dataset_config_name", None), ("text_field", "text"), ("data_files", None), ("val_data_files", None),
+              ("val_fraction", 0.0), ("streaming", True))
+
+
+def _check_text_flags_unused(cfg: Any) -> None:
+    given = [f"--{k}={getattr(cfg, k)!r}" for k, default in TEXT_FLAGS if getattr(cfg, k) != default]
+    if given:
+        raise ValueError(f"{', '.join(given)}: how text becomes documents is decided when it is tokenized; "
+                         f"{'--data_blend' if cfg.data_blend else '--dataset'} names tokenized corpora: give "
+                         f"{'them' if len(given) > 1 else 'it'} to llama_fp8 tokenize instead, not to train")
 
 
 def _check_reader_slots(cfg: Any, dp_world: int) -> None:
