@@ -70,6 +70,28 @@ class CorpusSplit:
                 raise CorpusError(f"{shard.bin_path}: token {a + bad} is {int(piece[bad])}, outside the model's "
                                   f"vocabulary [0, {vocab_size}): a corpus for another tokenizer or model")
 
+    def read_rows(self, starts: np.ndarray, width: int, vocab_size: int | None = None) -> np.ndarray:
+        """(len(starts), width) int64: the tokens [s, s + width) of each start, read a shard at a time with one
+        gather (a row across two shards on its own); token ids outside [0, vocab_size) refused naming the file."""
+        starts = np.asarray(starts, np.int64)
+        out = np.empty((len(starts), width), np.int64)
+        shard = np.searchsorted(self.offsets, starts, "right") - 1
+        inside = starts + width <= self.offsets[np.minimum(shard + 1, len(self.shards))]
+        for k in np.unique(shard[inside]):
+            rows = np.nonzero(inside & (shard == k))[0]
+            local = starts[rows] - self.offsets[k]
+            out[rows] = self.shards[k].tokens[local[:, None] + np.arange(width)]
+        for row in np.nonzero(~inside)[0]:
+            self.read(int(starts[row]), out[row])
+        if vocab_size is not None and out.size and (out.max() >= vocab_size or out.min() < 0):
+            row, col = np.argwhere((out >= vocab_size) | (out < 0))[0]
+            at = int(starts[row]) + int(col)
+            k = int(np.searchsorted(self.offsets, at, "right")) - 1
+            raise CorpusError(f"{self.shards[k].bin_path}: token {at - int(self.offsets[k])} is {int(out[row, col])}, "
+                              f"outside the model's vocabulary [0, {vocab_size}): a corpus for another tokenizer or "
+                              f"model")
+        return out
+
     def doc_starts(self, start: int, stop: int) -> np.ndarray:
         """Offsets (from ``start``) in [0, stop - start) at which a document starts."""
         parts = [shard.doc_starts(a, b) - a + at for shard, a, b, at in self._pieces(start, stop)]

@@ -67,8 +67,9 @@ class IndexedShard:
         self._check_ends()
         self.n_tokens = self.bin_bytes // self.itemsize
         self.n_docs = n_doc_index - 1
+        # a plain ndarray view of the mapping (slicing a np.memmap makes a memmap object per slice: slow per sample);
         # np.memmap cannot map an empty file
-        self.tokens = (np.memmap(self.bin_path, dtype=self.dtype, mode="r") if self.bin_bytes
+        self.tokens = (np.asarray(np.memmap(self.bin_path, dtype=self.dtype, mode="r")) if self.bin_bytes
                        else np.empty(0, self.dtype))
 
     def _fail(self, path: Path, why: str) -> CorpusError:

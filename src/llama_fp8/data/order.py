@@ -22,40 +22,48 @@ from fractions import Fraction
 
 import numpy as np
 
-ROUNDS = 4  # Feistel rounds (Luby-Rackoff: 4 rounds of a good round function give a strong pseudorandom permutation)
+ROUNDS = 6  # alternating Feistel rounds, three on each part (4 balanced rounds already give a strong permutation)
 MAX_PERIOD = 4096  # longest blend pattern; weights whose exact pattern is longer are rounded to this many samples
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer: a well-mixed 64-bit hash (uint64 arithmetic wraps by design)."""
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+    """splitmix64's finalizer: a well-mixed 64-bit hash (uint64 array arithmetic wraps, silently, by design)."""
+    x = (x ^ (x >> _S30)) * _M1
+    x = (x ^ (x >> _S27)) * _M2
+    return x ^ (x >> _S31)
 
 
 class Permutation:
-    """A seeded bijection of [0, n), one index at a time (vectorized): a balanced Feistel network over the smallest
-    even number of bits that covers n, and cycle walking (an output >= n is encrypted again) to stay inside [0, n)."""
+    """A seeded bijection of [0, n), one index at a time (vectorized): an alternating Feistel network over the bits
+    of n - 1 (each round XORs one part of the index with a keyed hash of the other part, which is undone by the same
+    XOR: a bijection of [0, 2^bits)), and cycle walking (an output >= n is encrypted again) to stay inside [0, n).
+    2^bits < 2n, so an index is encrypted twice on average. No array of n entries: memory does not grow with n."""
 
     def __init__(self, n: int, key: tuple[int, ...]) -> None:
         assert n >= 1, n
         bits = max(2, (n - 1).bit_length())
-        self.n, self.half = n, (bits + 1) // 2
-        self.mask = np.uint64((1 << self.half) - 1)
+        self.n = n
+        self.low = bits // 2  # the low part's bits; the high part has the rest
+        self.low_mask = np.uint64((1 << self.low) - 1)
+        self.high_mask = np.uint64((1 << (bits - self.low)) - 1)
         self.keys = np.random.SeedSequence([k & (2**63 - 1) for k in key]).generate_state(ROUNDS, np.uint64)
 
     def _encrypt(self, x: np.ndarray) -> np.ndarray:
-        half = np.uint64(self.half)
-        left, right = x >> half, x & self.mask
-        for k in self.keys:
-            left, right = right, left ^ (_mix(right ^ k) & self.mask)
-        return (left << half) | right
+        shift = np.uint64(self.low)
+        high, low = x >> shift, x & self.low_mask
+        for r, k in enumerate(self.keys):
+            if r % 2:
+                high = high ^ (_mix(low ^ k) & self.high_mask)
+            else:
+                low = low ^ (_mix(high ^ k) & self.low_mask)
+        return (high << shift) | low
 
     def __call__(self, i: np.ndarray) -> np.ndarray:
         out = self._encrypt(np.asarray(i, np.uint64))
         outside = out >= np.uint64(self.n)
-        while outside.any():  # the domain is < 4n: a few rounds at most
+        while outside.any():  # the domain is < 2n: a few rounds at most
             out[outside] = self._encrypt(out[outside])
             outside = out >= np.uint64(self.n)
         return out.astype(np.int64)
