@@ -208,8 +208,9 @@ def report(results: list[tuple[str, int, list[dict]]], args: argparse.Namespace,
     print(f"tokenized once: {built['tokens']:,} tokens in {built['seconds']:.1f} s "
           f"({built['tokens'] / built['seconds']:,.0f} tokens/s, one process{', cached' if built['cached'] else ''})")
     for size, m in memory.items():
-        print(f"corpus reader, {size} ({m['tokens']:,} tokens, {m['shards']} shards): resident memory +"
-              f"{m['rss_open_mib']:.1f} MiB after opening, +{m['rss_read_mib']:.1f} MiB after {m['batches']} batches")
+        print(f"corpus reader, {size} ({m['tokens']:,} tokens, {m['shards']} shards): resident memory after opening "
+              f"+{m['anon_open_mib']:.1f} MiB anonymous, +{m['file_open_mib']:.1f} MiB mapped file; after "
+              f"{m['batches']} batches +{m['anon_read_mib']:.1f} MiB anonymous, +{m['file_read_mib']:.1f} MiB mapped")
     print(json.dumps({
         "bench": "data", "seq_len": args.seq_len, "batch_size": args.batch_size,
         "num_workers": args.num_workers, "cpus": os.cpu_count(), "rounds": args.rounds, "same_tokens": same,
@@ -267,10 +268,13 @@ def grown(corpus: Path, out: Path, tokens: int, shards: int) -> Path:
 
 
 def memory_child(path: str, batches: int, seq_len: int, batch_size: int) -> None:
-    """In a fresh process: resident memory above the start, after opening the corpus and after reading."""
-    def rss_mib() -> float:
+    """In a fresh process: resident memory above the start, after opening the corpus and after reading: anonymous
+    (the process's own allocations) and file-backed (pages of the memory-mapped shards it touched: page cache, shared
+    and reclaimable, bounded by what was read, not by the corpus's size)."""
+    def rss_mib() -> dict[str, float]:
         with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+            fields = dict(line.split(":", 1) for line in f if line.startswith(("RssAnon:", "RssFile:")))
+        return {k: int(v.split()[0]) / 1024 for k, v in fields.items()}
 
     cfg = Cfg(path, None, seq_len, batch_size, 0, doc_masking=True)
     before = rss_mib()
@@ -279,7 +283,11 @@ def memory_child(path: str, batches: int, seq_len: int, batch_size: int) -> None
     it = iter(loader)
     for _ in range(batches):
         next(it)
-    print(json.dumps({"rss_open_mib": opened - before, "rss_read_mib": rss_mib() - before}))
+    after = rss_mib()
+    print(json.dumps({"anon_open_mib": opened["RssAnon"] - before["RssAnon"],
+                      "file_open_mib": opened["RssFile"] - before["RssFile"],
+                      "anon_read_mib": after["RssAnon"] - before["RssAnon"],
+                      "file_read_mib": after["RssFile"] - before["RssFile"]}))
 
 
 def measure_memory(corpus: Path, work: Path, args: argparse.Namespace) -> dict:

@@ -167,7 +167,7 @@ class IndexedWriter:
 
     def __init__(self, prefix: Path, dtype: np.dtype) -> None:
         self.prefix, self.dtype = Path(prefix), np.dtype(dtype)
-        self._tmp_bin = Path(f"{prefix}.bin.tmp")
+        self._tmp_bin = Path(f"{prefix}.bin.tmp.{os.getpid()}")  # a second writer of the shard never shares it
         self._bin = open(self._tmp_bin, "wb")
         self._hash = hashlib.sha256()
         self._lengths: list[np.ndarray] = []
@@ -194,7 +194,7 @@ class IndexedWriter:
         body = b"".join([MAGIC, struct.pack("<QBQQ", VERSION, CODE_OF[self.dtype.name], n, n + 1),
                          lengths.tobytes(), pointers.astype(np.int64).tobytes(),
                          np.arange(n + 1, dtype=np.int64).tobytes()])
-        tmp_idx = Path(f"{self.prefix}.idx.tmp")
+        tmp_idx = Path(f"{self.prefix}.idx.tmp.{os.getpid()}")
         with open(tmp_idx, "wb") as f:
             f.write(body)
             f.flush()

@@ -164,7 +164,7 @@ def write_shard(args: argparse.Namespace, plan: dict, split: str, k: int, texts)
         stream, lengths = encode.documents(batch)
         writer.add(stream, lengths)
     rec = {"name": name, **writer.finish()}
-    tmp = _record_path(out, split, k).with_suffix(".json.tmp")
+    tmp = _record_path(out, split, k).with_suffix(f".json.tmp.{os.getpid()}")
     tmp.write_text(json.dumps(rec, sort_keys=True))
     os.replace(tmp, _record_path(out, split, k))
     log.info("%s: %d documents, %d tokens (%.0f tokens/s)", name, rec["documents"], rec["tokens"],
