@@ -432,3 +432,15 @@ def test_the_fingerprint_of_a_step_is_its_rows_crcs_whoever_read_them(tokenized)
     for f in two:
         next(f)
     assert data.combine_fingerprints([f.take() for f in two]) == f"{want:08x}"
+
+
+def test_threads_reading_ahead_give_the_same_batches_and_position(tokenized):
+    cfg = Cfg(str(tokenized), train_batch_size=4, doc_masking=True)
+    plain, ahead = data.build_train_loader(cfg, 0, 1), data.build_train_loader(dataclasses.replace(cfg, num_workers=2),
+                                                                              0, 1)
+    a, b = iter(plain), iter(ahead)
+    for _ in range(5):
+        x, y = next(a), next(b)
+        assert all(torch.equal(x[k], y[k]) for k in ("input_ids", "labels", "position_ids"))
+    # the threads have read further ahead; the position counts only the batches handed out
+    assert ahead.state_dict() == plain.state_dict() and ahead.state_dict()["position"] == 20
