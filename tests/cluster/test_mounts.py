@@ -146,3 +146,10 @@ def test_image_path_is_absolute_for_submit(tmp_path, monkeypatch):
     assert submit.image_argument("img.sqsh") == str(tmp_path / "img.sqsh")
     assert submit.image_argument("nvcr.io#nvidia/pytorch:25.12-py3") == "nvcr.io#nvidia/pytorch:25.12-py3"
     assert Path(submit.image_argument("./img.sqsh")).is_absolute()
+
+
+def test_every_corpus_of_a_data_blend_is_a_path_to_mount():
+    values = mounts.train_path_values(["--data_blend", "0.7:/fsx/web,0.3:/lustre/code"])
+    paths = mounts.run_paths(values, "/work", {"SLURM_JOB_ID": "9"})
+    assert {(p.what, p.path, p.write) for p in paths if p.what == "--data_blend"} == {
+        ("--data_blend", "/fsx/web", False), ("--data_blend", "/lustre/code", False)}

@@ -1,5 +1,5 @@
 """One shard of a tokenized corpus: a memory-mapped ``.bin`` of tokens and its ``.idx``, in the indexed format
-Megatron-LM reads and writes (``megatron/core/datasets/indexed_dataset.py``), so corpora tokenized for Megatron
+Megatron-LM reads and writes (``megatron.core.datasets.indexed_dataset``), so corpora tokenized for Megatron
 load here as they are, and ours load in Megatron.
 
 The format (little-endian), as Megatron's ``_IndexWriter`` writes it:

@@ -45,7 +45,8 @@ READ_DOCS = 1024  # documents per batched tokenizer call
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="llama-fp8 tokenize", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="llama-fp8 tokenize", description=__doc__.split("\n")[0],
+                                epilog="docs: docs/data.md")
     p.add_argument("--out", required=True, help="the corpus folder to write (on the shared file system)")
     p.add_argument("--dataset", help="local file/folder or hub dataset, as for train --dataset")
     p.add_argument("--tokenizer", help="local folder or hub id for AutoTokenizer")
