@@ -185,7 +185,7 @@ def test_megatron_corpora_read_token_for_token_both_ways(tmp_path, tokenized):
     theirs = mg.IndexedDataset(str(tokenized / "train-00001"))
     ours = IndexedShard(tokenized / "train-00001")
     assert len(theirs) == ours.n_docs and np.array_equal(np.concatenate([theirs[i] for i in range(len(theirs))]),
-                                                         np.asarray(ours.tokens))
+                                                         ours.read_tokens(0, ours.n_tokens))
 
 
 # ------------------------------------------------------------------------------------------ hostile files

@@ -3,8 +3,9 @@
 
 A split's shards, in order, are one stream of tokens; documents are already separated in it (ours: ``[BOS] tokens
 [EOS]`` each; Megatron's: as its preprocessing wrote them, usually with an end-of-document token). Reads take any
-token range of the stream, across shards, straight from the memory-mapped files, plus the offsets at which documents
-start in it (for ``--doc_masking``). Nothing is loaded whole: a corpus ten times larger costs a reader no more memory.
+token range of the stream, across shards, straight from the files (``indexed.py``: positioned reads), plus the offsets
+at which documents start in it (for ``--doc_masking``). Nothing is loaded whole: a corpus ten times larger costs a
+reader no more memory.
 
 What is checked when a corpus is opened is in ``indexed.py`` (each shard) and ``manifest.py`` (the manifest); here,
 the manifest against the shards (counts, sizes, dtype) and against ``--tokenizer`` (its SHA-256).
@@ -64,25 +65,19 @@ class CorpusSplit:
         assert 0 <= start and start + len(out) <= self.n_tokens, (start, len(out), self.n_tokens)
         for shard, a, b, at in self._pieces(start, start + len(out)):
             piece = out[at:at + b - a]
-            piece[:] = shard.tokens[a:b]
+            piece[:] = shard.read_tokens(a, b)
             if vocab_size is not None and len(piece) and (piece.max() >= vocab_size or piece.min() < 0):
                 bad = int(np.argmax((piece >= vocab_size) | (piece < 0)))
                 raise CorpusError(f"{shard.bin_path}: token {a + bad} is {int(piece[bad])}, outside the model's "
                                   f"vocabulary [0, {vocab_size}): a corpus for another tokenizer or model")
 
     def read_rows(self, starts: np.ndarray, width: int, vocab_size: int | None = None) -> np.ndarray:
-        """(len(starts), width) int64: the tokens [s, s + width) of each start, read a shard at a time with one
-        gather (a row across two shards on its own); token ids outside [0, vocab_size) refused naming the file."""
+        """(len(starts), width) int64: the tokens [s, s + width) of each start (one read each, a row across two shards
+        two); token ids outside [0, vocab_size) refused naming the file."""
         starts = np.asarray(starts, np.int64)
         out = np.empty((len(starts), width), np.int64)
-        shard = np.searchsorted(self.offsets, starts, "right") - 1
-        inside = starts + width <= self.offsets[np.minimum(shard + 1, len(self.shards))]
-        for k in np.unique(shard[inside]):
-            rows = np.nonzero(inside & (shard == k))[0]
-            local = starts[rows] - self.offsets[k]
-            out[rows] = self.shards[k].tokens[local[:, None] + np.arange(width)]
-        for row in np.nonzero(~inside)[0]:
-            self.read(int(starts[row]), out[row])
+        for row, start in enumerate(starts.tolist()):
+            self.read(start, out[row])
         if vocab_size is not None and out.size and (out.max() >= vocab_size or out.min() < 0):
             row, col = np.argwhere((out >= vocab_size) | (out < 0))[0]
             at = int(starts[row]) + int(col)

@@ -158,14 +158,19 @@ class CorpusLoader:
     def _steps(self, pos: int) -> Iterator[tuple[tuple[np.ndarray, np.ndarray], int]]:
         """(this rank's samples: (source, sample) arrays, the position after the step) of each step from ``pos``,
         worked out STEPS_AT_ONCE steps at a time (one vectorized pass through the order instead of one per step)."""
-        every, mine = self._bsz * self._world, slice(self._rank * self._bsz, (self._rank + 1) * self._bsz)
+        every, first = self._bsz * self._world, self._rank * self._bsz
         while True:
-            steps = self._skips.take(pos, every * STEPS_AT_ONCE).reshape(STEPS_AT_ONCE, every)
-            src, ids = self.order.sample_ids(steps[:, mine].reshape(-1))
+            if self._skips.ranges:  # the steps' positions, skipped ones left out
+                steps = self._skips.take(pos, every * STEPS_AT_ONCE).reshape(STEPS_AT_ONCE, every)
+                mine, ends = steps[:, first:first + self._bsz], steps[:, -1] + 1
+            else:  # consecutive: computed, not listed (a large world's steps would be millions of positions)
+                base = pos + every * np.arange(STEPS_AT_ONCE, dtype=np.int64)[:, None]
+                mine, ends = base + first + np.arange(self._bsz), base[:, 0] + every
+            src, ids = self.order.sample_ids(mine.reshape(-1))
             src, ids = src.reshape(STEPS_AT_ONCE, -1), ids.reshape(STEPS_AT_ONCE, -1)
             for i in range(STEPS_AT_ONCE):
-                yield (src[i], ids[i]), int(steps[i, -1]) + 1
-            pos = int(steps[-1, -1]) + 1
+                yield (src[i], ids[i]), int(ends[i])
+            pos = int(ends[-1])
 
     def _advance(self, nxt: int) -> None:
         before, self._pos = self._pos, nxt

@@ -1,4 +1,4 @@
-"""One shard of a tokenized corpus: a memory-mapped ``.bin`` of tokens and its ``.idx``, in the indexed format
+"""One shard of a tokenized corpus: a ``.bin`` of tokens and its ``.idx``, in the memory-mappable indexed format
 Megatron-LM reads and writes (``megatron.core.datasets.indexed_dataset``), so corpora tokenized for Megatron
 load here as they are, and ours load in Megatron.
 
@@ -13,6 +13,13 @@ The format (little-endian), as Megatron's ``_IndexWriter`` writes it:
 
 A document is the sequences between two document indices; ours hold one sequence each (``[BOS] tokens [EOS]``).
 
+Reads are positioned reads (``os.pread``) of exactly the bytes a sample needs, not a memory mapping: samples are read
+in a shuffled order, and a mapping of a file read at random grows the reader's resident memory with every page the
+kernel maps around each one touched (64 KiB at a time: fault-around), up to the size of the corpus. Read this way the
+reader holds nothing of the corpus but what it copied (benchmarks/README.md: the same memory for a corpus ten times
+larger). Open files are shared by every shard of the process, at most ``MAX_OPEN`` at once (a corpus may have more
+shards than a process may open files).
+
 Every file may be hostile or half-written. Opening checks what costs O(1): the header, the ``.idx`` size against its
 counts, the first and last pointers and document indices, and the ``.bin`` size against the last pointer (a truncated
 ``.bin`` or an index pointing past its end is refused naming the file). Reads take tokens by offset from the ``.bin``
@@ -23,9 +30,12 @@ tokenize --verify`` checks every byte against the manifest's checksums.
 
 from __future__ import annotations
 
+import bisect
+import collections
 import hashlib
 import os
 import struct
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -51,26 +61,26 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 class IndexedShard:
-    """A ``.bin``/``.idx`` pair opened read-only and memory-mapped; ``prefix`` is the path without the suffix."""
+    """A ``.bin``/``.idx`` pair opened read-only (checked, read as needed); ``prefix`` is the path without the suffix."""
 
     def __init__(self, prefix: Path) -> None:
         self.prefix = Path(prefix)
         self.idx_path, self.bin_path = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
         self.dtype, self.n_sequences, n_doc_index = self._read_header()
         self.itemsize = self.dtype.itemsize
-        idx = np.memmap(self.idx_path, dtype=np.uint8, mode="r")
         s = self.n_sequences
-        self.lengths = np.frombuffer(idx, np.int32, s, HEADER_BYTES)
-        self.pointers = np.frombuffer(idx, np.int64, s, HEADER_BYTES + 4 * s)
-        self.doc_index = np.frombuffer(idx, np.int64, n_doc_index, HEADER_BYTES + 12 * s)
+        self.lengths = Column(self.idx_path, np.int32, HEADER_BYTES, s)
+        self.pointers = Column(self.idx_path, np.int64, HEADER_BYTES + 4 * s, s)
+        self.doc_index = Column(self.idx_path, np.int64, HEADER_BYTES + 12 * s, n_doc_index)
         self.bin_bytes = _size(self.bin_path)
         self._check_ends()
         self.n_tokens = self.bin_bytes // self.itemsize
         self.n_docs = n_doc_index - 1
-        # a plain ndarray view of the mapping (slicing a np.memmap makes a memmap object per slice: slow per sample);
-        # np.memmap cannot map an empty file
-        self.tokens = (np.asarray(np.memmap(self.bin_path, dtype=self.dtype, mode="r")) if self.bin_bytes
-                       else np.empty(0, self.dtype))
+
+    def read_tokens(self, a: int, b: int) -> np.ndarray:
+        """Tokens [a, b) of the shard (a copy, in the file's dtype)."""
+        assert 0 <= a <= b <= self.n_tokens, (a, b, self.n_tokens)
+        return np.frombuffer(FILES.pread(self.bin_path, (b - a) * self.itemsize, a * self.itemsize), self.dtype)
 
     def _fail(self, path: Path, why: str) -> CorpusError:
         return CorpusError(f"{path}: {why}; refused (re-create it with llama_fp8 tokenize, or remove it)")
@@ -97,19 +107,20 @@ class IndexedShard:
     def _check_ends(self) -> None:
         """The O(1) checks: first and last entries, and the ``.bin`` size they imply."""
         s = self.n_sequences
-        first, last = int(self.doc_index[0]), int(self.doc_index[-1])
+        first, last = self.doc_index[0], self.doc_index[len(self.doc_index) - 1]
         if first != 0 or last != s:
             raise self._fail(self.idx_path, f"document indices run from {first} to {last}, not from 0 to the "
                                             f"sequence count {s}")
         end = 0
         if s:
-            if int(self.pointers[0]) != 0:
-                raise self._fail(self.idx_path, f"the first sequence starts at byte {int(self.pointers[0])}, not 0")
-            if int(self.lengths[-1]) < 0 or int(self.pointers[-1]) < 0:
+            if self.pointers[0] != 0:
+                raise self._fail(self.idx_path, f"the first sequence starts at byte {self.pointers[0]}, not 0")
+            last_ptr, last_len = self.pointers[s - 1], self.lengths[s - 1]
+            if last_len < 0 or last_ptr < 0:
                 raise self._fail(self.idx_path, "the last sequence has a negative length or pointer")
-            end = int(self.pointers[-1]) + int(self.lengths[-1]) * self.itemsize
-        if s and int(self.pointers[-1]) > self.bin_bytes:
-            raise self._fail(self.idx_path, f"its last sequence starts at byte {int(self.pointers[-1])}, past the end "
+            end = last_ptr + last_len * self.itemsize
+        if s and self.pointers[s - 1] > self.bin_bytes:
+            raise self._fail(self.idx_path, f"its last sequence starts at byte {self.pointers[s - 1]}, past the end "
                                             f"of {self.bin_path.name} ({self.bin_bytes} bytes)")
         if end > self.bin_bytes:
             raise self._fail(self.bin_path, f"truncated: {self.bin_bytes} bytes, but its index {self.idx_path.name} "
@@ -123,10 +134,9 @@ class IndexedShard:
         """Token offsets in [a, b) at which a document starts (sorted, unique), checked against the index around
         them: a read never trusts an entry it did not check."""
         size = self.itemsize
-        i0 = int(np.searchsorted(self.pointers, a * size, "left"))
-        i1 = int(np.searchsorted(self.pointers, b * size, "left"))
+        i0, i1 = self.pointers.searchsorted(a * size), self.pointers.searchsorted(b * size)
         lo, hi = max(i0 - 1, 0), min(i1 + 1, self.n_sequences)
-        ptr, length = np.asarray(self.pointers[lo:hi]), np.asarray(self.lengths[lo:hi], np.int64)
+        ptr, length = self.pointers.slice(lo, hi), self.lengths.slice(lo, hi).astype(np.int64)
         wrong = np.r_[ptr[:1] < 0, ptr[1:] != ptr[:-1] + length[:-1] * size] | (length < 0) | \
             (ptr + length * size > self.bin_bytes)
         if wrong.any():
@@ -134,12 +144,11 @@ class IndexedShard:
             raise self._fail(self.idx_path, f"sequence {lo + bad} of {self.n_sequences} points at byte {int(ptr[bad])} "
                                             f"with {int(length[bad])} tokens, which is not where the sequence before "
                                             f"it ends, or past the end of {self.bin_path.name} ({self.bin_bytes} bytes)")
-        d0 = int(np.searchsorted(self.doc_index, i0, "left"))
-        d1 = int(np.searchsorted(self.doc_index, i1, "left"))
-        docs = np.asarray(self.doc_index[d0:d1])
+        d0, d1 = self.doc_index.searchsorted(i0), self.doc_index.searchsorted(i1)
+        docs = self.doc_index.slice(d0, d1)
         if len(docs) and (docs[0] < i0 or docs[-1] >= i1 or np.any(np.diff(docs) < 0)):
             raise self._fail(self.idx_path, f"document indices {d0}..{d1} are not increasing sequence indices")
-        return np.unique(np.asarray(self.pointers[docs]) // size)
+        return np.unique(ptr[docs - lo] // size)
 
     def verify(self, bin_sha256: str | None, idx_sha256: str | None) -> None:
         """Every byte: the two files' SHA-256 against the manifest's, and every index entry consistent."""
@@ -148,15 +157,16 @@ class IndexedShard:
                 raise self._fail(path, "its SHA-256 differs from the manifest's: changed since it was tokenized")
         size, end = self.itemsize, 0
         for i in range(0, self.n_sequences, _BLOCK):
-            ptr, length = np.asarray(self.pointers[i:i + _BLOCK]), np.asarray(self.lengths[i:i + _BLOCK], np.int64)
+            ptr = self.pointers.slice(i, min(i + _BLOCK, self.n_sequences))
+            length = self.lengths.slice(i, min(i + _BLOCK, self.n_sequences)).astype(np.int64)
             want = end + np.concatenate([[0], np.cumsum(length[:-1] * size)])
             if np.any(length < 0) or np.any(ptr != want):
                 bad = i + int(np.argmax((ptr != want) | (length < 0)))
-                raise self._fail(self.idx_path, f"sequence {bad} points at byte {int(self.pointers[bad])}, "
+                raise self._fail(self.idx_path, f"sequence {bad} points at byte {self.pointers[bad]}, "
                                                 f"not where the one before it ends")
             end = int(want[-1] + length[-1] * size) if len(ptr) else end
         for i in range(0, self.n_docs + 1, _BLOCK):
-            docs = np.asarray(self.doc_index[max(i - 1, 0):i + _BLOCK])
+            docs = self.doc_index.slice(max(i - 1, 0), min(i + _BLOCK, self.n_docs + 1))
             if np.any(np.diff(docs) < 0):
                 raise self._fail(self.idx_path, "document indices are not increasing")
 
@@ -204,6 +214,66 @@ class IndexedWriter:
         return {"documents": n, "tokens": int(lengths.sum(dtype=np.int64)),
                 "bin_bytes": int(lengths.sum(dtype=np.int64)) * self.dtype.itemsize, "idx_bytes": len(body),
                 "bin_sha256": self._hash.hexdigest(), "idx_sha256": hashlib.sha256(body).hexdigest()}
+
+
+class Column:
+    """An array stored in a file (a column of an index), read by positioned reads when needed."""
+
+    def __init__(self, path: Path, dtype, offset: int, count: int) -> None:
+        self.path, self.dtype, self.offset, self.count = path, np.dtype(dtype), offset, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> int:
+        assert 0 <= i < self.count, (i, self.count)
+        return int(self.slice(i, i + 1)[0])
+
+    def slice(self, lo: int, hi: int) -> np.ndarray:
+        n = max(hi - lo, 0)
+        size = self.dtype.itemsize
+        return np.frombuffer(FILES.pread(self.path, n * size, self.offset + lo * size), self.dtype)
+
+    def searchsorted(self, value: int) -> int:
+        """The first index whose entry is >= ``value`` (the column sorted), by binary search: log2(n) small reads."""
+        return bisect.bisect_left(self, value)
+
+
+class OpenFiles:
+    """The file descriptors reads go through: opened when first read, at most ``limit`` at once (the least recently
+    used one that no thread is reading is closed), shared by every shard and thread of the process."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self._fds, self._busy = limit, collections.OrderedDict(), collections.Counter()
+        self._lock = threading.Lock()
+
+    def pread(self, path: Path, n: int, offset: int) -> bytes:
+        """Exactly ``n`` bytes at ``offset``; CorpusError naming the file if it has fewer (changed while in use)."""
+        key = str(path)
+        with self._lock:
+            fd = self._fds.pop(key, None)
+            if fd is None:
+                try:
+                    fd = os.open(key, os.O_RDONLY)
+                except OSError as e:
+                    raise CorpusError(f"{path}: cannot be read ({e.strerror})") from None
+            self._fds[key] = fd  # the most recently used last
+            self._busy[key] += 1
+        try:
+            data = os.pread(fd, n, offset) if n else b""
+        finally:
+            with self._lock:
+                self._busy[key] -= 1
+                for idle in [k for k in self._fds if not self._busy[k]][:max(len(self._fds) - self.limit, 0)]:
+                    os.close(self._fds.pop(idle))
+        if len(data) != n:
+            raise CorpusError(f"{path}: {n} bytes at {offset} asked, {len(data)} there: the file changed while it "
+                              f"was read; refused")
+        return data
+
+
+MAX_OPEN = 256
+FILES = OpenFiles(MAX_OPEN)
 
 
 def sha256_file(path: Path) -> str:
