@@ -205,8 +205,11 @@ def report(results: list[tuple[str, int, list[dict]]], args: argparse.Namespace,
     print(f"pipeline / baseline, per round: {' '.join(f'{x:.2f}' for x in s['ratio_rounds'])}; "
           f"median {s['ratio']:.2f}x, best rounds {s['ratio_best']:.2f}x (target >= 3x); "
           f"same token stream on both sides: {same}")
-    print(f"tokenized once: {built['tokens']:,} tokens in {built['seconds']:.1f} s "
-          f"({built['tokens'] / built['seconds']:,.0f} tokens/s, one process{', cached' if built['cached'] else ''})")
+    if built["cached"]:
+        print(f"tokenized once: {built['tokens']:,} tokens, by an earlier run into --work_dir (reused)")
+    else:
+        print(f"tokenized once: {built['tokens']:,} tokens in {built['seconds']:.1f} s "
+              f"({built['tokens'] / max(built['seconds'], 1e-9):,.0f} tokens/s, one process)")
     for size, m in memory.items():
         print(f"corpus reader, {size} ({m['tokens']:,} tokens, {m['shards']} shards): resident memory after opening "
               f"+{m['anon_open_mib']:.1f} MiB anonymous, +{m['file_open_mib']:.1f} MiB mapped file; after "
