@@ -102,6 +102,7 @@ def test_without_the_mask_packed_documents_see_each_other():
     assert gap > 1e-3, gap  # the test above can fail: here later documents attend to earlier ones
 
 
+@pytest.mark.slow  # FlexAttention's eager kernel: ~10 s here
 def test_flex_attention_block_mask_gives_the_same_losses(monkeypatch):
     pytest.importorskip("torch.nn.attention.flex_attention")
     from torch.nn.attention.flex_attention import flex_attention
