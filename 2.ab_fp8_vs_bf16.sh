@@ -22,7 +22,8 @@
 #                   between the arms, so the speed ratio measures FP8 and nothing else.
 #   two-jobs        one independent training job per arm (1.train_llama.sbatch) and a report job after them: for
 #                   runs too long for one allocation (one repeat, no preset). The report says "not the same hardware"
-#                   when they differ.
+#                   when they differ. Each arm reads what --dataset names: give it a tokenized corpus (llama_fp8
+#                   tokenize; the same mode tokenizes text once itself) so that the arms do not tokenize twice.
 # Environment: SBATCH_ARGS (extra sbatch options for every job, the report job included, e.g. partition and
 # account), SEGMENT (sbatch --segment=N for the training jobs: N nodes that must share one block of Slurm's
 # topology/block, e.g. one GB200 NVL72 NVLink domain; Slurm 24.05+, docs/gb200.md), AB_DIR (default runs/ab_<date-time>), AB_ORDER (same mode: the arms' run order, e.g. "fp8 bf16"),

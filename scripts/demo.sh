@@ -42,6 +42,9 @@ if [ -n "${DEMO_EXTRA:-}" ]; then
   read -r -a extra <<<"$DEMO_EXTRA"
   common+=(${extra[@]+"${extra[@]}"})  # the safe form: bash 4.2 calls an empty array unbound under set -u
 fi
+# Tokenized once (cached under $DATA/tokenized), read by every arm: the same tokens, not tokenized per run.
+"$PY" -m llama_fp8.cluster.launch.ab_data --out "$DATA/tokenized" --workers 1 -- "${common[@]}" >"$OUT/arm_args.bin"
+mapfile -d '' -t common <"$OUT/arm_args.bin"
 
 # The run order (alternating per pair) and seeds come from the same schedule as the Slurm A/B job.
 # torch.distributed.run through this venv's python (what `torchrun` is), never a script whose #! may name

@@ -109,10 +109,12 @@ class FakeTransformerLayer(nn.Module):
         ]:
             self.layernorm_mlp.register_parameter(name, nn.Parameter(torch.empty(shape, device=dev)))
         self.seen_rope: list[tuple[int, ...]] = []
+        self.seen_kwargs: list[dict] = []
 
-    def forward(self, hidden_states, rotary_pos_emb):
+    def forward(self, hidden_states, rotary_pos_emb, **kw):
         self.seen_rope.append(tuple(rotary_pos_emb.shape))
-        return self.self_attention.proj(hidden_states)  # any (B, T, H) -> (B, T, H) map will do
+        self.seen_kwargs.append({"hidden_shape": tuple(hidden_states.shape), **kw})  # e.g. THD cu_seqlens
+        return self.self_attention.proj(hidden_states)  # any (..., H) -> (..., H) map will do
 
 
 @torch.no_grad()

@@ -64,15 +64,21 @@ def test_bench_activation_memory_prints_table_and_ratio():
 
 def test_bench_data_prints_table_and_ratio(tmp_path):
     out, rec = run_bench("bench_data.py", "--work_dir", str(tmp_path), "--seq_len", "64", "--batch_size", "2",
-                         "--num_workers", "2", "--seconds", "0.2", "--warmup", "0.1", "--rounds", "3")
-    assert [row[0] for row in table_rows(out, "baseline") + table_rows(out, "pipeline")] == [
-        "baseline", "pipeline", "pipeline", "pipeline"], out
+                         "--num_workers", "2", "--seconds", "0.2", "--warmup", "0.1", "--rounds", "3",
+                         "--memory_tokens", "100000", "--memory_batches", "10")
+    assert [row[0] for row in table_rows(out, "baseline") + table_rows(out, "pipeline") + table_rows(out, "corpus")
+            if row[1] != "reader,"] == ["baseline", "pipeline", "pipeline", "pipeline", "corpus", "corpus"], out
     assert rec["bench"] == "data" and rec["num_workers"] == 2 and rec["rounds"] == 3
     # Apples to apples: the batched encoder yields the baseline's token stream exactly.
     assert rec["same_tokens"] is True, rec
     assert len(rec["ratio_rounds"]) == 3 and rec["ratio"] == sorted(rec["ratio_rounds"])[1], rec
-    assert len(rec["tokens_per_s"]) == 4 and all(v > 0 for v in rec["tokens_per_s"].values()), rec
+    assert len(rec["corpus_ratio_rounds"]) == 3 and rec["corpus_ratio"] == sorted(rec["corpus_ratio_rounds"])[1], rec
+    assert len(rec["tokens_per_s"]) == 6 and all(v > 0 for v in rec["tokens_per_s"].values()), rec
     assert rec["pipeline_tokens_per_s"] == rec["tokens_per_s"]["pipeline 2 workers"]
+    assert rec["corpus_tokens_per_s"] == rec["tokens_per_s"]["corpus in-process"]
+    assert rec["tokenize"]["tokens"] > 0 and rec["tokenize"]["cached"] is False
+    small, large = rec["memory"]["1x"], rec["memory"]["10x"]
+    assert large["tokens"] >= 10 * small["tokens"] and large["batches"] == small["batches"] == 10, rec["memory"]
 
 
 def test_bench_checkpoint_prints_table_and_ratio(tmp_path):

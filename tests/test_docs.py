@@ -19,6 +19,7 @@ LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 # The page each command's --help names, and a phrase that page must hold about that command.
 HELP_PAGES = {
     "train": ("docs/flags.md", "llama-fp8 train --help"),
+    "tokenize": ("docs/data.md", "python -m llama_fp8 tokenize --dataset /fsx/raw"),
     "estimate": ("docs/estimate.md", "llama_fp8 estimate --model"),
     "compare": ("docs/report.md", "python -m llama_fp8 compare RUN_A RUN_B"),
     "launch": ("docs/reliability.md", "runs one `llama-fp8 launch` per node"),

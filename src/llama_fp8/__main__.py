@@ -1,4 +1,5 @@
-"""`python -m llama_fp8 {train,estimate,compare,submit,convert,preflight,fp8-bisect,publish} ...` (also the `llama-fp8` script)."""
+"""`python -m llama_fp8 {train,tokenize,estimate,compare,submit,convert,preflight,fp8-bisect,publish} ...` (also the
+`llama-fp8` script)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 
 COMMANDS = {
     "train": "train a model (torchrun, srun or a single process)",
+    "tokenize": "text into a tokenized corpus, once, for every training run to read (locally or a Slurm array)",
     "estimate": "will a training run fit? per-GPU memory and per-step communication, without a GPU",
     "compare": "A/B report of two runs: table + plots",
     "launch": "torchrun that keeps the workers' exit code (used by 1.train_llama.sbatch)",
@@ -16,7 +18,7 @@ COMMANDS = {
     "fp8-bisect": "find the decoder layers to keep in BF16 for FP8 to match BF16's loss",
     "publish": "an A/B report as an MLflow run, each arm's run a child of it",
 }
-MODULES = {"train": "llama_fp8.train.cli", "estimate": "llama_fp8.estimate.cli", "compare": "llama_fp8.report.compare",
+MODULES = {"train": "llama_fp8.train.cli", "tokenize": "llama_fp8.data.tokenize", "estimate": "llama_fp8.estimate.cli", "compare": "llama_fp8.report.compare",
            "launch": "llama_fp8.cluster.launch.torchrun", "submit": "llama_fp8.cluster.launch.submit", "convert": "llama_fp8.convert",
            "preflight": "llama_fp8.cluster.nodes.preflight", "fp8-bisect": "llama_fp8.fp8_bisect",
            "publish": "llama_fp8.publish"}

@@ -18,6 +18,7 @@ SHELL_FILES = sorted([*REPO.glob("*.sh"), *REPO.glob("*.sbatch"), *REPO.glob("sc
                       *REPO.glob("scripts/**/*.sbatch")])
 CLUSTER_SCRIPTS = [REPO / "1.train_llama.sbatch", REPO / "2.ab_fp8_vs_bf16.sh", REPO / "scripts" / "build_image.sh",
                    REPO / "scripts" / "slurm" / "job_lib.sh", REPO / "scripts" / "slurm" / "ab_job.sbatch",
+                   REPO / "scripts" / "slurm" / "tokenize.sbatch",
                    *sorted(REPO.glob("scripts/image/*.sh")), *sorted(REPO.glob("scripts/container/**/*.sh"))]
 BATCH_SCRIPTS = [REPO / "1.train_llama.sbatch", REPO / "scripts" / "slurm" / "ab_job.sbatch"]
 DOCKERFILES = sorted(REPO.glob("*.dockerfile"))
@@ -126,7 +127,7 @@ def test_train_flags_in_launchers_exist(capsys):
     assert {"model", "config", "fp8", "max_steps", "run_dir", "device"} <= checked  # the scan found the lines
 
 
-@pytest.mark.parametrize("command", ["submit", "preflight", "compare"])
+@pytest.mark.parametrize("command", ["submit", "preflight", "compare", "tokenize"])
 def test_own_flags_in_launchers_exist(command, capsys):
     """Flags of `llama_fp8 submit|preflight|compare` (before `--`) are accepted by that command."""
     accepted = help_text(command, capsys)

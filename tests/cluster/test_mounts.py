@@ -214,3 +214,10 @@ def test_the_docs_list_of_mounted_paths_is_the_one_list():
     text = (REPO / "docs" / "cluster.md").read_text()
     block = text.split("<!-- mounted-paths:start -->\n")[1].split("<!-- mounted-paths:end -->")[0]
     assert block == mounts.paths_markdown() + "\n", "run: python scripts/update_docs.py"
+
+
+def test_every_corpus_of_a_data_blend_is_a_path_to_mount():
+    values = mounts.train_path_values(["--data_blend", "0.7:/fsx/web,0.3:/lustre/code"])
+    paths = mounts.run_paths(values, "/work", {"SLURM_JOB_ID": "9"})
+    assert {(p.what, p.path, p.write) for p in paths if p.what == "--data_blend"} == {
+        ("--data_blend", "/fsx/web", False), ("--data_blend", "/lustre/code", False)}

@@ -10,6 +10,7 @@ import io
 import json
 import random
 import re
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,9 @@ class Cfg:
     vocab_size: int = 512
     validation_batches: int = 3
     streaming: bool = True
+    data_blend: str | None = None
+    skip_samples: str | None = None
+    doc_masking: bool = False
 
 
 def make_docs(n: int, seed: int = 0) -> list[str]:
@@ -402,10 +406,15 @@ def test_fingerprint_passes_batches_through_and_changes_with_them(corpus, tok_di
     next(again), next(again)
     first = again.take()
     next(again), next(again)
-    assert first != again.take() and again.take() == "00000000"  # a new window after each take()
+    assert first != again.take() and again.take() == 0  # a new window after each take()
     other = data.Fingerprinted(data.build_train_loader(dataclasses.replace(cfg, seed=8), 0, 1))
     next(other), next(other)
     assert other.take() != first
+    # the window's fingerprint is the sum of its rows' CRC32s: the same samples give it whatever rank read them
+    rows_crc = [zlib.crc32(r.numpy()) for b in take(data.build_train_loader(cfg, 0, 1), 2) for r in b["input_ids"]]
+    assert first == sum(rows_crc) % 2**32
+    assert data.combine_fingerprints([first]) == f"{first:08x}"
+    assert data.combine_fingerprints([5, 7, 5, 7], readers_per_batch=2) == f"{12:08x}"  # a TP group counts once
 
 
 # ---------------------------------------------------------------------------------- demo data

@@ -207,6 +207,11 @@ MATRIX: dict[str, tuple[str, str, str]] = {
     "test_resume_with_changed_world_size_works": (
         CHANGE, "resume a 2-rank checkpoint on 1 rank (batch 2 -> 4: same global batch)",
         "works: DCP reshards; synthetic data continues at the same global sample; losses within 2e-3"),
+    "test_resume_of_a_tokenized_corpus_at_another_world_size_reads_on_exactly": (
+        CHANGE, "resume a 2-rank checkpoint of real text from a tokenized corpus (2 x 3 samples per step) on 1 rank "
+        "(x 6) and on 3 ranks (x 2)",
+        "works: the data position is one global sample count; steps 5-6 read exactly the samples of the "
+        "uninterrupted run (equal data_crc32); losses within 2e-3"),
     "test_resume_with_changed_lr_applies_the_new_schedule": (
         CHANGE, "resume with --lr halved", "the new peak LR applies from the resumed step on"),
     # --- bad data (1 rank, in-process, a local JSONL corpus) -------------------------------------------------

@@ -8,10 +8,11 @@ import json
 import shutil
 
 import pytest
-from faultkit import RUN, SMALL, complete, losses, run1, starts
+from faultkit import RUN, SMALL, complete, losses, run1, run2, starts
 
 from helpers import REPO, local_text_flags, train_records
 from llama_fp8 import config as C
+from llama_fp8.data import tokenize
 from llama_fp8.train.build import lr_at
 
 
@@ -93,6 +94,40 @@ def test_resume_with_changed_world_size_works(ref2, tmp_path, capsys, row):
     assert saved == 2
     rel = max(abs(got[s] - ref2.losses[s]) / ref2.losses[s] for s in (5, 6))
     row(f"2-rank step_4 resumed on 1 rank; losses of steps 5-6 within {rel:.1e} of the 2-rank run", 0)
+
+
+@pytest.mark.slow  # three training runs, two of them multi-process
+def test_resume_of_a_tokenized_corpus_at_another_world_size_reads_on_exactly(tmp_path, monkeypatch, row):
+    text = local_text_flags(tmp_path, monkeypatch)  # --dataset TEXT --tokenizer TOK --vocab_size 320
+    corpus = tmp_path / "corpus"
+    assert tokenize.main(["--dataset", text[1], "--tokenizer", text[3], "--out", str(corpus)]) == 0
+    flags = [*RUN, "--dataset", str(corpus), *text[4:]]
+    a = tmp_path / "a"
+    r = run2(a, [*flags, "--train_batch_size", "3"])  # 2 ranks x 3: a global batch of 6 samples
+    assert r.rc == 0, r.err[-3000:]
+    want = {rec["step"]: rec for rec in train_records(a)}
+    observed = []
+    for nproc, bsz in ((1, 6), (3, 2)):
+        b = tmp_path / f"on{nproc}"
+        shutil.copytree(a, b)
+        shutil.rmtree(b / "checkpoints" / "step_6")
+        (b / "metrics.jsonl").write_text("")
+        if nproc == 1:
+            assert run1(b, [*flags, "--train_batch_size", str(bsz)]) == 0
+        else:
+            r = run2(b, [*flags, "--train_batch_size", str(bsz)], nproc=nproc)
+            assert r.rc == 0, r.err[-3000:]
+        got = {rec["step"]: rec for rec in train_records(b)}
+        assert starts(b) == [4] and sorted(got) == [5, 6]
+        # exactly the samples the uninterrupted run read (every rank's tokens), and the same training
+        assert [got[s]["data_crc32"] for s in (5, 6)] == [want[s]["data_crc32"] for s in (5, 6)], nproc
+        assert [got[s]["data_tokens"] for s in (5, 6)] == [want[s]["data_tokens"] for s in (5, 6)]
+        assert [got[s]["loss"] for s in (5, 6)] == pytest.approx([want[s]["loss"] for s in (5, 6)], rel=2e-3)
+        rel = max(abs(got[s]["loss"] - want[s]["loss"]) / want[s]["loss"] for s in (5, 6))
+        observed.append(f"{nproc} rank{'s' if nproc > 1 else ''} x {bsz}: losses within {rel:.1e}")
+    crcs = ", ".join(want[s]["data_crc32"] for s in (5, 6))
+    row(f"2 x 3 step_4 resumed on 1 x 6 and on 3 x 2: data_crc32 of steps 5-6 ({crcs}) equal to the uninterrupted "
+        f"run's on both; {'; '.join(observed)}", 0)
 
 
 def test_resume_with_changed_lr_applies_the_new_schedule(saved, row):

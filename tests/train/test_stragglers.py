@@ -170,6 +170,8 @@ def test_rank_monitor_window_in_one_process_carries_fake_nvml_readings():
     assert r["step_s"] == pytest.approx(1.25) and r["data_wait_s"] == pytest.approx(0.25)
     assert r["throttle_thermal"] == 1.0 and w["throttled"] is True and w["stragglers"] == []
     assert w["gpu_nodes"][socket.gethostname()]["throttle_thermal"] is True
+    # the rank's data fingerprint travels with the same gather, exactly (the observer sums them: data_crc32)
+    assert mon.window(data_sum=2**32 - 1)["data_sums"] == [2**32 - 1] and w["data_sums"] == [0]
 
 
 def test_the_comm_sampler_keeps_no_frame_of_the_training_thread_alive():

@@ -369,9 +369,13 @@ class Checkpointer:
             raise AgreedError(f"cannot resume from {path}: {why}")
 
     def _load_other_world(self, path: Path, meta: dict, loader, extra: dict) -> None:
-        """Different world size: model and optimizer reshard; the data position carries over only when it
-        does not depend on the rank split (synthetic data); otherwise the stream restarts, said loudly."""
+        """Different world size: model and optimizer reshard; the data position carries over when it does not depend
+        on the rank split (a tokenized corpus: one global position; synthetic data); otherwise the stream restarts,
+        said loudly."""
         state = extra["loader"]
+        if state.get("kind") == "corpus":  # the same on every rank: the position of every rank together
+            loader.load_state_dict(state)
+            return
         if state.get("kind") == "synthetic":
             # Synthetic batches are indexed by global sample: the loader rescales its batch counter to this
             # layout. States of the previous version lack the layout; it was all data-parallel then.
@@ -379,8 +383,9 @@ class Checkpointer:
                                     "batch_size": int(meta["config"]["train_batch_size"]), **state})
             return
         log.warning("checkpoint %s was saved by %d ranks, this run has %d: model and optimizer are resharded, "
-                    "but the data stream restarts from its beginning (per-rank reader positions do not map "
-                    "to a new world size)", path, meta["world_size"], self.world)
+                    "but the data stream restarts from its beginning (per-rank reader positions of text tokenized on "
+                    "the fly do not map to a new world size; a tokenized corpus, llama_fp8 tokenize, resumes exactly)",
+                    path, meta["world_size"], self.world)
 
 
 def _stager():

@@ -33,7 +33,7 @@ log = logging.getLogger("llama_fp8.checkpoint")
 SHAPE_FLAGS = ("vocab_size", "hidden_width", "num_layers", "num_heads", "num_key_value_heads", "intermediate_size",
                "tie_word_embeddings")
 """Flags that change which parameters exist or their shapes: a checkpoint of another shape cannot load."""
-MUST_MATCH = (*SHAPE_FLAGS, "optimizer", "dataset")
+MUST_MATCH = (*SHAPE_FLAGS, "optimizer", "dataset", "data_blend")
 """... plus the optimizer (its state has another structure) and the data source (the saved position
 is a position in that data; to train the saved weights on other data, export them with ``llama-fp8
 convert`` and start a new run with --init_from_hf)."""

@@ -124,8 +124,16 @@ class TrainConfig:
     optimizer: str = _f("adamw", "adamw (FP32 states), adamw8bit or adamw_fp8 (torchao.optim low-precision "
                         "states; adamw_fp8 needs CUDA)", choices=("adamw", "adamw8bit", "adamw_fp8"))
     # --- data ----------------------------------------------------------------------------------------
-    dataset: str = _f("synthetic", "synthetic, a hub dataset name, or a local file/folder "
-                      "(.jsonl .json .parquet .txt arrow)", group="data")
+    dataset: str = _f("synthetic", "synthetic, a hub dataset name, a local file/folder (.jsonl .json .parquet .txt "
+                      "arrow), or a tokenized corpus (a folder made by llama_fp8 tokenize, or Megatron .bin/.idx)",
+                      group="data")
+    data_blend: str | None = _f(None, "mix tokenized corpora by weight instead of --dataset: W1:PATH1,W2:PATH2 "
+                                "(e.g. 0.7:/fsx/web,0.3:/fsx/code); deterministic, resumed exactly", group="data")
+    skip_samples: str | None = _f(None, "A:B[,C:D]: leave out global samples A to B-1 of a tokenized corpus's order "
+                                  "(e.g. the batches before a loss spike); kept in the checkpoint", group="data")
+    doc_masking: bool = _f(False, "1: packed documents do not attend to each other and their positions restart "
+                           "(HF model: block mask, TE model: THD cu_seqlens); labels never cross a document",
+                           group="data")
     dataset_config_name: str | None = _f(None, "hub dataset config (e.g. en for allenai/c4)", group="data")
     text_field: str = _f("text", "name of the text column", group="data")
     data_files: str | None = _f(None, "comma-separated files or globs inside --dataset", group="data")
@@ -135,7 +143,8 @@ class TrainConfig:
     tokenizer: str | None = _f(None, "hub name or local folder for AutoTokenizer (not needed for synthetic)",
                                group="data")
     streaming: bool = _f(True, "stream hub datasets instead of downloading them whole", group="data")
-    num_workers: int = _f(1, "DataLoader worker processes per rank", min=0, group="data")
+    num_workers: int = _f(1, "DataLoader worker processes per rank (tokenized corpora: threads reading ahead)", min=0,
+                          group="data")
     validation_freq: int = _f(0, "validate every N steps (0 = never)", min=0, group="data")
     validation_batches: int = _f(4, "batches per rank in each validation", min=1, group="data")
     # --- parallelism ---------------------------------------------------------------------------------

@@ -15,6 +15,10 @@ the round-robin order of the workers exactly where the interrupted one stopped.
 
 Determinism: batches depend on the source, tokenizer, T, B, seed, dp_rank/dp_world and num_workers,
 never on precision flags. Synthetic batches are independent of dp_world (see ``SyntheticLoader``).
+
+A tokenized corpus (``llama_fp8 tokenize``, or Megatron's .bin/.idx) as --dataset, or several as --data_blend, is
+read in one global sample order instead (``corpus_loader.py``): its position is one number, valid at any world size.
+With --doc_masking every batch also holds ``position_ids`` restarting at each document (``doc_mask.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from llama_fp8.data import corpus_loader
+from llama_fp8.data.corpus_loader import CorpusLoader, DataStateError
+from llama_fp8.data.doc_mask import doc_fields, starts_after_eos
+from llama_fp8.data.order import parse_skips
 from llama_fp8.data.packing import PackSpec, SlotFactory
 from llama_fp8.data.sources import SourceKey, open_sources
 from llama_fp8.data.tokenizer import check_tokenizer, load_tokenizer
@@ -37,16 +45,16 @@ SYNTHETIC_MODULUS = 256  # synthetic token ids lie in [0, min(vocab_size, 256))
 SYNTHETIC_MAX_STRIDE = 4  # synthetic sequences step by b in [1, 4]
 
 
-def to_batch(blocks: np.ndarray) -> dict[str, torch.Tensor]:
-    """(B, T+1) token blocks -> the model's input/label tensors (B, T)."""
+def to_batch(blocks: np.ndarray, eos_id: int | None = None) -> dict[str, torch.Tensor]:
+    """(B, T+1) token blocks -> the model's input/label tensors (B, T); with ``eos_id`` (--doc_masking) also the
+    position ids of each document, which starts after an EOS (``doc_mask.py``)."""
+    if eos_id is not None:
+        return doc_fields(blocks, starts_after_eos(blocks, eos_id))
     tokens = torch.from_numpy(blocks.astype(np.int64))
     return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
 
 
 # ------------------------------------------------------------------------------ reader factories
-class DataStateError(ValueError):
-    """A saved data-loader position that does not fit this run's data settings."""
-
 
 def real_factory(cfg: Any, dp_world: int, split: str, n_workers: int) -> SlotFactory:
     """Factory for --dataset != synthetic (``split`` "train" or "validation"); the config was checked by
@@ -145,8 +153,9 @@ class _SlotIterable(torch.utils.data.IterableDataset):
 class PackedLoader:
     """Endless packed batches of one data-parallel rank, resumable via state_dict/load_state_dict."""
 
-    def __init__(self, factory: SlotFactory, dp_rank: int, dp_world: int, num_workers: int) -> None:
-        self._factory, self._rank, self._world = factory, dp_rank, dp_world
+    def __init__(self, factory: SlotFactory, dp_rank: int, dp_world: int, num_workers: int,
+                 eos_id: int | None = None) -> None:
+        self._factory, self._rank, self._world, self._eos = factory, dp_rank, dp_world, eos_id
         self._num_workers = num_workers
         self._slots = max(1, num_workers)
         self._states: list[dict | None] = [None] * self._slots
@@ -166,7 +175,7 @@ class PackedLoader:
             self._states[local] = {k: previous[k] if k in _SHARED and v is None else v  # type: ignore[index]
                                    for k, v in delta.items()}
             self._consumed += 1
-            yield to_batch(item["blocks"])
+            yield to_batch(item["blocks"], self._eos)
 
     def state_dict(self) -> dict:
         """Position after the last batch handed out (prefetched batches are not counted)."""
@@ -207,25 +216,37 @@ def _check_state(state: dict, kind: str) -> None:
 
 
 class Fingerprinted:
-    """This rank's batches, passed through, with a CRC32 of every ``input_ids`` handed out since the
-    last ``take()``. Logged per window in metrics.jsonl, it lets ``compare`` check that the two runs of
-    an A/B pair trained on the same tokens (the same seed must give the same batches)."""
+    """This rank's batches, passed through, with a fingerprint of the samples handed out since the last ``take()``:
+    the sum of each row's CRC32 of its ``input_ids``, modulo 2**32. Summed over the data-parallel ranks (the
+    observer does, on logging steps) it is the fingerprint of every sample the step read, whatever the world size or
+    the split of the global batch into ranks; logged per window in metrics.jsonl, it lets ``compare`` check that the
+    two runs of an A/B pair trained on the same tokens, and a resumed run at another world size that it read what the
+    uninterrupted run would have."""
 
     def __init__(self, batches: Any) -> None:
-        self._it, self._crc = iter(batches), 0
+        self._it, self._sum = iter(batches), 0
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
         batch = next(self._it)
-        self._crc = zlib.crc32(batch["input_ids"].contiguous().numpy(), self._crc)  # no copy: a CPU buffer
+        rows = batch["input_ids"].contiguous().numpy()  # no copy: a CPU buffer
+        self._sum = (self._sum + sum(zlib.crc32(row) for row in rows)) % 2**32
         return batch
 
-    def take(self) -> str:
-        """The fingerprint of the batches since the last call (8 hex digits); starts a new window."""
-        crc, self._crc = self._crc, 0
-        return f"{crc:08x}"
+    def take(self) -> int:
+        """The fingerprint of the batches since the last call; starts a new window."""
+        out, self._sum = self._sum, 0
+        return out
+
+
+def combine_fingerprints(sums: list[int], readers_per_batch: int = 1) -> str:
+    """The step's fingerprint from every rank's ``Fingerprinted.take()`` (8 hex digits): ranks of one tensor or
+    context-parallel group read the same batch, ``readers_per_batch`` of them, and count once."""
+    total = sum(int(s) for s in sums)
+    assert total % readers_per_batch == 0, (sums, readers_per_batch)
+    return f"{(total // readers_per_batch) % 2**32:08x}"
 
 
 # ----------------------------------------------------------------------------------- validation
@@ -260,15 +281,45 @@ def validate_data_config(cfg: Any, dp_world: int | None = None) -> None:
             raise ValueError(f"--{name}={getattr(cfg, name)} must be >= 1")
     if cfg.num_workers < 0:
         raise ValueError(f"--num_workers={cfg.num_workers} must be >= 0")
-    if cfg.dataset == "synthetic":
+    if cfg.data_blend and cfg.dataset != "synthetic":
+        raise ValueError(f"--data_blend and --dataset={cfg.dataset!r}: give one of them (--data_blend names every "
+                         f"corpus the run reads)")
+    corpora = corpus_loader.corpus_sources(cfg)
+    if cfg.skip_samples:
+        parse_skips(cfg.skip_samples)
+        if corpora is None:
+            raise ValueError(f"--skip_samples {cfg.skip_samples} counts samples of a tokenized corpus's global order; "
+                             f"--dataset={cfg.dataset!r} has none: tokenize it first (llama_fp8 tokenize)")
+    if cfg.dataset == "synthetic" and corpora is None:
+        if cfg.doc_masking:
+            raise ValueError("--doc_masking keeps the documents of real text apart; --dataset=synthetic has none "
+                             "(each sample is one sequence)")
+        return
+    if corpora is not None:
+        _check_text_flags_unused(cfg)
+        corpus_loader.check_corpus_config(cfg)
         return
     if not cfg.tokenizer:
         raise ValueError(f"--dataset={cfg.dataset!r} needs --tokenizer (a local folder or hub id); "
-                         "only --dataset=synthetic works without one")
+                         "only --dataset=synthetic and tokenized corpora work without one")
     check_tokenizer(load_tokenizer(cfg.tokenizer), cfg.tokenizer, cfg.vocab_size)
     open_sources(SourceKey.from_cfg(cfg))
     if dp_world is not None:
         _check_reader_slots(cfg, dp_world)
+
+
+# Flags that say how text becomes documents: a tokenized corpus was cut at tokenize time (they go to llama_fp8
+# tokenize); with a corpus they would do nothing, so they are refused. (flag, its value when not given)
+TEXT_FLAGS = (("dataset_config_name", None), ("text_field", "text"), ("data_files", None), ("val_data_files", None),
+              ("val_fraction", 0.0), ("streaming", True))
+
+
+def _check_text_flags_unused(cfg: Any) -> None:
+    given = [f"--{k}={getattr(cfg, k)!r}" for k, default in TEXT_FLAGS if getattr(cfg, k) != default]
+    if given:
+        raise ValueError(f"{', '.join(given)}: how text becomes documents is decided when it is tokenized; "
+                         f"{'--data_blend' if cfg.data_blend else '--dataset'} names tokenized corpora: give "
+                         f"{'them' if len(given) > 1 else 'it'} to llama_fp8 tokenize instead, not to train")
 
 
 def _check_reader_slots(cfg: Any, dp_world: int) -> None:
@@ -279,16 +330,23 @@ def _check_reader_slots(cfg: Any, dp_world: int) -> None:
                          f"dp_world * max(1, --num_workers) = {n_slots} reader slots")
 
 
-def build_train_loader(cfg: Any, dp_rank: int, dp_world: int) -> SyntheticLoader | PackedLoader:
+def _eos(cfg: Any) -> int | None:
+    """The EOS id that ends each document, when --doc_masking needs the boundaries (on-the-fly packing)."""
+    return int(load_tokenizer(cfg.tokenizer).eos_token_id) if cfg.doc_masking else None
+
+
+def build_train_loader(cfg: Any, dp_rank: int, dp_world: int) -> SyntheticLoader | PackedLoader | CorpusLoader:
     """Endless training batches of this data-parallel rank (see the module docstring)."""
     assert 0 <= dp_rank < dp_world, (dp_rank, dp_world)
+    if corpus_loader.corpus_sources(cfg) is not None:
+        return corpus_loader.build_corpus_loader(cfg, dp_rank, dp_world)
     if cfg.dataset == "synthetic":
         return SyntheticLoader(cfg, dp_rank, dp_world)
     factory = real_factory(cfg, dp_world, "train", max(1, cfg.num_workers))
     if cfg.num_workers > 0:
         # Workers are forked processes with one tokenizer thread each; avoids the fork warning.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return PackedLoader(factory, dp_rank, dp_world, cfg.num_workers)
+    return PackedLoader(factory, dp_rank, dp_world, cfg.num_workers, _eos(cfg))
 
 
 def build_val_loader(cfg: Any, dp_rank: int, dp_world: int) -> ValLoader | None:
@@ -296,6 +354,9 @@ def build_val_loader(cfg: Any, dp_rank: int, dp_world: int) -> ValLoader | None:
     assert 0 <= dp_rank < dp_world, (dp_rank, dp_world)
     if cfg.validation_batches < 1:
         return None
+    if corpus_loader.corpus_sources(cfg) is not None:
+        make = corpus_loader.corpus_val_batches(cfg, dp_rank, dp_world)
+        return None if make is None else ValLoader(make, cfg.validation_batches)
     if cfg.dataset == "synthetic":
         return ValLoader(lambda: (synthetic_batch(cfg, 1, i, cfg.val_batch_size, dp_rank, dp_world)
                                   for i in itertools.count()), cfg.validation_batches)
@@ -306,5 +367,6 @@ def build_val_loader(cfg: Any, dp_rank: int, dp_world: int) -> ValLoader | None:
     # A validation set smaller than the world is read whole by every rank instead of split.
     world = dp_world if n_docs is None or n_docs >= dp_world else 1
     factory = real_factory(cfg, world, "validation", 1)
-    return ValLoader(lambda: (to_batch(blocks) for blocks, _ in factory.batches(dp_rank % world, None)),
+    eos = _eos(cfg)
+    return ValLoader(lambda: (to_batch(blocks, eos) for blocks, _ in factory.batches(dp_rank % world, None)),
                      cfg.validation_batches)

@@ -55,15 +55,21 @@ class Encoder:
         self.bos_id = None if bos is None or bos == eos else int(bos)
 
     def __call__(self, texts: list[str]) -> np.ndarray:
+        return self.documents(texts)[0]
+
+    def documents(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """The packed stream of the texts and each document's length in it (its BOS and EOS included)."""
         texts = [t for t in texts if t]  # skip empty/missing documents (e.g. blank .txt lines)
         if not texts:
-            return np.empty(0, dtype=np.int32)
+            return np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int64)
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None:
             ids = [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
         else:
             ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return pack_documents(ids, self.bos_id, self.eos_id)
+        extra = 1 if self.bos_id is None else 2
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)) + extra
+        return pack_documents(ids, self.bos_id, self.eos_id), lengths
 
 
 @dataclass(frozen=True)

@@ -40,3 +40,15 @@ def check_tokenizer(tok: Any, name: str, vocab_size: int | None) -> None:
     if vocab_size is not None and len(tok) > vocab_size:
         raise ValueError(f"--tokenizer={name!r} has {len(tok)} tokens, more than the model's "
                          f"vocab_size={vocab_size}; use a model preset with vocab_size >= {len(tok)}")
+
+
+def tokenizer_sha256(tok: Any) -> str:
+    """What identifies a tokenizer's token ids, wherever it was loaded from: SHA-256 of its serialized vocabulary and
+    merges (the fast tokenizer's JSON; a slow one's vocabulary), its size and its BOS/EOS ids."""
+    import hashlib
+    import json
+
+    backend = getattr(tok, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(tok.get_vocab(), sort_keys=True)
+    extra = json.dumps([len(tok), tok.bos_token_id, tok.eos_token_id])
+    return hashlib.sha256((body + extra).encode()).hexdigest()

@@ -48,6 +48,8 @@ class ModelImpl:
     """Has a tensor-parallel plan (``apply_tensor_parallel``)."""
     context_parallel: bool = False
     """Supports context parallelism (``apply_context_parallel``)."""
+    document_masking: bool = False
+    """Keeps packed documents apart given the batch's position ids (``--doc_masking``; ``model_inputs``)."""
     why_not: dict[str, str] = {}
     """Why it lacks what the flag (``--activation_checkpointing``, ``--tp_size``, ``--cp_size``) asks for, and
     the way out: said by ``check``'s refusal of that flag."""
@@ -83,6 +85,9 @@ class ModelImpl:
         if cfg.cp_size > 1 and not self.context_parallel:
             raise ConfigError(f"--cp_size {cfg.cp_size}: --model_impl {self.name} has no context parallelism"
                               f"{self._why('--cp_size')}")
+        if getattr(cfg, "doc_masking", False) and not self.document_masking:
+            raise ConfigError(f"--doc_masking: --model_impl {self.name} cannot keep packed documents apart (it reads "
+                              f"no position ids); use --doc_masking 0{self._why('--doc_masking')}")
         if cfg.activation_checkpointing not in ("none", *self.activation_checkpointing_modes):
             modes = ", ".join(["none", *self.activation_checkpointing_modes])
             raise ConfigError(f"--activation_checkpointing {cfg.activation_checkpointing} does not work with "
@@ -107,8 +112,10 @@ class ModelImpl:
         """torch context parallelism: how key/value shards travel (set_rotate_method's name)."""
         return "allgather"
 
-    def model_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The forward's keyword inputs for a (B, T) batch of token ids."""
+    def model_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict:
+        """The forward's keyword inputs for a (B, T) batch of token ids, on the host (the loop moves every tensor to the
+        device). ``position_ids`` (B, T): given with --doc_masking, restarting at 0 at each document; an implementation
+        that keeps documents apart builds its attention mask (or sequence lengths) from them."""
         return {"input_ids": input_ids}
 
     def loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ Summary rules (also printed in the report):
 - At equal quality (equal_quality.py, isoloss.py): the iso-loss speed-up, how much sooner B reaches A's final
   smoothed loss, and the iso-time loss gap, each with its interval over pairs; the headline puts the raw speed-up,
   the iso-loss speed-up and the verdict side by side (the last line printed, ``headline.txt``).
-- Same data: our runs log a fingerprint of rank 0's tokens per logging window (``data_crc32``); when
+- Same data: our runs log a fingerprint of every rank's tokens per logging window (``data_crc32``); when
   both runs have them, a differing window makes the verdict FAIL (the losses are not comparable).
   Plain logs have none: "not checked".
 """

@@ -108,14 +108,16 @@ class RankMonitor:
         if self.sampler is not None:
             self.sampler.close()
 
-    def window(self, mem_peak_gib: float | None = None) -> dict[str, Any]:
+    def window(self, mem_peak_gib: float | None = None, data_sum: int = 0) -> dict[str, Any]:
         """``mem_peak_gib``: this rank's memory high-water mark (the meter's), gathered with the rest so that the record
-        holds every rank's."""
+        holds every rank's. ``data_sum``: this rank's data fingerprint of the window (an integer below 2**32, exact in
+        a float64), gathered with them: ``data_sums`` holds every rank's."""
         n = max(self._steps, 1)
         g = self.health.sample()
         comm = self.sampler.take() if self.sampler is not None else 0.0
+        assert 0 <= data_sum < 2**32, data_sum
         mine = torch.tensor([self._step_s / n, self._wait_s / n, comm / n, NAN if mem_peak_gib is None else mem_peak_gib,
-                             *(NAN if g[k] is None else g[k] for k in FIELDS)], dtype=torch.float64)
+                             *(NAN if g[k] is None else g[k] for k in FIELDS), float(data_sum)], dtype=torch.float64)
         self._reset()
         if len(self.ranks) > 1:
             # NCCL gathers device tensors; gloo host ones. A dozen numbers per rank: no measurable cost.
@@ -127,10 +129,11 @@ class RankMonitor:
             rows = [mine.tolist()]
         ranks = [{"rank": i, **self.ranks[i], "step_s": r[0], "data_wait_s": r[1], "comm_wait_s": r[2],
                   "mem_peak_gib": None if r[3] != r[3] else r[3],
-                  **{k: (None if v != v else v) for k, v in zip(FIELDS, r[4:])}}  # NaN -> None
+                  **{k: (None if v != v else v) for k, v in zip(FIELDS, r[4:-1])}}  # NaN -> None
                  for i, r in enumerate(rows)]
         nodes = per_node(ranks)
-        return {"ranks": ranks, "stragglers": find_stragglers(ranks, self.threshold),
+        return {"ranks": ranks, "data_sums": [int(r[-1]) for r in rows],
+                "stragglers": find_stragglers(ranks, self.threshold),
                 "gpu_health": self.health.status, "gpu_nodes": nodes,
                 "throttled": any(v["throttle_thermal"] or v["throttle_power"] for v in nodes.values())}
 

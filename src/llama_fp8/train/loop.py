@@ -33,7 +33,8 @@ def loop(s: TrainState) -> list[float]:
         obs.step_ends(step, loss, data_wait)
         if step % cfg.logging_freq == 0 or step == cfg.max_steps:
             s.guard.check()
-            losses.append(obs.log(step, lr, grad_norm, batches.take()))
+            tokens = s.train_loader.tokens_seen() if hasattr(s.train_loader, "tokens_seen") else None
+            losses.append(obs.log(step, lr, grad_norm, batches.take(), tokens))
         if s.val_loader is not None and step % cfg.validation_freq == 0:
             with obs.evaluating(step):
                 s.writer.write(*validate(s, step))
@@ -66,6 +67,14 @@ def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
     return norm
 
 
+def on_device(s: TrainState, batch: dict, device: torch.device) -> tuple[dict, torch.Tensor]:
+    """The model's inputs (``impl.model_inputs`` of the host batch: with --doc_masking it reads the document
+    boundaries there, without a device sync) and the labels, on ``device``."""
+    inputs = s.impl.model_inputs(batch["input_ids"], batch.get("position_ids"))
+    inputs = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    return inputs, batch["labels"].to(device, non_blocking=True)
+
+
 def train_step(s: TrainState, batches, step: int):
     """One optimizer step over --grad_accum_steps micro-batches. Returns (mean loss tensor, grad norm
     tensor, seconds blocked on the loader). No host sync (except under --nan_policy skip)."""
@@ -79,9 +88,8 @@ def train_step(s: TrainState, batches, step: int):
         data_wait += time.perf_counter() - t0
         if accum > 1:  # reduce-scatter gradients on the last micro-batch only
             model.set_requires_gradient_sync(micro == accum - 1)
-        input_ids = batch["input_ids"].to(device, non_blocking=True)
-        labels = batch["labels"].to(device, non_blocking=True)
-        with s.context.step(s.impl.model_inputs(input_ids), labels) as (inputs, labels):
+        inputs, labels = on_device(s, batch, device)
+        with s.context.step(inputs, labels) as (inputs, labels):
             with phase("forward"):
                 with s.precision.autocast():  # forward only: TE wants backward outside its FP8 autocast
                     # The mean cross entropy over this rank's tokens (a share of each sequence under CP), from
@@ -113,8 +121,8 @@ def validate(s: TrainState, step: int) -> tuple[dict, str]:
     batches = iter(s.val_loader)
     for _ in range(s.cfg.validation_batches):
         batch = next(batches)
-        ids, labels = batch["input_ids"].to(s.env.device), batch["labels"].to(s.env.device)
-        with s.context.step(s.impl.model_inputs(ids), labels) as (inputs, labels):
+        inputs, labels = on_device(s, batch, s.env.device)
+        with s.context.step(inputs, labels) as (inputs, labels):
             with s.precision.autocast():
                 total += local(s.impl.loss(s.model, inputs, labels))
     s.model.train()

@@ -14,6 +14,7 @@ import time
 import torch
 
 from llama_fp8 import faults
+from llama_fp8.data import combine_fingerprints
 from llama_fp8.telemetry import goodput, heartbeat, metrics, profiling, sinks, stragglers
 
 log = logging.getLogger("llama_fp8.train")
@@ -23,7 +24,7 @@ class RunObserver:
     def __init__(self, *, heartbeat: heartbeat.Heartbeat, clock: goodput.Goodput, ranks: stragglers.RankMonitor,
                  profiler: profiling.Profiler, meter: metrics.StepMeter, writer: sinks.MetricsWriter,
                  precision, precision_name: str, world_size: int, is_main: bool, start_step: int,
-                 lead=None):
+                 lead=None, readers_per_batch: int = 1):
         self.heartbeat, self.clock, self.ranks, self.profiler = heartbeat, clock, ranks, profiler
         self.meter, self.writer, self.precision = meter, writer, precision
         self.precision_name, self.world_size, self.is_main = precision_name, world_size, is_main
@@ -32,6 +33,7 @@ class RunObserver:
         self._data_wait = 0.0
         self._step_s: float | None = None
         self.lead = lead  # telemetry/time_limit.LeadCheck (rank 0, when the job knows its --signal lead)
+        self.readers_per_batch = readers_per_batch  # ranks that read each batch: a tensor/context-parallel group
 
     def begin(self) -> None:
         """The loop starts: start-up ends here."""
@@ -58,15 +60,22 @@ class RunObserver:
         self.meter.add_step(loss, data_wait)
         self.precision.report(self.writer, step)  # FP8 check / statistics records, when the runtime has any
 
-    def log(self, step: int, lr: float, grad_norm: torch.Tensor | None, data_crc32: int) -> float:
+    def log(self, step: int, lr: float, grad_norm: torch.Tensor | None, data_sum: int,
+            data_tokens: dict[str, int] | None = None) -> float:
         """A logging step: the window's record and a warning that names stragglers. Every rank makes the record (its
-        all-reduced loss, every rank's step time, data wait and memory); rank 0's writer writes it everywhere, each
-        rank's writer exports its per-rank gauges from it (telemetry/outputs.py). Returns the window's loss."""
+        all-reduced loss, every rank's step time, data wait, memory and data fingerprint); rank 0's writer writes it
+        everywhere, each rank's writer exports its per-rank gauges from it (telemetry/outputs.py). ``data_sum``: this
+        rank's ``data.Fingerprinted.take()``; ``data_tokens``: the tokens read from each source so far (a tokenized
+        corpus's loader knows them for every rank). Returns the window's loss."""
         rec = self.meter.window(step, lr, grad_norm)
-        # rank 0's tokens over the window's steps: equal in two runs iff they read the same data
-        rec.update(precision=self.precision_name, world_size=self.world_size, data_crc32=data_crc32,
-                   data_from_step=self._window_start, goodput=self.clock.so_far(),
-                   **self.ranks.window(rec["mem_peak_gib"]))
+        ranks = self.ranks.window(rec["mem_peak_gib"], data_sum)
+        # every sample the window's steps read, all data-parallel ranks together: equal in two runs iff they read the
+        # same data, whatever their world sizes
+        rec.update(precision=self.precision_name, world_size=self.world_size,
+                   data_crc32=combine_fingerprints(ranks.pop("data_sums"), self.readers_per_batch),
+                   data_from_step=self._window_start, goodput=self.clock.so_far(), **ranks)
+        if data_tokens is not None:
+            rec["data_tokens"] = data_tokens
         self._window_start = step + 1
         self.writer.write(rec, metrics.format_line(rec))
         note = stragglers.summary_line(rec["stragglers"])

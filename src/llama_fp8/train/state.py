@@ -116,7 +116,7 @@ def start(cfg: TrainConfig, env: parallel.DistEnv, beat: heartbeat.Heartbeat | N
                                      gpu_health.GpuHealth(env.device.type, env.device.index)),
         profiler=profiling.Profiler(cfg, Path(plan.run_dir), env.rank, env.device),
         precision_name=plan.precision.name, world_size=env.world_size, is_main=env.is_main, start_step=start_step,
-        lead=lead)
+        lead=lead, readers_per_batch=env.world_size // plan.dims.dp_size)
     watch = faults.SignalWatch(env.world_size)
     marks.mark("sinks")
     # Every group exists now (the mesh's, the model's, the signal check's, the checkpointer's): each gets its timeout.

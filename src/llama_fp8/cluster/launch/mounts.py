@@ -28,8 +28,11 @@ from pathlib import PurePosixPath
 # not a path.
 PATH_FLAGS = (("run_dir", True), ("checkpoint_dir", True), ("tensorboard_dir", True), ("prometheus_textfile_dir", True),
               ("mlflow_tracking_uri", True), ("dataset", False), ("tokenizer", False), ("init_from_hf", False),
-              ("config", False), ("resume_from_checkpoint", False))
+              ("config", False), ("resume_from_checkpoint", False), ("data_blend", False))
 URI_FLAGS = ("mlflow_tracking_uri",)
+# Flags whose value names several paths: --data_blend W1:PATH1,W2:PATH2 (parsed here by hand: this module runs on the
+# host's python, without the package's dependencies).
+MULTI_PATH = {"data_blend": lambda v: [part.partition(":")[2].strip() for part in v.split(",") if ":" in part]}
 NOT_PATHS = {"synthetic", "auto", "none", ""}
 # Hugging Face caches: written (downloads) when set; unset means ~/.cache inside the container.
 ENV_PATHS = ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE")
@@ -151,9 +154,9 @@ def run_paths(values: dict[str, str], cwd: str, env: dict[str, str],
             value = tracking_uri_path(str(value))
         if value is None or str(value).lower() in NOT_PATHS or str(value).startswith("s3://"):
             continue  # an S3 prefix is reached over the network, not through a mount
-        value = str(value)
-        if write or flag == "config" or looks_local(value, cwd):
-            out.append(RunPath(f"--{flag}", absolute(value, cwd), write))
+        for one in MULTI_PATH[flag](str(value)) if flag in MULTI_PATH else [str(value)]:
+            if write or flag == "config" or looks_local(one, cwd):
+                out.append(RunPath(f"--{flag}", absolute(one, cwd), write))
     for name in ENV_PATHS:
         if env.get(name):
             out.append(RunPath(name, absolute(env[name], cwd), True))

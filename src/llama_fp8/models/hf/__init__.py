@@ -20,6 +20,7 @@ class HFImpl(ModelImpl):
     description = "Hugging Face LlamaForCausalLM"
     auto_when = "otherwise"
     tensor_parallel = context_parallel = True
+    document_masking = True  # a block mask from the position ids (masks.py)
 
     def fp8_backends(self):
         from llama_fp8.precision.torchao import TORCHAO
@@ -32,6 +33,10 @@ class HFImpl(ModelImpl):
                               "Llama 3.2 presets): the tensor-parallel plan splits the embedding by rows and the "
                               "LM head by columns, which one shared weight cannot be; use --tp_size 1 (FSDP) for it")
         if cfg.cp_size > 1:
+            if getattr(cfg, "doc_masking", False):
+                raise ConfigError(f"--doc_masking with --cp_size {cfg.cp_size}: torch's context parallelism runs SDPA "
+                                  "causally without a mask on each rank's chunks, so packed documents would attend to "
+                                  "each other; use --cp_size 1, or the TE model (--model_impl te: THD with cu_seqlens)")
             if device.type != "cuda":
                 raise ConfigError(f"--cp_size {cfg.cp_size} with the Hugging Face model needs CUDA: torch's context "
                                   "parallelism runs the flash/efficient/cuDNN attention kernels only (none on CPU)")
@@ -57,17 +62,23 @@ class HFImpl(ModelImpl):
     def cp_rotate(self, cfg) -> str:
         return TORCH_CP_ROTATE[cfg.cp_comm_type]
 
-    def model_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Explicit positions 0..T-1: with sequence parallelism HF would count positions from the sharded
-        hidden states, and under context parallelism they are cut with the tokens."""
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
-        return {"input_ids": input_ids, "position_ids": positions.contiguous()}
+    def model_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict:
+        """Explicit positions (0..T-1 unless the batch's restart at each document, --doc_masking): with sequence
+        parallelism HF would count positions from the sharded hidden states, and under context parallelism they are
+        cut with the tokens. The document mask is built from them in the forward (``model.py``)."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+        return {"input_ids": input_ids, "position_ids": position_ids.contiguous()}
 
     def build(self, cfg) -> nn.Module:
         from llama_fp8.models.common import hf_config
+        from llama_fp8.models.hf.masks import FLEX
         from llama_fp8.models.hf.model import LlamaForTraining
 
-        return LlamaForTraining(hf_config(cfg))
+        model = LlamaForTraining(hf_config(cfg), doc_masking=bool(getattr(cfg, "doc_masking", False)))
+        if model.doc_masking and cfg.device != "cpu" and torch.cuda.is_available():
+            model.set_attn_implementation(FLEX)  # a BlockMask skips the blocks outside every document
+        return model
 
     def loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
         return model(**inputs, targets=targets).loss

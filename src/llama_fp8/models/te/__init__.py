@@ -26,6 +26,7 @@ class TEImpl(ModelImpl):
                             "released); use --model_impl hf with --fp8_backend torchao for tensor parallelism, or "
                             "--tp_size 1"}
     context_parallel = True  # TE's own (set_context_parallel_group): models/te/parallel.py
+    document_masking = True  # THD layers with the documents' cu_seqlens (model.py doc_seqlens)
     # Each block receives the RoPE angles (positions x inverse frequencies, up to ~T radians) as an FP32
     # input; FSDP2's mixed-precision policy would cast them to BF16 with the hidden states, which keeps 8
     # significant bits: at positions 2048-4096 the angles would be rounded to multiples of 16 rad. So the
@@ -62,6 +63,11 @@ class TEImpl(ModelImpl):
         super().check(cfg, device)
         if cfg.cp_size > 1:
             check_context_parallel(cfg)
+            if getattr(cfg, "doc_masking", False):
+                raise ConfigError(f"--doc_masking with --cp_size {cfg.cp_size} and --model_impl {self.name}: TE's THD "
+                                  "context parallelism needs every document padded to a multiple of 2 x cp_size "
+                                  "tokens (cu_seqlens_padded) and cut per document, which fixed-length packed rows "
+                                  "do not have here; use --cp_size 1 with --doc_masking, or --doc_masking 0")
         if device.type != "cuda":
             raise ConfigError(f"--model_impl {self.name} runs Transformer Engine's CUDA kernels and needs a CUDA GPU; "
                               "on CPU use --model_impl hf (or auto)")
@@ -74,9 +80,18 @@ class TEImpl(ModelImpl):
         from llama_fp8.models.te.model import build_te_llama
 
         try:
-            return build_te_llama(hf_config(cfg))
+            return build_te_llama(hf_config(cfg), doc_masking=bool(getattr(cfg, "doc_masking", False)))
         except ImportError as e:
             raise ConfigError(f"--model_impl {self.name}: {e}") from None
+
+    def model_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict:
+        """With --doc_masking, the documents as THD sequence lengths (``doc_seqlens``, from the host's positions)."""
+        if position_ids is None:
+            return {"input_ids": input_ids}
+        from llama_fp8.models.te.model import doc_seqlens
+
+        cu_seqlens, max_seqlen = doc_seqlens(position_ids)
+        return {"input_ids": input_ids, "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
 
     def loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
         return model(**inputs, targets=targets).loss

@@ -115,12 +115,17 @@ class TELlamaDecoderLayer(nn.Module):
         self.te_layer = te_layer
         self.checkpoint_fn: Callable | None = None  # set by te_checkpoint_wrap
 
-    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor,
+                cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
+        """``cu_seqlens`` (--doc_masking): the documents' boundaries in the THD layout (``hidden_states`` (t, H));
+        TE's attention keeps them apart and its RoPE restarts at each."""
+        kw = {} if cu_seqlens is None else {"cu_seqlens_q": cu_seqlens, "cu_seqlens_kv": cu_seqlens,
+                                             "max_seqlen_q": max_seqlen, "max_seqlen_kv": max_seqlen}
         if self.checkpoint_fn is not None and torch.is_grad_enabled():
             return self.checkpoint_fn(
-                self.te_layer, hidden_states, rotary_pos_emb=rotary_pos_emb, use_reentrant=False
+                self.te_layer, hidden_states, rotary_pos_emb=rotary_pos_emb, use_reentrant=False, **kw
             )
-        return self.te_layer(hidden_states, rotary_pos_emb=rotary_pos_emb)
+        return self.te_layer(hidden_states, rotary_pos_emb=rotary_pos_emb, **kw)
 
 
 class TELlamaModel(nn.Module):
@@ -133,13 +138,16 @@ class TELlamaModel(nn.Module):
 
     cp_size = 1  # set by context parallelism: this rank holds 1/cp_size of each sequence
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                max_seqlen: int | None = None) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # (B, T/cp, H)
         # The angles of the whole sequence: under context parallelism TE's fused RoPE picks this rank's chunks.
         rope = self.rotary(input_ids.shape[1] * self.cp_size, hidden.device)  # (T, 1, 1, head_dim)
+        if cu_seqlens is not None:  # THD: the rows' tokens as one sequence of documents, (B*T, H)
+            hidden = hidden.reshape(-1, hidden.shape[-1])
         for layer in self.layers:
-            hidden = layer(hidden, rope)
-        return self.norm(hidden)
+            hidden = layer(hidden, rope, cu_seqlens, max_seqlen) if cu_seqlens is not None else layer(hidden, rope)
+        return self.norm(hidden).reshape(*input_ids.shape, -1)
 
 
 class TELlamaForCausalLM(nn.Module):
@@ -157,10 +165,12 @@ class TELlamaForCausalLM(nn.Module):
         return self.lm_head
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None) -> TECausalLMOutput:
+                targets: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                max_seqlen: int | None = None) -> TECausalLMOutput:
         """``labels``: HF's convention (shifted here); ``targets``: aligned with ``input_ids`` already, the loss
-        computed without the whole logits (``parallel/loss.py``), and no logits returned."""
-        hidden = self.model(input_ids)  # (B, T, H)
+        computed without the whole logits (``parallel/loss.py``), and no logits returned. ``cu_seqlens`` and
+        ``max_seqlen``: the documents of the flattened batch (--doc_masking, ``doc_seqlens``)."""
+        hidden = self.model(input_ids, cu_seqlens, max_seqlen)  # (B, T, H)
         if targets is not None:
             return TECausalLMOutput(logits=None, loss=self.lm_head(hidden, targets=targets))
         logits = self.lm_head(hidden)  # (B, T, V)
@@ -189,7 +199,17 @@ def head_dim_of(cfg: Any) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
-def _make_te_layer(te: Any, cfg: Any, index: int, device: torch.device) -> nn.Module:
+def doc_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """THD boundaries of a batch whose positions restart at each document (--doc_masking): int32 ``cu_seqlens``
+    (the offsets at which a document starts in the flattened B*T tokens, then B*T; a row's start is always one) and the
+    longest document. Computed on the host, where the counts cost no device synchronization."""
+    flat = position_ids.reshape(-1)
+    starts = torch.nonzero(flat == 0).reshape(-1)
+    cu = torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def _make_te_layer(te: Any, cfg: Any, index: int, device: torch.device, doc_masking: bool = False) -> nn.Module:
     init = functools.partial(nn.init.normal_, mean=0.0, std=cfg.initializer_range)
     return te.TransformerLayer(
         hidden_size=cfg.hidden_size,
@@ -203,12 +223,13 @@ def _make_te_layer(te: Any, cfg: Any, index: int, device: torch.device) -> nn.Mo
         init_method=init,
         output_layer_init_method=init,
         layer_number=index + 1,
-        self_attn_mask_type="causal",
+        # --doc_masking: packed documents as THD sequences (cu_seqlens), causal within each
+        self_attn_mask_type="padding_causal" if doc_masking else "causal",
         layer_type="encoder",  # self-attention only ("decoder" adds cross-attention)
         bias=False,
         activation="swiglu",  # SiLU(first half of fc1) * second half -> fc1 = [gate; up]
         normalization="RMSNorm",
-        attn_input_format="bshd",
+        attn_input_format="thd" if doc_masking else "bshd",
         # One QKV weight [q; k; v] (one GEMM; FP8 parameters need it: TE cannot split an FP8 weight into
         # q/k/v parameters), not interleaved per KV group, so it is HF's three weights stacked (weights.py).
         fuse_qkv_params=True,
@@ -218,9 +239,10 @@ def _make_te_layer(te: Any, cfg: Any, index: int, device: torch.device) -> nn.Mo
     )
 
 
-def build_te_llama(hf_config: Any) -> TELlamaForCausalLM:
+def build_te_llama(hf_config: Any, doc_masking: bool = False) -> TELlamaForCausalLM:
     """Llama with TE decoder layers on the current default device (``meta`` under the lead's
-    ``with torch.device("meta")``: TE takes an explicit ``device`` argument, default "cuda")."""
+    ``with torch.device("meta")``: TE takes an explicit ``device`` argument, default "cuda"); ``doc_masking``: THD
+    layers that take the documents' ``cu_seqlens``."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     _check_llama_config(hf_config)
@@ -228,7 +250,7 @@ def build_te_llama(hf_config: Any) -> TELlamaForCausalLM:
     te = te_import()
     device = torch.get_default_device()
     layers = [
-        TELlamaDecoderLayer(_make_te_layer(te, hf_config, i, device))
+        TELlamaDecoderLayer(_make_te_layer(te, hf_config, i, device, doc_masking))
         for i in range(hf_config.num_hidden_layers)
     ]
     # padding_idx as in HF's LlamaModel: that row gets no gradient.
