@@ -61,6 +61,21 @@ def test_a_node_charged_twice_is_left_behind_instead_of_restarted_a_third_time(t
     assert "charged to node n7 (1 of 2); restarting" in err
 
 
+def test_two_failures_of_a_node_with_a_new_checkpoint_between_them_are_not_a_bad_node(tmp_path):
+    """The regression of issue 46: n7 kills a rank in step 3 (checkpoint step 2 complete), the job trains on, then n7
+    kills a rank again in step 9 (checkpoint step 8 complete): two unrelated failures. Before, the second left n7
+    behind ("failed 2 times in this training step") and, on a cluster with no other node, the requeued job stayed
+    pending for good. A node's failures count only without a new checkpoint between them: both are restarted."""
+    plan = {"0": {"1": {"exit": "kill", "ckpt": 2}}, "1": {"0": {"exit": "kill", "ckpt": 8}}, "2": {},
+            "steps": {"0": 3, "1": 9}}
+    rc, err = launch(tmp_path, plan, SLURMD_NODENAME="n7")
+    assert rc == 0 and attempts(tmp_path) == 3, err[-3000:]
+    assert "charged to node n7 (1 of 2 without a new checkpoint (the latest complete: step 8))" in err, err[-3000:]
+    assert "left behind" not in err, err[-3000:]
+    got = outcome_fields(tmp_path)
+    assert (got["action"], got["failed"]) == ("done", ["n7@0:2", "n7@1:8"]), got
+
+
 def test_a_python_exception_is_not_charged_to_the_node(tmp_path):
     plan = {"0": {"0": 1}, "1": {"0": 1}, "2": {}, "steps": {"0": 3, "1": 4}}
     rc, err = launch(tmp_path, plan, SLURMD_NODENAME="n7")

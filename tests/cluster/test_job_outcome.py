@@ -158,22 +158,25 @@ def test_each_node_gives_torchrun_its_own_address_and_keeps_the_users_rendezvous
         assert got.get("PET_LOCAL_ADDR") == addr, (node, got.get("PET_LOCAL_ADDR"))
 
 
-def fake_slurm(tmp_path: Path, drain_ok: bool = False) -> dict[str, str]:
-    """scontrol and sbatch replaced by recorders (slurm.calls, one call per line); `scontrol -o show job` says the
-    job has no ExcNodeList yet; a drain is refused unless ``drain_ok`` (a user without operator rights)."""
+def fake_slurm(tmp_path: Path, drain_ok: bool = False, cluster: str = "n1 alloc\nn2 alloc\nn3 idle") -> dict[str, str]:
+    """scontrol, sbatch and sinfo replaced by recorders (slurm.calls, one call per line); `scontrol -o show job` says
+    the job runs on n1 and n2 with no ExcNodeList yet; a drain is refused unless ``drain_ok`` (a user without
+    operator rights); `sinfo -N` lists ``cluster`` (NAME STATE lines: by default a third node, idle)."""
     fake = tmp_path / "bin"
     fake.mkdir(exist_ok=True)
     calls = tmp_path / "slurm.calls"
     (fake / "scontrol").write_text(
         f"#!/bin/bash\necho \"scontrol $*\" >>{calls}\n"
         "case \"$*\" in\n  '-o show job 77') echo 'JobId=77 JobState=RUNNING ExcNodeList=(null) NodeList=n[1-2]';;\n"
+        "  'show hostnames n[1-2]') printf 'n1\\nn2\\n';;\n"
         f"  update\\ NodeName=*) exit {0 if drain_ok else 1};;\nesac\nexit 0\n")
     (fake / "sbatch").write_text(f"#!/bin/bash\nprintf 'sbatch' >>{calls}\nfor a in \"$@\"; do printf ' [%s]' \"$a\" "
                                  f">>{calls}; done\necho >>{calls}\necho 4242\n")
-    for tool in ("scontrol", "sbatch"):
+    (fake / "sinfo").write_text(f"#!/bin/bash\necho \"sinfo $*\" >>{calls}\nprintf '{cluster}\\n'\n")
+    for tool in ("scontrol", "sbatch", "sinfo"):
         (fake / tool).chmod(0o755)
     return {"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1",
-            "SLURM_JOB_PARTITION": "gpu"}
+            "SLURM_JOB_PARTITION": "gpu", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2"}
 
 
 def test_a_node_charged_twice_across_runs_is_left_behind_on_requeue(tmp_path):
@@ -196,6 +199,45 @@ def test_a_node_charged_twice_across_runs_is_left_behind_on_requeue(tmp_path):
     assert "[--exclude=n2]" in calls and "[--partition=gpu]" in calls, calls
     assert "scontrol update JobId=77 ExcNodeList=n2 && scontrol release 77" in calls, calls
     assert "requeued without n2 (ExcNodeList=n2, set and released by job 4242)" in proc.stdout
+
+
+def test_failures_of_a_node_with_a_new_checkpoint_between_them_leave_nothing_behind(tmp_path):
+    """The regression of issue 46, across requeues: n2 failed once in the job's first run (checkpoint step 88 the
+    latest) and once in its second (step 95): two unrelated failures, not a bad node. Before, any two failures of a
+    node in a job left it behind (ExcNodeList), and a two-node job on a two-node cluster stayed pending for good."""
+    (tmp_path / "logs").mkdir()
+    env = fake_slurm(tmp_path)
+    outcome_dir = tmp_path / "out"
+    outcome_dir.mkdir()
+    for run, ckpt in ((0, 88), (1, 95)):
+        (outcome_dir / "node0").write_text(f"86 retry {ckpt} n2@0:{ckpt} - lost the rendezvous\n")
+        proc = run_lib(f"LF_OUTCOME_DIR={outcome_dir}; lf_outcome 143 || true; echo bad=$(lf_bad_nodes)", tmp_path,
+                       **{**env, "SLURM_RESTART_COUNT": str(run)})
+    assert "bad=\n" in proc.stdout, proc.stdout + proc.stderr
+    assert (tmp_path / "logs" / "llama-fp8-nodes_77").read_text().splitlines() == ["n2 0.0 88", "n2 1.0 95"]
+
+
+def test_a_bad_node_the_job_cannot_run_without_is_restarted_on_in_place(tmp_path):
+    """n2 failed twice without a new checkpoint (step 4 the latest both times), no spare in the step, and the
+    cluster has no other node (n1 and n2, both the job's): leaving n2 behind would strand the job in the queue.
+    The training step restarts in place on n2 instead, counted like a requeue (MAX_REQUEUES), and says why.
+    With an idle third node, the same failures leave n2 behind as before (requeued without it)."""
+    (tmp_path / "logs").mkdir()
+    outcome_dir = tmp_path / "out"
+    outcome_dir.mkdir()
+    (outcome_dir / "node0").write_text("137 retry 4 n2@0:4,n2@1:4 - node n2 has failed 2 times without a new checkpoint\n")
+    (outcome_dir / "node1").write_text("1 closed 4 n2@0:4,n2@1:4 - another node ended the job\n")
+    script = f"LF_OUTCOME_DIR={outcome_dir}; rc=0; lf_outcome 1 || rc=$?; echo rc=$rc in_place=${{LF_IN_PLACE:-0}}"
+    proc = run_lib(script, tmp_path, **fake_slurm(tmp_path, cluster="n1 alloc\nn2 alloc"))
+    assert "rc=85 in_place=1" in proc.stdout, proc.stdout + proc.stderr
+    assert "restarting the training step in place on n2" in proc.stdout, proc.stdout
+    assert "the job needs 2 node(s); without n2 Slurm could give it 1 (n1)" in proc.stdout, proc.stdout
+    assert "(1 of 3 without a new checkpoint, MAX_REQUEUES)" in proc.stdout, proc.stdout
+    assert "requeuehold" not in (tmp_path / "slurm.calls").read_text()
+    (tmp_path / "slurm.calls").unlink()
+    proc = run_lib(f"{script}; lf_requeue", tmp_path, **fake_slurm(tmp_path))
+    assert "rc=85 in_place=0" in proc.stdout, proc.stdout + proc.stderr
+    assert "scontrol requeuehold 77" in (tmp_path / "slurm.calls").read_text()
 
 
 def test_one_failure_per_node_leaves_nothing_behind_and_a_first_run_forgets_an_old_list(tmp_path):
