@@ -11,7 +11,10 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 from standin import attempts, finish, launch_nodes, outcome_fields
+
+pytestmark = pytest.mark.slow  # three launchers and their workers: 45-70 s each on two cores
 
 HEALTHY = {"exit": "wait", "step_s": 0.5}
 
