@@ -244,17 +244,19 @@ node(s); without $now Slurm could give it $cap ($names), and a requeue without i
 # Drained with the reason the cluster acts on: HyperPod's Action:Replace (Action:Reboot with BAD_NODE_ACTION=reboot),
 # free text elsewhere. Needs Slurm operator rights; returns non-zero where Slurm refuses.
 lf_drain() {  # lf_drain NODES ACTION
-    local reason="failed in training (llama-fp8, Slurm job $SLURM_JOB_ID)" state=DRAIN
+    local reason="failed in training (llama-fp8, Slurm job $SLURM_JOB_ID)" state=DRAIN why
     if [[ "$(lf_cluster_kind)" == hyperpod ]]; then
         state=FAIL reason=$LF_HYPERPOD_REPLACE
         if [[ "$2" == reboot ]]; then reason=$LF_HYPERPOD_REBOOT; fi
     fi
     scontrol update NodeName="$1" State="$state" Reason="$reason" || return
-    echo "job $SLURM_JOB_ID: $1 set to $state with reason \"$reason\" (BAD_NODE_ACTION=$2, $(lf_cluster_kind))$(
-        case "$(lf_cluster_kind)" in
-            hyperpod) echo ": HyperPod ${reason#Action:}s it (nodes.reason exact and case-sensitive)" | tr 'A-Z' 'a-z' ;;
-            parallelcluster) echo ": ParallelCluster's clustermgtd replaces a drained static node" ;;
-        esac)"
+    case "$(lf_cluster_kind)/$reason" in
+        hyperpod/"$LF_HYPERPOD_REBOOT") why="HyperPod reboots a node drained with this exact, case-sensitive reason" ;;
+        hyperpod/*) why="HyperPod replaces a node drained with this exact, case-sensitive reason" ;;
+        parallelcluster/*) why="ParallelCluster's clustermgtd replaces a drained static node, keeping its name" ;;
+        *) why="BAD_NODE_ACTION=$2: no new job is placed on it until an administrator resumes it" ;;
+    esac
+    echo "job $SLURM_JOB_ID: $1 set to $state with reason \"$reason\" ($(lf_cluster_kind): $why)"
 }
 
 # On HyperPod the training step carries --auto-resume=1: HyperPod replaces a faulty node and runs the step again, and
