@@ -375,13 +375,31 @@ def test_a_bad_first_node_is_left_to_a_spare_of_the_allocation_by_starting_the_s
     outcome_dir = tmp_path / "out"
     outcome_dir.mkdir()
     (outcome_dir / "node0").write_text("137 retry 6 n1@0:6,n1@1:6 - node n1 has failed 2 times\n")
+    (outcome_dir / "node1").write_text("1 closed 6 n1@0:6,n1@1:6 - another node ended the job\n")
     (outcome_dir / "node2").write_text("0 spare - - - node n3: a spare, not needed\n")
-    script = (f"LF_OUTCOME_DIR={outcome_dir}; rc=0; lf_outcome 1 || rc=$?; echo rc=$rc in_place=${{LF_IN_PLACE:-0}}; "
-              "lf_setup_nodes; echo trainers=$LF_TRAINERS spares=$LF_SPARES")
+    script = (f"lf_setup_nodes; LF_OUTCOME_DIR={outcome_dir}; rc=0; lf_outcome 1 || rc=$?; "
+              "echo rc=$rc in_place=${LF_IN_PLACE:-0}; lf_setup_nodes; echo trainers=$LF_TRAINERS spares=$LF_SPARES")
     proc = run_lib(script, tmp_path, **three_nodes(tmp_path, SPARE_NODES="1"))
     assert "rc=85 in_place=1" in proc.stdout and "trainers=n2,n3 spares=\n" in proc.stdout, proc.stdout + proc.stderr
     assert "leaving n1 behind: the training step starts again in this allocation on n2,n3 (a spare takes its " \
            "place, no requeue); restart of the training step (1 of 3 without a new checkpoint" in proc.stdout
+
+
+def test_a_node_whose_launcher_vanished_in_a_spare_step_is_not_started_again_here(tmp_path):
+    """A step with a spare: n2's launcher wrote nothing (killed with its host) while n1's and n3's did. n2 is not
+    used again in this allocation (a later step trains on n1 and n3), and a requeue does not exclude it: whether it
+    is down is Slurm's to know. No unused spare reported: the line says none was left."""
+    (tmp_path / "logs").mkdir()
+    outcome_dir = tmp_path / "out"
+    outcome_dir.mkdir()
+    (outcome_dir / "node0").write_text("86 retry 6 - - not every node joined the rendezvous\n")
+    (outcome_dir / "node2").write_text("1 closed 6 - - another node ended the job\n")
+    script = (f"lf_setup_nodes; LF_OUTCOME_DIR={outcome_dir}; rc=0; lf_outcome 1 || rc=$?; echo rc=$rc; "
+              "lf_setup_nodes; echo trainers=$LF_TRAINERS spares=${LF_SPARES:-none} bad=$(lf_bad_nodes)")
+    proc = run_lib(script, tmp_path, **three_nodes(tmp_path, SPARE_NODES="1"))
+    assert "n2 stopped answering in the training step (no decision from its launcher): not used again" in proc.stdout
+    assert "not every node joined the rendezvous; no spare was left (SPARE_NODES=1); requeue 1 of 3" in proc.stdout
+    assert "rc=85" in proc.stdout and "trainers=n1,n3 spares=none bad=\n" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_a_spare_that_fails_its_preflight_is_never_used(tmp_path):

@@ -101,7 +101,7 @@ lf_bad_nodes() {
     file=$(lf_nodes_file)
     [[ -f "$file" ]] || return 0
     awk -v n="$LF_NODE_FAILURES" '
-        $2 == "left" { bad[$1] = 1; next }
+        $2 == "left" { next }
         $2 == "exclude" { bad[$1] = 1; next }
         { c = ($3 ~ /^[0-9]+$/) ? $3 + 0 : -1; at[NR] = c; who[NR] = $1; if (c > top) top = c }
         BEGIN { top = -1 }
@@ -120,6 +120,22 @@ lf_leave_nodes() {  # lf_leave_nodes NODES: this run of the job stops using them
         grep -qxF "$node left ${SLURM_RESTART_COUNT:-0}" "$file" 2>/dev/null ||
             echo "$node left ${SLURM_RESTART_COUNT:-0}" >>"$file" 2>/dev/null || true
     done
+}
+
+# In a step with spares, a node whose launcher wrote no decision while others did stopped answering (its launcher or
+# its host gone; a spare took its place, or the step ended for it): this run of the job does not start it again.
+# It is not excluded from a requeued job (Slurm knows whether it is down). node<N> is the step's N-th node.
+lf_vanished() {  # lf_vanished FILES_WRITTEN
+    local i=0 node gone=""
+    [[ -n "${LF_SPARES:-}" ]] && (($1 > 0)) || return 0
+    for node in ${LF_ACTIVE//,/ }; do
+        [[ -f "$LF_OUTCOME_DIR/node$i" ]] || gone+="${gone:+,}$node"
+        i=$((i + 1))
+    done
+    [[ -n "$gone" ]] || return 0
+    echo "job $SLURM_JOB_ID: $gone stopped answering in the training step (no decision from its launcher): not used" \
+        "again in this allocation"
+    for node in ${gone//,/ }; do echo "$node left ${SLURM_RESTART_COUNT:-0}" >>"$(lf_nodes_file)" 2>/dev/null || true; done
 }
 
 lf_left_nodes() {  # the nodes this run of the job no longer uses (comma-separated)

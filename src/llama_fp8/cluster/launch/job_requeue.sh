@@ -21,7 +21,7 @@
 # go to the job's nodes file, whatever the decision.
 lf_outcome() {  # lf_outcome SRUN_RC -> return 0, 85 or the failure's code
     local rc=$1 f code action ckpt failed exclude line fail="" failcode=0 requeue="" retry="" finished="" closed=""
-    local files=0 latest=""
+    local files=0 latest="" unused=""
     for f in "$LF_OUTCOME_DIR"/node*; do
         [[ -f "$f" ]] || continue
         files=$((files + 1))
@@ -35,8 +35,10 @@ lf_outcome() {  # lf_outcome SRUN_RC -> return 0, 85 or the failure's code
             done) finished=$line ;;
             closed) closed=$line ;;
             left) echo "job $SLURM_JOB_ID: $line"; lf_leave_nodes "$exclude" ;;
+            spare) unused=1 ;;
         esac
     done
+    lf_vanished "$files"
     # shellcheck disable=SC2034  # read by lf_run_training (job_lib.sh)
     LF_IN_PLACE=""
     if [[ -n "$fail" ]]; then
@@ -57,7 +59,9 @@ lf_outcome() {  # lf_outcome SRUN_RC -> return 0, 85 or the failure's code
         fi
         return "$rc"
     fi
-    lf_retry "$rc" "${latest:--}" "${retry:-${closed:+a launcher ended the job without a word ($closed)}}"
+    retry=${retry:-${closed:+a launcher ended the job without a word ($closed)}}
+    if [[ -n "${LF_SPARES:-}" && -z "$unused" ]]; then retry+="${retry:+; }no spare was left (SPARE_NODES=${SPARE_NODES:-0})"; fi
+    lf_retry "$rc" "${latest:--}" "$retry"
 }
 
 # A requeue without a new checkpoint, counted in logs/llama-fp8-requeues_<job>, one line per requeue ("CHECKPOINT
