@@ -114,9 +114,25 @@ MATRIX: dict[str, tuple[str, str, str]] = {
         "Slurm requeues the job (NODE_FAIL, --requeue); when the node is back it resumes, COMPLETED, bitwise")
        for which in ("second", "first")},
     "test_a_node_that_fails_twice_is_left_behind_on_requeue": (
-        FAULT, "Slurm, three nodes: n2 kills its rank in step 3, then again in step 5",
-        "restarted in the job once; the second failure leaves n2 behind: requeued with ExcNodeList=n2, resumes on the "
-        "other two nodes, COMPLETED, bitwise"),
+        FAULT, "Slurm, three nodes: n2 kills its rank in step 3, then again in step 4 (no new checkpoint between)",
+        "restarted in the job once; the second failure leaves n2 behind, the cluster having a node for the job "
+        "without it: requeued with ExcNodeList=n2, resumes on the other two nodes, COMPLETED, bitwise"),
+    # --- spare nodes and the bad-node policy (tests/cluster/test_spares_slurm.py) ----------------------------------
+    "test_failures_far_apart_restart_and_a_bad_node_the_job_cannot_do_without_restarts_in_place": (
+        FAULT, "Slurm, SPARE_NODES=1 on three nodes, the spare n3 failing its preflight: n2 kills its rank in steps 3 "
+        "and 5 (a checkpoint between) and 6 (none since)",
+        "n3 never used; the first two failures restarted in the job (not a bad node); the third leaves n2 charged "
+        "twice without progress, and with no node for the job without it the step restarts in place on n2, saying "
+        "why; no requeue, COMPLETED, bitwise"),
+    "test_a_lost_training_node_continues_on_the_spare_without_a_requeue": (
+        FAULT, "Slurm, SPARE_NODES=1: n2's launcher and worker SIGKILLed in step 4 (the node gone)",
+        "the spare n3 joins the next rendezvous after torch drops n2; the job resumes at the same world size, no "
+        "requeue; the swap in the log and metrics.jsonl; COMPLETED, bitwise"),
+    "test_a_node_failing_its_health_check_goes_to_the_spare_then_a_lost_node_requeues": (
+        FAULT, "Slurm, SPARE_NODES=1: n2 kills its rank in step 3 and fails its health check; then n3's launcher "
+        "SIGKILLed in step 6",
+        "n2 hands its place to the spare, no requeue; with no spare left the lost n3 ends the step and the job is "
+        "requeued as without spares (without n2, on two nodes), COMPLETED, bitwise"),
     "test_sigusr1_during_a_restart_requeues": (
         FAULT, "Slurm: rank 1 killed in step 4, then SIGUSR1 (the time-limit warning) while the workers restart",
         "no restart after the signal: exit 85, the script requeues, the job resumes, COMPLETED, bitwise"),

@@ -226,11 +226,12 @@ lf_capacity() {  # lf_capacity EXCLUDED -> "COUNT NODE,NODE,..."
 # cluster has no node for the job without them, in place on them. Either is counted like a requeue without a new
 # checkpoint (MAX_REQUEUES), so that a node that breaks every attempt cannot keep the job going forever.
 lf_retry() {  # lf_retry SRUN_RC CHECKPOINT|- WHY -> 85 (LF_IN_PLACE=1: run the step again here) or not requeued
-    local rc=$1 ckpt=$2 why=$3 bad now="" rest="" node cap count names
+    local rc=$1 ckpt=$2 why=$3 bad left now="" rest="" node cap count names
     LF_IN_PLACE=""
     lf_nodes_known
-    bad=$(lf_bad_nodes)
+    bad=$(lf_bad_nodes) left=$(lf_left_nodes)  # left: out of this allocation's steps already (a spare took over)
     for node in ${LF_ACTIVE//,/ }; do
+        lf_in_list "$node" "$left" && continue
         if lf_in_list "$node" "$bad"; then now+="${now:+,}$node"; else rest+="${rest:+,}$node"; fi
     done
     if [[ -z "$now" ]]; then
