@@ -21,7 +21,8 @@
 # Environment: SBATCH_ARGS (extra sbatch options for every job, the report job included, e.g. partition and
 # account), AB_DIR (default runs/ab_<date-time>), AB_ORDER (same mode: the arms' run order, e.g. "fp8 bf16"),
 # AB_PRESET (same mode: ab, the default, compiles every arm alike where a backend needs it and turns FP8 all-gather
-# on where a recipe allows it; none leaves the flags as given), plus
+# on where a recipe allows it; none leaves the flags as given), SPARE_NODES (k spare nodes added to every training
+# job's --nodes, which wait to take a failed node's place; a swap during an arm is recorded), plus
 # everything 1.train_llama.sbatch reads (IMAGE, VENV, CONTAINER_MOUNTS, ...). With --mlflow_tracking_uri among the
 # train arguments the report is also logged to MLflow (`llama_fp8 publish`: the A/B a parent run, the arms children).
 set -euo pipefail
@@ -49,6 +50,24 @@ AB_DIR=$(realpath -m "${AB_DIR:-runs/ab_$(date +%Y%m%d-%H%M%S)}")
 AB_MODE=${AB_MODE:-same}
 read -r -a EXTRA <<<"${SBATCH_ARGS:-}"
 command -v sbatch >/dev/null || { echo "error: sbatch not found: run this on a Slurm login node" >&2; exit 1; }
+# SPARE_NODES=k: every training job asks for its N nodes (SBATCH_ARGS' --nodes, else the scripts' 2) plus k spares,
+# which wait in the allocation to take the place of a node that fails (docs/reliability.md: Spare nodes).
+TRAIN_NODES=()
+[[ "${SPARE_NODES:-0}" =~ ^(0|[1-9][0-9]*)$ ]] ||
+    { echo "error: SPARE_NODES=${SPARE_NODES}: a whole number of spare nodes >= 0 (default 0)" >&2; exit 2; }
+if ((${SPARE_NODES:-0} > 0)); then
+    n=2
+    for ((i = 0; i < ${#EXTRA[@]}; i++)); do
+        case "${EXTRA[i]}" in
+            --nodes=*) n=${EXTRA[i]#--nodes=} ;;
+            --nodes | -N) n=${EXTRA[i + 1]:-} ;;
+            -N*) n=${EXTRA[i]#-N} ;;
+        esac
+    done
+    [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "error: SBATCH_ARGS --nodes '$n': give a node count for SPARE_NODES" >&2; exit 2; }
+    TRAIN_NODES=(--nodes=$((n + SPARE_NODES)))
+    export SPARE_NODES
+fi
 if [[ -n "${IMAGE:-}" && -e "$IMAGE" ]]; then
     IMAGE=$(realpath "$IMAGE")  # a relative .sqsh would be taken for a registry name by Pyxis
     export IMAGE
@@ -56,7 +75,7 @@ fi
 mkdir -p logs "$AB_DIR"
 {  # the exact command, for `python -m llama_fp8 compare --repro` (it prints a script that re-runs the A/B)
     printf 'cd %q\n' "$PWD"
-    for var in SBATCH_ARGS IMAGE AB_MODE AB_ORDER AB_PRESET CONTAINER_MOUNTS VENV; do
+    for var in SBATCH_ARGS SPARE_NODES IMAGE AB_MODE AB_ORDER AB_PRESET CONTAINER_MOUNTS VENV; do
         if [[ -n "${!var:-}" ]]; then printf '%s=%q ' "$var" "${!var}"; fi
     done
     ARMS_ARG=()
@@ -66,7 +85,8 @@ mkdir -p logs "$AB_DIR"
 } >"$AB_DIR/ab_command.sh"
 
 if [[ "$AB_MODE" == same ]]; then
-    JOB=$(sbatch --parsable ${EXTRA[@]+"${EXTRA[@]}"} "$REPO_DIR/scripts/slurm/ab_job.sbatch" "$@")
+    JOB=$(sbatch --parsable ${EXTRA[@]+"${EXTRA[@]}"} ${TRAIN_NODES[@]+"${TRAIN_NODES[@]}"} \
+        "$REPO_DIR/scripts/slurm/ab_job.sbatch" "$@")
     cat <<EOF
 ab job:     $JOB   log logs/llama-fp8-ab_$JOB.out   (every arm on the same nodes, ${AB_ORDER:-${AB_ARMS//,/ }})
 pairs:      $AB_REPEATS (run dirs: $AB_DIR/bf16 $AB_DIR/fp8 for one pair of bf16,fp8, else $AB_DIR/pair<i>/<arm>)
@@ -86,8 +106,8 @@ submit_run() {  # submit_run NAME TRAIN_ARGS... -> prints the job id (an arm oth
         fp8) flags=(--fp8=1) ;;
         *) flags=(--fp8_recipe="$name" --fp8=1) ;;
     esac
-    sbatch --parsable --job-name="llama-fp8-$name" ${EXTRA[@]+"${EXTRA[@]}"} "$REPO_DIR/1.train_llama.sbatch" \
-        "$@" "${flags[@]}" --run_dir="$AB_DIR/$name"
+    sbatch --parsable --job-name="llama-fp8-$name" ${EXTRA[@]+"${EXTRA[@]}"} ${TRAIN_NODES[@]+"${TRAIN_NODES[@]}"} \
+        "$REPO_DIR/1.train_llama.sbatch" "$@" "${flags[@]}" --run_dir="$AB_DIR/$name"
 }
 JOBS=() DIRS=("$AB_DIR/bf16")
 for arm in "${ARM_LIST[@]}"; do

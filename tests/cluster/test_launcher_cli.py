@@ -338,6 +338,11 @@ def test_layout_is_checked_against_the_allocation(monkeypatch):
     assert got.status == "FAIL" and "world size 4 is not divisible by 3" in got.message and "4 task(s)" in got.message
     got = preflight.check_layout(settings_for("--tp_size", "2", "--num_key_value_heads", "1"))
     assert got.status == "FAIL" and "--num_key_value_heads 1 is not divisible by --tp_size 2" in got.message
+    # spare nodes: the preflight step has 6 tasks (3 nodes), the job trains on 4 (LLAMA_FP8_TRAIN_TASKS)
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("LLAMA_FP8_TRAIN_TASKS", "4")
+    got = preflight.check_layout(settings_for("--tp_size", "2", "--tie_word_embeddings", "0"))
+    assert (got.status, got.message) == ("OK", "dp_shard 2 x tp 2 = 4 rank(s); 2 data-parallel"), got
 
 
 def test_preflight_and_training_agree_on_what_is_a_local_path(tmp_path, monkeypatch):

@@ -205,6 +205,7 @@ lf_setup_rendezvous() {
 # all of them that reports its bus bandwidth and the network NCCL chose. Its JSON report goes to every run's
 # metrics.jsonl meta record (LLAMA_FP8_PREFLIGHT). SKIP_PREFLIGHT=1 skips it.
 lf_preflight() {  # lf_preflight TRAIN_ARGS...
+    lf_nodes_known
     if [[ "${SKIP_PREFLIGHT:-0}" == 1 ]]; then
         echo "preflight: skipped (SKIP_PREFLIGHT=1)"
         return 0
@@ -213,6 +214,7 @@ lf_preflight() {  # lf_preflight TRAIN_ARGS...
     mkdir -p "$(dirname "$LLAMA_FP8_PREFLIGHT")"
     local per_task=$((CPUS / NPROC_PER_NODE))
     MASTER_ADDR="$(lf_addr "${LF_ACTIVE%%,*}")" MASTER_PORT=$((RDZV_PORT + 1)) \
+        LLAMA_FP8_TRAIN_TASKS=$((LF_TRAIN_COUNT * NPROC_PER_NODE)) \
         srun "${LF_STEP_NODES[@]}" --ntasks-per-node="$NPROC_PER_NODE" --cpus-per-task=$((per_task > 0 ? per_task : 1)) \
         --kill-on-bad-exit=1 ${CONTAINER_ARGS[@]+"${CONTAINER_ARGS[@]}"} \
         "${PY[@]}" -m llama_fp8 preflight --device "$DEVICE" --report "$LLAMA_FP8_PREFLIGHT" -- "$@"
