@@ -16,13 +16,15 @@ import pytest
 from slurm_helpers import REPO, assert_completed, make_job_env, read_jsonl, release_requeued, sbatch
 from test_faults_slurm import (
     ARGS,
+    STEPS,
     Job,
     assert_bitwise,
     back_to_training,
+    faultkit,
     fired_at,
     job_pids,
     steps_lost,
-    uninterrupted,
+    submit,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
@@ -35,8 +37,14 @@ NOT_N2 = 'test "$SLURMD_NODENAME" != n2'
 
 @pytest.fixture(scope="module")
 def reference(cluster, tmp_path_factory):
-    """The uninterrupted two-node job the spare jobs must end equal to."""
-    return uninterrupted(cluster, tmp_path_factory.mktemp("reference"))
+    """The uninterrupted two-node job the spare jobs must end equal to (test_faults_slurm.py's, with a longer wait:
+    three launchers' start-ups on a busy two-core machine take minutes)."""
+    folder = tmp_path_factory.mktemp("reference")
+    job = submit(cluster, folder)
+    info = job.wait(900)
+    assert_completed(info, job.log)
+    return faultkit.Reference(job.run, faultkit.losses(job.run),
+                              faultkit.shard_sums(job.run / "checkpoints" / f"step_{STEPS}"))
 
 
 def submit_spare(cluster, folder: Path, preflight: bool = False, **env) -> Job:
@@ -61,7 +69,7 @@ def swap_records(job: Job) -> list[dict]:
 
 def pause_both(job: Job, step: int) -> None:
     paused = [job.faults / f"paused.step.rank{r}" for r in (0, 1)]
-    job.wait(240, until=lambda i: all(p.exists() for p in paused))
+    job.wait(600, until=lambda i: all(p.exists() for p in paused))
     assert all(p.exists() for p in paused), job.text()[-4000:]
 
 
@@ -85,7 +93,7 @@ def test_failures_far_apart_restart_and_a_bad_node_the_job_cannot_do_without_res
     without progress; the job cannot run without it, so the training step restarts in place on it, saying why."""
     faults = ";".join(f"kill@step:node=n2:step={s}:once" for s in (3, 5, 6))
     job = submit_spare(cluster, tmp_path, preflight=True, LLAMA_FP8_FAULT=faults, LLAMA_FP8_NODE_CHECK=NOT_N3)
-    info = job.wait(420)
+    info = job.wait(900)
     assert_completed(info, job.log)
     text = job.text()
     assert info["Restarts"] == "0", text[-4000:]
@@ -113,7 +121,7 @@ def test_a_lost_training_node_continues_on_the_spare_without_a_requeue(cluster, 
     pause_both(job, 4)
     killed = kill_node(job, 1)
     (job.faults / "release").touch()
-    info = job.wait(300)
+    info = job.wait(900)
     assert_completed(info, job.log)
     text = job.text()
     assert info["Restarts"] == "0", text[-4000:]
@@ -134,16 +142,17 @@ def test_a_lost_training_node_continues_on_the_spare_without_a_requeue(cluster, 
 def test_a_node_failing_its_health_check_goes_to_the_spare_then_a_lost_node_requeues(cluster, reference, tmp_path):
     """n2 kills its rank in step 3 and then fails its health check (LLAMA_FP8_NODE_CHECK): it hands its place to
     the spare n3, no requeue. Later both ranks hold in step 6 and n3's launcher is SIGKILLed: no spare left, so the
-    job behaves as without spares: the step ends when the rendezvous gives up on n3 (join_timeout, 60 s here), and
+    job behaves as without spares: the step ends when the rendezvous gives up on n3 (join_timeout, 120 s here), and
     the job is requeued, without n2 and on two nodes (the cluster has no third for it), and completes."""
-    job = submit_spare(cluster, tmp_path, LLAMA_FP8_NODE_CHECK=NOT_N2, PET_RDZV_CONF="join_timeout=60",
+    job = submit_spare(cluster, tmp_path, LLAMA_FP8_NODE_CHECK=NOT_N2, PET_RDZV_CONF="join_timeout=120",
                        LLAMA_FP8_FAULT="kill@step:node=n2:step=3:once;pause@step:step=6:once")
     pause_both(job, 6)
     assert "failed its health check before a restart" in job.text(), job.text()[-4000:]
     killed = kill_node(job, 2)
     (job.faults / "release").touch()
-    release_requeued(job.id, job.env, timeout=300)
-    info = job.wait(300)
+    job.wait(600, until=lambda i: i.get("Restarts") == "1")
+    release_requeued(job.id, job.env, timeout=600)
+    info = job.wait(900)
     assert_completed(info, job.log)
     text = job.text()
     assert "failed its health check before a restart; left behind: spare n3 takes its place" in text, text[-4000:]

@@ -298,7 +298,7 @@ export PET_RDZV_CONF="${PET_RDZV_CONF:+$PET_RDZV_CONF,}is_host=$((SLURM_NODEID =
 exec "$@"'
 
 lf_train() {  # lf_train TRAIN_ARGS... ; returns 0, 85 (requeue me, or LF_IN_PLACE=1: run it again) or a code (lf_outcome)
-    local resume=() rc attempt addrs=${LF_NODE_ADDRS-} kill=(--kill-on-bad-exit=1)
+    local resume=() rc attempt addrs=${LF_NODE_ADDRS-} kill=(--kill-on-bad-exit=1) endpoint
     if [[ -z "$addrs" ]]; then addrs=none; fi  # no map: torchrun finds its own address
     lf_nodes_known
     if [[ "$(lf_cluster_kind)" == hyperpod ]]; then
@@ -320,13 +320,14 @@ lf_train() {  # lf_train TRAIN_ARGS... ; returns 0, 85 (requeue me, or LF_IN_PLA
     rm -rf "$LF_OUTCOME_DIR"
     mkdir -p "$LF_OUTCOME_DIR"
     lf_say_nodes
+    endpoint="$(lf_addr "${LF_TRAINERS%%,*}"):$RDZV_PORT"  # the first training node's launcher hosts it
     LLAMA_FP8_OUTCOME_DIR="$LF_OUTCOME_DIR" LLAMA_FP8_CLUSTER_KIND="$(lf_cluster_kind)" \
         srun "${LF_STEP_NODES[@]}" --ntasks-per-node=1 --cpus-per-task="$CPUS" "${kill[@]}" \
         ${CONTAINER_ARGS[@]+"${CONTAINER_ARGS[@]}"} ${resume[@]+"${resume[@]}"} \
         bash -c "$LF_NODE_WRAPPER" lf_node "$addrs" "${LF_SPARES:-none}" \
         "${PY[@]}" -m llama_fp8 launch \
         --nnodes="$LF_TRAIN_COUNT" --nproc_per_node="$NPROC_PER_NODE" --max_restarts="${MAX_RESTARTS:-3}" \
-        --rdzv_backend=c10d --rdzv_endpoint="$(lf_addr "${LF_TRAINERS%%,*}"):$RDZV_PORT" --rdzv_id="$attempt" \
+        --rdzv_backend=c10d --rdzv_endpoint="$endpoint" --rdzv_id="$attempt" \
         -m llama_fp8 train ${DEVICE_ARGS[@]+"${DEVICE_ARGS[@]}"} "$@"
     rc=$?
     lf_outcome "$rc"
