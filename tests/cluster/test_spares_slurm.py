@@ -41,7 +41,7 @@ def reference(cluster, tmp_path_factory):
     three launchers' start-ups on a busy two-core machine take minutes)."""
     folder = tmp_path_factory.mktemp("reference")
     job = submit(cluster, folder)
-    info = job.wait(900)
+    info = job.wait(2400)
     assert_completed(info, job.log)
     return faultkit.Reference(job.run, faultkit.losses(job.run),
                               faultkit.shard_sums(job.run / "checkpoints" / f"step_{STEPS}"))
@@ -69,7 +69,7 @@ def swap_records(job: Job) -> list[dict]:
 
 def pause_both(job: Job, step: int) -> None:
     paused = [job.faults / f"paused.step.rank{r}" for r in (0, 1)]
-    job.wait(600, until=lambda i: all(p.exists() for p in paused))
+    job.wait(1800, until=lambda i: all(p.exists() for p in paused))
     assert all(p.exists() for p in paused), job.text()[-4000:]
 
 
@@ -93,7 +93,7 @@ def test_failures_far_apart_restart_and_a_bad_node_the_job_cannot_do_without_res
     without progress; the job cannot run without it, so the training step restarts in place on it, saying why."""
     faults = ";".join(f"kill@step:node=n2:step={s}:once" for s in (3, 5, 6))
     job = submit_spare(cluster, tmp_path, preflight=True, LLAMA_FP8_FAULT=faults, LLAMA_FP8_NODE_CHECK=NOT_N3)
-    info = job.wait(900)
+    info = job.wait(2400)
     assert_completed(info, job.log)
     text = job.text()
     assert info["Restarts"] == "0", text[-4000:]
@@ -121,7 +121,7 @@ def test_a_lost_training_node_continues_on_the_spare_without_a_requeue(cluster, 
     pause_both(job, 4)
     killed = kill_node(job, 1)
     (job.faults / "release").touch()
-    info = job.wait(900)
+    info = job.wait(2400)
     assert_completed(info, job.log)
     text = job.text()
     assert info["Restarts"] == "0", text[-4000:]
@@ -150,9 +150,9 @@ def test_a_node_failing_its_health_check_goes_to_the_spare_then_a_lost_node_requ
     assert "failed its health check before a restart" in job.text(), job.text()[-4000:]
     killed = kill_node(job, 2)
     (job.faults / "release").touch()
-    job.wait(600, until=lambda i: i.get("Restarts") == "1")
+    job.wait(1800, until=lambda i: i.get("Restarts") == "1")
     release_requeued(job.id, job.env, timeout=600)
-    info = job.wait(900)
+    info = job.wait(2400)
     assert_completed(info, job.log)
     text = job.text()
     assert "failed its health check before a restart; left behind: spare n3 takes its place" in text, text[-4000:]

@@ -22,10 +22,12 @@ LF_IN_PLACE="" LF_STEP_NODES=()
 LF_HYPERPOD_REPLACE="Action:Replace"
 LF_HYPERPOD_REBOOT="Action:Reboot"
 
+lf_is_hyperpod() { [[ -d /opt/sagemaker_cluster ]]; }
+
 lf_cluster_kind() {  # hyperpod | parallelcluster | slurm (CLUSTER_KIND, else detected)
     local kind=${CLUSTER_KIND:-auto}
     if [[ "$kind" == auto ]]; then
-        if [[ -d /opt/sagemaker_cluster ]]; then
+        if lf_is_hyperpod; then
             kind=hyperpod
         elif [[ -d /opt/parallelcluster ]]; then
             kind=parallelcluster
