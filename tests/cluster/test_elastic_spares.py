@@ -17,6 +17,7 @@ from standin import attempts, finish, launch_nodes, outcome_fields
 pytestmark = pytest.mark.slow  # three launchers and their workers: 45-70 s each on two cores
 
 HEALTHY = {"exit": "wait", "step_s": 0.5}
+WAIT_S = 900  # an upper bound, not a pace: three launchers start in ~25 s on an idle two-core machine, minutes on a busy one
 
 
 def parent(tmp_path: Path, attempt: int, rank: int) -> int:
@@ -31,7 +32,7 @@ def test_a_node_failing_twice_without_progress_hands_its_place_to_the_spare(tmp_
     plan = {"0": {"1": {"exit": "kill", "ckpt": 2, "step": 3}, "0": HEALTHY},
             "1": {"1": {"exit": "kill", "ckpt": 2, "step": 4, "after": 1}, "0": HEALTHY}, "2": {}}
     procs = launch_nodes(tmp_path, plan, names=True, spares=1, LLAMA_FP8_SPARE_JOIN_S="60")
-    codes, err = finish(tmp_path, procs, timeout=120)
+    codes, err = finish(tmp_path, procs, timeout=WAIT_S)
     assert codes == [0, 0, 0], err[-5000:]
     left, spare, host = (outcome_fields(tmp_path, f"node{n}") for n in (1, 2, 0))
     assert (left["action"], left["exclude"]) == ("left", ["n2"]), left
@@ -51,14 +52,14 @@ def test_a_lost_node_is_replaced_by_the_spare_after_its_heartbeats_lapse(tmp_pat
     learn the swap (LLAMA_FP8_SWAPS), for training's records."""
     plan = {"0": {"0": {"exit": 1, "peer_gone": 1}, "1": {"exit": 1, "peer_gone": 0}}, "1": {}}
     procs = launch_nodes(tmp_path, plan, names=True, spares=1, LLAMA_FP8_SPARE_JOIN_S="2")
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + WAIT_S
     while len(list(tmp_path.glob("started.0.*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     lost = next(r for r in (0, 1) if parent(tmp_path, 0, r) == procs[1].pid)
     os.kill(procs[1].pid, signal.SIGKILL)
     killed = time.time()
     os.kill(int((tmp_path / f"started.0.{lost}").read_text().split()[0]), signal.SIGKILL)
-    codes, err = finish(tmp_path, procs, timeout=120)
+    codes, err = finish(tmp_path, procs, timeout=WAIT_S)
     assert codes[0] == 0 and codes[2] == 0, err[-5000:]
     assert outcome_fields(tmp_path, "node2")["action"] == "done", err[-5000:]
     assert "node n3: a spare, takes a place (a node stopped answering" in err, err[-5000:]
@@ -73,14 +74,15 @@ def test_a_node_failing_its_health_check_goes_to_the_spare_and_an_unused_spare_s
     fails: the spare ends with ``spare`` when the rendezvous closes, never having joined."""
     plan = {"0": {"1": {"exit": "kill", "step": 3}, "0": HEALTHY}, "1": {}}
     check = 'test "$SLURMD_NODENAME" != n2 || { echo "GPU 3: not found" >&2; exit 3; }'
-    codes, err = finish(tmp_path, launch_nodes(tmp_path, plan, names=True, spares=1, LLAMA_FP8_NODE_CHECK=check))
+    codes, err = finish(tmp_path, launch_nodes(tmp_path, plan, names=True, spares=1, LLAMA_FP8_NODE_CHECK=check),
+                        timeout=WAIT_S)
     assert codes == [0, 0, 0], err[-5000:]
     left = outcome_fields(tmp_path, "node1")
     assert left["action"] == "left" and "GPU 3: not found: failed its health check before a restart" in left["line"]
     assert outcome_fields(tmp_path, "node2")["action"] == "done"
     quiet = tmp_path / "quiet"
     quiet.mkdir()
-    codes, err = finish(quiet, launch_nodes(quiet, {"0": {}}, names=True, spares=1))
+    codes, err = finish(quiet, launch_nodes(quiet, {"0": {}}, names=True, spares=1), timeout=WAIT_S)
     assert codes == [0, 0, 0], err[-5000:]
     unused = outcome_fields(quiet, "node2")
     assert (unused["code"], unused["action"]) == (0, "spare") and "a spare, not needed" in unused["line"], unused
