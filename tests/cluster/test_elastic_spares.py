@@ -62,7 +62,7 @@ def test_a_lost_node_is_replaced_by_the_spare_after_its_heartbeats_lapse(tmp_pat
     codes, err = finish(tmp_path, procs, timeout=WAIT_S)
     assert codes[0] == 0 and codes[2] == 0, err[-5000:]
     assert outcome_fields(tmp_path, "node2")["action"] == "done", err[-5000:]
-    assert "node n3: a spare, takes a place (a node stopped answering" in err, err[-5000:]
+    assert "node n3: a spare, takes a place (a node stopped answering: round" in err, err[-5000:]
     assert {parent(tmp_path, 1, r) for r in (0, 1)} == {procs[0].pid, procs[2].pid}
     swaps = json.loads((tmp_path / "swaps.1").read_text()) if (tmp_path / "swaps.1").exists() else None
     assert swaps and swaps[0]["in"] == "n3" and swaps[0]["failed_at"] >= killed - 1, swaps

@@ -165,7 +165,7 @@ def standby(handler, index: int, join_s: float, clock=time.monotonic, sleep=time
     """Wait as spare ``index`` until a place is handed over (the swap record) or the rendezvous closes (None)."""
     store = _store(handler)
     size = handler.settings.max_nodes
-    full_round, short_since = None, None
+    full_round, short_since, broken_at = None, None, None  # broken_at: when the full round first came apart
     while True:
         rec = _record(store, index)
         if rec is not None:
@@ -175,14 +175,17 @@ def standby(handler, index: int, join_s: float, clock=time.monotonic, sleep=time
             return None
         now = clock()
         if state.complete and len(state.participants) >= size:
-            full_round, short_since = state.round, None
-        elif full_round is not None and state.round > full_round and \
+            full_round, short_since, broken_at = state.round, None, None
+            sleep(POLL_S)
+            continue
+        broken_at = now if broken_at is None else broken_at  # the others restarting: seconds after the failure
+        if full_round is not None and state.round > full_round and \
                 len(state.participants) + len(state.wait_list) < size:
             short_since = now if short_since is None else short_since
             if now - short_since >= join_s and _claim(store, index) == index:
-                return _hand_over(store, index, None, f"a node stopped answering (round {state.round} of the "
+                return _hand_over(store, index, None, f"a node stopped answering: round {state.round} of the "
                                   f"rendezvous stayed {size - len(state.participants)} node(s) short for "
-                                  f"{now - short_since:.0f} s after torch dropped it)", time.time() - (now - short_since))
+                                  f"{now - short_since:.0f} s after torch dropped it", time.time() - (now - broken_at))
         else:
             short_since = None
         sleep(POLL_S)
