@@ -28,7 +28,8 @@
 # account), SEGMENT (sbatch --segment=N for the training jobs: N nodes that must share one block of Slurm's
 # topology/block, e.g. one GB200 NVL72 NVLink domain; Slurm 24.05+, docs/gb200.md), AB_DIR (default runs/ab_<date-time>), AB_ORDER (same mode: the arms' run order, e.g. "fp8 bf16"),
 # AB_PRESET (same mode: ab, the default, compiles every arm alike where a backend needs it and turns FP8 all-gather
-# on where a recipe allows it; none leaves the flags as given), plus
+# on where a recipe allows it; none leaves the flags as given), SPARE_NODES (k spare nodes added to every training
+# job's --nodes, which wait to take a failed node's place; a swap during an arm is recorded), plus
 # everything 1.train_llama.sbatch reads (IMAGE, VENV, CONTAINER_MOUNTS, ...). With --mlflow_tracking_uri among the
 # train arguments the report is also logged to MLflow (`llama_fp8 publish`: the A/B a parent run, the arms children).
 set -euo pipefail
@@ -80,6 +81,24 @@ if [[ -n "${SEGMENT:-}" ]]; then
     TRAIN_EXTRA=(--segment="$SEGMENT")
 fi
 command -v sbatch >/dev/null || { echo "error: sbatch not found: run this on a Slurm login node" >&2; exit 1; }
+# SPARE_NODES=k: every training job asks for its N nodes (SBATCH_ARGS' --nodes, else the scripts' 2) plus k spares,
+# which wait in the allocation to take the place of a node that fails (docs/reliability.md: Spare nodes).
+TRAIN_NODES=()
+[[ "${SPARE_NODES:-0}" =~ ^(0|[1-9][0-9]*)$ ]] ||
+    { echo "error: SPARE_NODES=${SPARE_NODES}: a whole number of spare nodes >= 0 (default 0)" >&2; exit 2; }
+if ((${SPARE_NODES:-0} > 0)); then
+    n=2
+    for ((i = 0; i < ${#EXTRA[@]}; i++)); do
+        case "${EXTRA[i]}" in
+            --nodes=*) n=${EXTRA[i]#--nodes=} ;;
+            --nodes | -N) n=${EXTRA[i + 1]:-} ;;
+            -N*) n=${EXTRA[i]#-N} ;;
+        esac
+    done
+    [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "error: SBATCH_ARGS --nodes '$n': give a node count for SPARE_NODES" >&2; exit 2; }
+    TRAIN_NODES=(--nodes=$((n + SPARE_NODES)))
+    export SPARE_NODES
+fi
 if [[ -n "${IMAGE:-}" && -e "$IMAGE" ]]; then
     IMAGE=$(realpath "$IMAGE")  # a relative .sqsh would be taken for a registry name by Pyxis
     export IMAGE
@@ -87,7 +106,7 @@ fi
 mkdir -p logs "$AB_DIR"
 {  # the exact command, for `python -m llama_fp8 compare --repro` (it prints a script that re-runs the A/B)
     printf 'cd %q\n' "$PWD"
-    for var in SBATCH_ARGS SEGMENT IMAGE AB_MODE AB_ORDER AB_PRESET CONTAINER_MOUNTS VENV; do
+    for var in SBATCH_ARGS SEGMENT SPARE_NODES IMAGE AB_MODE AB_ORDER AB_PRESET CONTAINER_MOUNTS VENV; do
         if [[ -n "${!var:-}" ]]; then printf '%s=%q ' "$var" "${!var}"; fi
     done
     ARMS_ARG=()
@@ -98,7 +117,7 @@ mkdir -p logs "$AB_DIR"
 } >"$AB_DIR/ab_command.sh"
 
 if [[ "$AB_MODE" == same ]]; then
-    JOB=$(sbatch --parsable ${EXTRA[@]+"${EXTRA[@]}"} ${TRAIN_EXTRA[@]+"${TRAIN_EXTRA[@]}"} \
+    JOB=$(sbatch --parsable ${EXTRA[@]+"${EXTRA[@]}"} ${TRAIN_EXTRA[@]+"${TRAIN_EXTRA[@]}"} ${TRAIN_NODES[@]+"${TRAIN_NODES[@]}"} \
         "$REPO_DIR/scripts/slurm/ab_job.sbatch" "$@")
     cat <<EOF
 ab job:     $JOB   log logs/llama-fp8-ab_$JOB.out   (every arm on the same nodes, ${AB_ORDER:-${AB_ARMS//,/ }})
@@ -122,8 +141,7 @@ submit_run() {  # submit_run NAME TRAIN_ARGS... -> prints the job id (an arm oth
         *) flags=(--fp8_recipe="$name" --fp8=1) ;;
     esac
     sbatch --parsable --job-name="llama-fp8-$name" ${EXTRA[@]+"${EXTRA[@]}"} ${TRAIN_EXTRA[@]+"${TRAIN_EXTRA[@]}"} \
-        "$REPO_DIR/1.train_llama.sbatch" \
-        "$@" "${flags[@]}" --run_dir="$AB_DIR/$name"
+        ${TRAIN_NODES[@]+"${TRAIN_NODES[@]}"} "$REPO_DIR/1.train_llama.sbatch" "$@" "${flags[@]}" --run_dir="$AB_DIR/$name"
 }
 JOBS=() DIRS=("$AB_DIR/bf16")
 for arm in "${ARM_LIST[@]}"; do

@@ -16,6 +16,17 @@ for the measured save cost (Young/Daly). A table, then one JSON line ``{"bench":
 
 A kill is sent only once the attempt before it has completed a step: a killer faster than a restart would stop
 the job by design (the same point failing twice is not restarted), which is not what this measures.
+
+    .venv/bin/python benchmarks/bench_goodput.py --spare                  # a lost node: a spare against a requeue
+
+``--spare`` measures what a spare node saves, on three nodes of the same cluster in one run: per repeat, one job with
+``SPARE_NODES=1`` (two training nodes and a spare) and one without (two nodes), in each of which the second
+training node is lost (its launcher and worker SIGKILLed, as when its host dies) once training has logged a few
+steps. Reported: the time from the loss to the next completed step with the spare (torch drops the lost node after
+its heartbeats lapse, the spare joins, every rank resumes) and with a requeue (the training step ends, the job is
+requeued and Slurm holds it for ``AuthInfo`` ``cred_expire`` before it starts again, 120 s by default: not shortened
+here), their medians and the ratio, and that the spare job was never requeued. One JSON line ``{"bench":
+"goodput_spare", ...}``.
 """
 
 from __future__ import annotations
@@ -211,6 +222,81 @@ def table(s: dict) -> str:
     return "\n".join(lines)
 
 
+def node_pids(job: str, node_id: int) -> list[int]:
+    """The launcher and training processes of the step's node ``node_id`` (every node runs on this host)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if proc.name.isdigit() and any(cmd[i:i + 2] == [b"-m", b"llama_fp8"] for i in range(1, 3)) and \
+                f"SLURM_JOB_ID={job}".encode() in env and f"SLURM_NODEID={node_id}".encode() in env and \
+                (b"launch" in cmd or b"train" in cmd):
+            pids.append(int(proc.name))
+    return pids
+
+
+def lose_a_node(folder: Path, env: dict, args: list[str], nodes: int, after_step: int) -> dict:
+    """Submit on ``nodes`` nodes; once step ``after_step`` is logged, SIGKILL the second node's launcher and worker;
+    the seconds from then to the next completed step, and whether the job was requeued."""
+    (folder / "logs").mkdir(parents=True)
+    run = folder / "run"
+    proc = subprocess.run(["sbatch", "--parsable", f"--nodes={nodes}", str(REPO / "1.train_llama.sbatch"), *args,
+                           "--run_dir", str(run)], env=env, cwd=folder, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"sbatch failed: {proc.stderr}")
+    job, killed, info = proc.stdout.strip().split(";")[0], None, {}
+    while True:
+        info = job_info(job, env)
+        if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+            break
+        steps = [r["step"] for r in records(run) if r.get("type") == "train"]
+        if killed is None and steps and max(steps) >= after_step:
+            pids = node_pids(job, 1)
+            if pids:
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+                killed = time.time()
+        time.sleep(0.2)
+    if info.get("JobState") != "COMPLETED" or killed is None:
+        log = folder / "logs" / f"llama-fp8_{job}.out"
+        raise SystemExit(f"job {job} ended {info.get('JobState')} (killed: {killed}):\n"
+                         f"{log.read_text()[-3000:] if log.is_file() else ''}")
+    after = [r["time"] for r in records(run) if r.get("type") == "train" and r["time"] > killed]
+    return {"job": job, "failure_to_step_s": min(after) - killed, "requeued": info.get("Restarts") != "0",
+            "swaps": [r for r in records(run) if r.get("type") == "swap"]}
+
+
+def spare_main(cluster, args) -> int:
+    env = cluster.env()
+    env.update(REPO_DIR=str(REPO), VENV=str(Path(sys.executable).parent.parent), OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1", NPROC_PER_NODE="1", SKIP_PREFLIGHT="1")
+    for key in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
+        env.pop(key)
+    train = ["--model", "tiny", "--device", "cpu", "--num_layers", str(args.num_layers), "--max_context_width", "32",
+             "--train_batch_size", "2", "--max_steps", str(args.steps), "--checkpoint_freq", str(args.checkpoint_freq),
+             "--logging_freq", "1"]
+    spare, requeue = [], []
+    with tempfile.TemporaryDirectory(prefix="llama-fp8-bench-spare-") as tmp:
+        for i in range(args.repeats):
+            spare.append(lose_a_node(Path(tmp) / f"spare{i}", {**env, "SPARE_NODES": "1"}, train, 3, 5))
+            requeue.append(lose_a_node(Path(tmp) / f"requeue{i}", env, train, 2, 5))
+    if any(r["requeued"] for r in spare) or not all(r["requeued"] for r in requeue):
+        raise SystemExit(f"expected no requeue with a spare and one without: {spare} {requeue}")
+    a, b = [r["failure_to_step_s"] for r in spare], [r["failure_to_step_s"] for r in requeue]
+    out = {"bench": "goodput_spare", "repeats": args.repeats, "spare_s": a, "requeue_s": b,
+           "spare_median_s": statistics.median(a), "requeue_median_s": statistics.median(b),
+           "ratio": statistics.median(b) / statistics.median(a),
+           "swap_records_s": [w["failure_to_step_s"] for r in spare for w in r["swaps"]]}
+    print(f"a training node lost, to the next completed step: with a spare {out['spare_median_s']:.1f} s (median of "
+          f"{len(a)}: {', '.join(f'{x:.1f}' for x in a)}), with a requeue {out['requeue_median_s']:.1f} s "
+          f"({', '.join(f'{x:.1f}' for x in b)}): the requeue costs {out['ratio']:.1f}x the spare")
+    print(json.dumps(out))
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cluster_dir", help="a local cluster already up (scripts/slurm/local_cluster.py); default: "
@@ -222,6 +308,8 @@ def main() -> int:
     p.add_argument("--max_kills", type=int, default=3, help="kills per faulted job")
     p.add_argument("--num_layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--spare", action="store_true", help="a lost node: one job with a spare node, one requeued "
+                   "(three nodes; --repeats pairs)")
     args = p.parse_args()
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
@@ -229,11 +317,17 @@ def main() -> int:
     lc = load_local_cluster()
     own = args.cluster_dir is None
     try:
-        cluster = lc.up(tempfile.mkdtemp(prefix="llama-fp8-bench-slurm-"), nodes=2) if own else \
-            lc.Cluster.load(args.cluster_dir)
+        cluster = lc.up(tempfile.mkdtemp(prefix="llama-fp8-bench-slurm-"), nodes=3 if args.spare else 2) if own \
+            else lc.Cluster.load(args.cluster_dir)
     except lc.ClusterUnavailable as e:  # `make bench` as a user without root: nothing to measure here
         print(f"bench_goodput: skipped: no local Slurm cluster ({e})")
         return 0
+    if args.spare:
+        try:
+            return spare_main(cluster, args)
+        finally:
+            if own:
+                lc.down(cluster)
     free, hit = [], []
     try:
         env = cluster.env()

@@ -29,6 +29,7 @@ from helpers import REPO, cli_env
 #   wait_for  a file name (in the test folder) to wait for before acting
 #   peer_gone a rank whose process must have died before acting (its pid from started.<attempt>.<rank>)
 #   mark      leave exited.<attempt>.<rank> just before exiting as told (a worker that got to its end)
+# Each worker also leaves swaps.<attempt> with LLAMA_FP8_SWAPS when its launcher passed swaps to a spare on.
 WORKER = textwrap.dedent("""
     import json, os, signal, sys, time
     from pathlib import Path
@@ -54,6 +55,8 @@ WORKER = textwrap.dedent("""
              "step_max_s": todo.get("step_s"), "ckpt": todo.get("ckpt"), "seq": todo.get("seq", {}),
              **({"error": todo["error"]} if "error" in todo else {})}))
     (here / f"started.{attempt}.{rank}").write_text(f"{os.getpid()} {os.getppid()}")
+    if os.environ.get("LLAMA_FP8_SWAPS"):
+        (here / f"swaps.{attempt}").write_text(os.environ["LLAMA_FP8_SWAPS"])
     while todo.get("wait_for") and not (here / todo["wait_for"]).exists():
         time.sleep(0.05)
     peer = todo.get("peer_gone")
@@ -109,16 +112,18 @@ def free_port() -> int:
 
 
 def launch_nodes(tmp_path: Path, plan: dict, max_restarts: int = 3, nodes: int = 2, port: int | None = None,
-                 conf: str = "", started: int | None = None, nproc: int = 1, names: bool = False,
+                 conf: str = "", started: int | None = None, nproc: int = 1, names: bool = False, spares: int = 0,
                  **env) -> list[subprocess.Popen]:
     """``nodes`` launchers on localhost (the first ``started`` of them: a node whose launcher never starts), one
     worker each, as 1.train_llama.sbatch starts them on Slurm nodes: a c10d rendezvous hosted by the first
     (``is_host=1``), node ids in SLURM_NODEID (the outcome files); ``nproc`` workers each; with ``names`` each
-    launcher has its own Slurm node name (SLURMD_NODENAME n1, n2, ...: the node a failure is charged to)."""
+    launcher has its own Slurm node name (SLURMD_NODENAME n1, n2, ...: the node a failure is charged to); ``spares``
+    more launchers after them wait as spare nodes (LLAMA_FP8_SPARE=1, the same --nnodes)."""
     prepare(tmp_path, plan)
     port = port or free_port()
     procs = []
-    for node in range(nodes if started is None else started):
+    for node in range(nodes + spares if started is None else started):
+        extra = {"LLAMA_FP8_SPARE": "1"} if node >= nodes else {}
         cmd = [sys.executable, "-m", "llama_fp8", "launch", f"--nnodes={nodes}", f"--nproc_per_node={nproc}",
                f"--max_restarts={max_restarts}", "--monitor_interval=0.1", "--rdzv_backend=c10d",
                f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=standin",
@@ -126,7 +131,7 @@ def launch_nodes(tmp_path: Path, plan: dict, max_restarts: int = 3, nodes: int =
         with open(tmp_path / f"node{node}.err", "w") as err:
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, cwd=REPO,
                                           env=cli_env(LLAMA_FP8_OUTCOME_DIR=str(tmp_path / "outcome"),
-                                                      SLURM_NODEID=str(node), **env,
+                                                      SLURM_NODEID=str(node), **env, **extra,
                                                       **({"SLURMD_NODENAME": f"n{node + 1}"} if names else {}))))
     return procs
 

@@ -22,8 +22,8 @@ def test_a_crash_restarts_every_rank_and_the_job_succeeds(tmp_path):
     rc, err = launch(tmp_path, {"0": {"1": "kill"}})
     assert rc == 0, err[-2000:]
     assert attempts(tmp_path) == 2
-    assert "rank 1 (killed by SIGKILL) in step 5; charged to node" in err and "(1 of 2); restarting the workers of " \
-           "every node (restart 1 of the job, 1 of 3 without a new checkpoint)" in err
+    assert "rank 1 (killed by SIGKILL) in step 5; charged to node" in err and "(1 of 2 without a new checkpoint (the latest complete: none yet)); " \
+           "restarting the workers of every node (restart 1 of the job, 1 of 3 without a new checkpoint)" in err
     assert outcome(tmp_path) == (0, "done", "training finished on every node")
 
 

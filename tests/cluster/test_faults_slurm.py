@@ -443,28 +443,32 @@ def test_node_marked_down_is_requeued_by_slurm_and_resumes(cluster, reference, t
 
 
 def test_a_node_that_fails_twice_is_left_behind_on_requeue(cluster, reference, tmp_path):
-    """Node n2 kills its rank in step 3, then again in step 5 (a node whose GPU or memory fails): the first failure
-    is restarted in the job, the second ends the step (n2 failed twice); the job is requeued without it (held, its
-    ExcNodeList set to n2 by a helper job, released) and completes on n1 and n3, resuming from step_4, bitwise.
-    Before: three restarts on n2, then the job failed for good."""
-    job = submit(cluster, tmp_path, LLAMA_FP8_FAULT="kill@step:node=n2:step=3:once;kill@step:node=n2:step=5:once")
+    """Node n2 kills its rank in step 3, then again in step 4, no new checkpoint between them (a node whose GPU or
+    memory fails): the first failure is restarted in the job, the second ends the step (n2 failed twice without
+    progress, no spare in the job); the cluster has a node for the job without n2 (n3, idle), so the job is
+    requeued without it (held, its ExcNodeList set to n2 by a helper job, released) and completes on n1 and n3,
+    resuming from step_2, bitwise. Before: three restarts on n2, then the job failed for good."""
+    job = submit(cluster, tmp_path, LLAMA_FP8_FAULT="kill@step:node=n2:step=3:once;kill@step:node=n2:step=4:once")
     job.wait(120, until=lambda i: i.get("JobState") == "RUNNING")
     assert job_nodes(job) == ["n1", "n2"], "an idle cluster places a 2-node job on its first two nodes"
     release_requeued(job.id, job.env)
     info = job.wait()
     assert_completed(info, job.log)
     text = job.text()
-    assert "charged to node n2 (1 of 2); restarting" in text, text[-4000:]
-    assert "node n2 has failed 2 times in this training step: it is left behind" in text, text[-4000:]
+    assert "charged to node n2 (1 of 2 without a new checkpoint (the latest complete: step 2)); restarting" in text, \
+        text[-4000:]
+    assert "node n2 has failed 2 times without a new checkpoint (the latest complete: step 2)" in text, text[-4000:]
+    assert "leaving n2 behind: Slurm has 2 node(s) for the requeued job (n1,n3)" in text, text[-4000:]
     assert "requeued without n2 (ExcNodeList=n2" in text, text[-4000:]
     assert info["Restarts"] == "1" and info.get("ExcNodeList") == "n2", info
     assert "n2" not in job_nodes(job), info
     assert_bitwise(job, reference)
-    second = fired_at(job, "step", next(r for r in (0, 1) if (job.faults / f"fired.step.rank{r}.step5").exists()), 5)
+    second = fired_at(job, "step", next(r for r in (0, 1) if (job.faults / f"fired.step.rank{r}.step4").exists()), 4)
     matrix.record("test_a_node_that_fails_twice_is_left_behind_on_requeue",
-                  f"restart in the job after the first; \"node n2 has failed 2 times in this training step: it is "
-                  f"left behind\"; requeued without n2 (ExcNodeList=n2), resumed on {', '.join(job_nodes(job))}; "
-                  f"COMPLETED; losses of steps 1-{STEPS} and final weights bitwise equal to the uninterrupted run",
+                  f"restart in the job after the first; \"node n2 has failed 2 times without a new checkpoint (the "
+                  f"latest complete: step 2)\"; \"leaving n2 behind: Slurm has 2 node(s) for the requeued job "
+                  f"(n1,n3)\"; requeued without n2 (ExcNodeList=n2), resumed on {', '.join(job_nodes(job))}; "
+                  f"COMPLETED; losses of steps 1-8 and final weights bitwise equal to the uninterrupted run",
                   steps_lost(job, second))
 
 

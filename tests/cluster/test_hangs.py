@@ -35,7 +35,7 @@ def test_the_rank_behind_is_named_on_every_node_not_its_victims(tmp_path):
     assert "rank(s) 0, 2, 3 wait for it (named: behind)" in err, err[-4000:]
     assert "a hang: rank 0 (" not in err and "a hang: rank 2 (" not in err and "a hang: rank 3 (" not in err
     for node in ("node0", "node1"):
-        assert outcome_fields(tmp_path, node)["failed"] == [f"{culprit}@0"], outcome_fields(tmp_path, node)
+        assert outcome_fields(tmp_path, node)["failed"] == [f"{culprit}@0:-"], outcome_fields(tmp_path, node)
 
 
 def test_a_stopped_rank_is_named_when_no_rank_is_behind(tmp_path):
@@ -49,16 +49,33 @@ def test_a_stopped_rank_is_named_when_no_rank_is_behind(tmp_path):
 
 
 def test_a_node_charged_twice_is_left_behind_instead_of_restarted_a_third_time(tmp_path):
-    """Two crashes (SIGKILL: a crash or an OOM kill) on the same node at two steps: the second ends the training
-    step with `retry` and the node's two failures in the outcome, for the batch script to requeue without it.
-    Before: restarted in place again (the budget was 3), on the node that had failed twice."""
+    """Two crashes (SIGKILL: a crash or an OOM kill) on the same node at two steps, no checkpoint between them, no
+    spare: the second ends the training step with `retry` and the node's two failures in the outcome (with the
+    checkpoint of each), for the batch script to leave it behind where the job can run without it. Before:
+    restarted in place again (the budget was 3), on the node that had failed twice."""
     plan = {"0": {"1": "kill"}, "1": {"0": "kill"}, "2": {}, "steps": {"0": 3, "1": 4}}
     rc, err = launch(tmp_path, plan, SLURMD_NODENAME="n7")
     assert attempts(tmp_path) == 2, err[-3000:]
     got = outcome_fields(tmp_path)
-    assert (rc, got["action"], got["failed"]) == (137, "retry", ["n7@0", "n7@1"]), (rc, got)
-    assert "node n7 has failed 2 times in this training step: it is left behind" in got["line"], got
-    assert "charged to node n7 (1 of 2); restarting" in err
+    assert (rc, got["action"], got["failed"]) == (137, "retry", ["n7@0:-", "n7@1:-"]), (rc, got)
+    assert "node n7 has failed 2 times without a new checkpoint (the latest complete: none yet): no spare waits in " \
+        "this step; the batch script leaves n7 behind where the job can run without it" in got["line"], got
+    assert "charged to node n7 (1 of 2 without a new checkpoint (the latest complete: none yet)); restarting" in err
+
+
+def test_two_failures_of_a_node_with_a_new_checkpoint_between_them_are_not_a_bad_node(tmp_path):
+    """The regression of issue 46: n7 kills a rank in step 3 (checkpoint step 2 complete), the job trains on, then n7
+    kills a rank again in step 9 (checkpoint step 8 complete): two unrelated failures. Before, the second left n7
+    behind ("failed 2 times in this training step") and, on a cluster with no other node, the requeued job stayed
+    pending for good. A node's failures count only without a new checkpoint between them: both are restarted."""
+    plan = {"0": {"1": {"exit": "kill", "ckpt": 2}}, "1": {"0": {"exit": "kill", "ckpt": 8}}, "2": {},
+            "steps": {"0": 3, "1": 9}}
+    rc, err = launch(tmp_path, plan, SLURMD_NODENAME="n7")
+    assert rc == 0 and attempts(tmp_path) == 3, err[-3000:]
+    assert "charged to node n7 (1 of 2 without a new checkpoint (the latest complete: step 8))" in err, err[-3000:]
+    assert "left behind" not in err, err[-3000:]
+    got = outcome_fields(tmp_path)
+    assert (got["action"], got["failed"]) == ("done", ["n7@0:2", "n7@1:8"]), got
 
 
 def test_a_python_exception_is_not_charged_to_the_node(tmp_path):

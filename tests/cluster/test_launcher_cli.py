@@ -54,6 +54,23 @@ def test_preflight_names_the_failing_node_for_a_requeue_to_leave_behind(tmp_path
     assert rc == 0 and not (tmp_path / "pre.json.failed").exists()
 
 
+def test_preflight_runs_the_sites_node_check_that_the_launcher_runs_before_a_restart(tmp_path, capsys, monkeypatch):
+    """A node (a spare as much as a training node) that fails LLAMA_FP8_NODE_CHECK fails its preflight, named in
+    REPORT.failed: the batch script never uses it (a spare's place is then taken by another node of the job)."""
+    monkeypatch.setenv("SLURMD_NODENAME", "n3")
+    monkeypatch.setenv("LLAMA_FP8_NODE_CHECK", "echo 'GPU 5: fell off the bus' >&2; exit 4")
+    report = tmp_path / "pre.json"
+    rc, out = run_preflight(["--device", "cpu", "--report", str(report), "--", "--model", "tiny", "--run_dir",
+                             str(tmp_path / "r")], capsys)
+    assert rc == 1 and (tmp_path / "pre.json.failed").read_text() == "n3\n", out
+    assert line_of(out, "node health") == "[FAIL] node health: the node check (LLAMA_FP8_NODE_CHECK) failed with " \
+        "exit 4: GPU 5: fell off the bus", out
+    monkeypatch.setenv("LLAMA_FP8_NODE_CHECK", "true")
+    rc, out = run_preflight(["--device", "cpu", "--report", str(report), "--", "--model", "tiny", "--run_dir",
+                             str(tmp_path / "r")], capsys)
+    assert rc == 0 and line_of(out, "node health").startswith("[  OK]"), out
+
+
 def test_preflight_reads_train_flags(tmp_path, capsys):
     """Train flags after `--` are parsed like `train` does: a missing local dataset path fails."""
     rc, out = run_preflight(["--device", "cpu", "--", "--model", "tiny", "--dataset", str(tmp_path / "nope"),
@@ -321,6 +338,11 @@ def test_layout_is_checked_against_the_allocation(monkeypatch):
     assert got.status == "FAIL" and "world size 4 is not divisible by 3" in got.message and "4 task(s)" in got.message
     got = preflight.check_layout(settings_for("--tp_size", "2", "--num_key_value_heads", "1"))
     assert got.status == "FAIL" and "--num_key_value_heads 1 is not divisible by --tp_size 2" in got.message
+    # spare nodes: the preflight step has 6 tasks (3 nodes), the job trains on 4 (LLAMA_FP8_TRAIN_TASKS)
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("LLAMA_FP8_TRAIN_TASKS", "4")
+    got = preflight.check_layout(settings_for("--tp_size", "2", "--tie_word_embeddings", "0"))
+    assert (got.status, got.message) == ("OK", "dp_shard 2 x tp 2 = 4 rank(s); 2 data-parallel"), got
 
 
 def test_preflight_and_training_agree_on_what_is_a_local_path(tmp_path, monkeypatch):

@@ -106,8 +106,10 @@ def run_lib(script: str, tmp_path: Path, hyperpod: bool) -> list[list[str]]:
 set -euo pipefail
 source {REPO}/scripts/slurm/job_lib.sh
 srun() {{ printf '%s\\x1f' "$@" >>{calls}; printf '\\x1e' >>{calls}; }}
+scontrol() {{ if [[ "$*" == "show hostnames n[1-2]" ]]; then printf 'n1\\nn2\\n'; fi; }}
 lf_is_hyperpod() {{ {'true' if hyperpod else 'false'}; }}
-SLURM_JOB_NUM_NODES=2 SLURM_JOB_ID=7 CPUS=4 NPROC_PER_NODE=2 DEVICE=cpu RDZV_ADDR=10.0.0.1 RDZV_PORT=29507
+SLURM_JOB_NUM_NODES=2 SLURM_JOB_NODELIST='n[1-2]' SLURM_JOB_ID=7 CPUS=4 NPROC_PER_NODE=2 DEVICE=cpu RDZV_PORT=29507
+RDZV_ADDR=10.0.0.1 LF_NODE_ADDRS='n1=10.0.0.1 n2=10.0.0.2'
 PY=(python) CONTAINER_ARGS=() DEVICE_ARGS=() PWD={tmp_path}
 {script}
 """

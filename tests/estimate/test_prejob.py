@@ -156,7 +156,7 @@ def test_the_readmes_cluster_commands_fit_an_8_x_h100_node_by_the_pre_job_estima
 def test_the_batch_script_estimates_after_preflight_and_before_training():
     lines = [ln.strip() for ln in (REPO / "1.train_llama.sbatch").read_text().splitlines()]
     order = [next(i for i, ln in enumerate(lines) if ln.startswith(step)) for step in
-             ('lf_preflight "$@"', 'lf_estimate "$@"', 'lf_train "$@"')]
+             ('lf_preflight "$@"', 'lf_estimate "$@"', 'lf_run_training "$@"')]
     assert order == sorted(order)
     lib = (REPO / "src/llama_fp8/cluster/launch/job_lib.sh").read_text()
     assert re.search(r"^lf_preflight\(\) \{.*?^\}\n\n# ---- estimate.*?^lf_estimate\(\) \{", lib, re.S | re.M)
@@ -166,7 +166,7 @@ def test_the_ab_job_estimates_every_arm_after_preflight_and_before_the_first_run
     """Each arm's first run is estimated with its own flags (a recipe arm's recipe), once, whatever the repeats."""
     lines = [ln.strip() for ln in (REPO / "scripts/slurm/ab_job.sbatch").read_text().splitlines()]
     order = [next(i for i, ln in enumerate(lines) if ln.startswith(step)) for step in
-             ('lf_preflight "$@"', 'lf_estimate "$@"', 'lf_train "$@"')]
+             ('lf_preflight "$@"', 'lf_estimate "$@"', 'lf_run_training "$@"')]
     assert order == sorted(order)
     start = max(i for i in range(order[1]) if lines[i].startswith("while read"))
     end = next(i for i in range(order[1], len(lines)) if lines[i].startswith("done"))

@@ -25,7 +25,8 @@ def test_doc_rows_are_the_matrix():
 
 def test_every_matrix_row_names_an_existing_test():
     sources = "".join(p.read_text() for p in [*(REPO / "tests" / "reliability").glob("test_*.py"),
-                                                REPO / "tests" / "cluster" / "test_faults_slurm.py"])
+                                                REPO / "tests" / "cluster" / "test_faults_slurm.py",
+                                                REPO / "tests" / "cluster" / "test_spares_slurm.py"])
     for key, (kind, fault, expected) in matrix.MATRIX.items():
         assert f"def {key.split('[')[0]}(" in sources, key
         assert "|" not in fault + expected and kind in (matrix.FAULT, matrix.BAD_INPUT, matrix.CHANGE)

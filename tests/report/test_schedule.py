@@ -81,8 +81,13 @@ lf_die() { echo "error: $*" >&2; exit 1; }
 lf_setup() { PY=("$FAKE_PY"); CONTAINER_ARGS=(); }
 lf_preflight() { :; }
 lf_estimate() { :; }  # tests/estimate/test_prejob.py
-lf_train() {  # like the real one: a job step (srun), which reads its stdin
+lf_setup_nodes() {  # the training nodes: the job's, or n1,n3 once a spare took n2's place (AB_DIR/swapped)
+    LF_TRAINERS=$SLURM_JOB_NODELIST LF_SPARES=""
+    if [[ -f "$AB_DIR/swapped" ]]; then LF_TRAINERS=n1,n3; fi
+}
+lf_run_training() {  # like the real one: a job step (srun), which reads its stdin
     srun --nodes=1 bash -c 'echo "$*" >>"$AB_DIR/train.calls"; d="${*: -1}"; mkdir -p "${d#--run_dir=}"' _ "$@"
+    if [[ -n "${FAKE_SWAP_IN:-}" && "$*" == *"--run_dir=$AB_DIR/$FAKE_SWAP_IN" ]]; then touch "$AB_DIR/swapped"; fi
 }
 """
 FAKE_SRUN = """#!/bin/bash
@@ -127,6 +132,34 @@ def test_batch_job_runs_the_interleaved_schedule_and_compares_every_pair(tmp_pat
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
     assert proc.returncode == 0 and proc.stdout.count("finished in an earlier attempt") == 6
     assert len((ab / "train.calls").read_text().splitlines()) == 6
+
+
+def test_a_swap_to_a_spare_during_an_arm_is_recorded(tmp_path):
+    """A spare node takes n2's place during pair 1's fp8 run (SPARE_NODES): the job log says that run trained on
+    n[1-2], then n1,n3, ab_runs.tsv gets a swap line, and the later runs start on the nodes now training (the
+    report's hardware check then names that run and the ones after it: report/hardware.py)."""
+    repo = tmp_path / "repo"
+    (repo / "scripts" / "slurm").mkdir(parents=True)
+    (repo / "scripts" / "slurm" / "ab_job.sbatch").write_text((REPO / "scripts/slurm/ab_job.sbatch").read_text())
+    (repo / "scripts" / "slurm" / "job_lib.sh").write_text(FAKE_JOB_LIB)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    ab = tmp_path / "ab"
+    ab.mkdir()
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "REPO_DIR": str(repo), "AB_DIR": str(ab),
+           "AB_REPEATS": "2", "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-2]", "FAKE_PY": sys.executable,
+           "PYTHONPATH": str(REPO / "src"), "FAKE_SWAP_IN": "pair1/fp8"}
+    cmd = ["bash", str(repo / "scripts" / "slurm" / "ab_job.sbatch"), "--model", "tiny", "--seed", "10"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "== run pair1/fp8: a training node was left behind during the run: it trained on n[1-2], then n1,n3" \
+        in proc.stdout, proc.stdout
+    runs_tsv = [line.split("\t") for line in (ab / "ab_runs.tsv").read_text().splitlines()]
+    assert [(r[0], r[2], r[4:]) for r in runs_tsv] == [
+        ("pair1/bf16", "n[1-2]", []), ("pair1/fp8", "n[1-2]", []), ("pair1/fp8", "n1,n3", ["swap"]),
+        ("pair2/fp8", "n1,n3", []), ("pair2/bf16", "n1,n3", [])]
 
 
 def test_batch_job_publishes_the_report_to_mlflow_only_when_the_arms_log_there(tmp_path):

@@ -104,6 +104,9 @@ def test_written_by_this_job_reads_the_first_meta_record(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"type": "meta", "repro": {"slurm_job_id": "42", "elastic_run_id": "abc"}}\n{"type": "train"}\n')
     assert goodput.written_by_this_job(path, {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1"})  # a requeue
+    # the batch script started the training step again in the allocation (a spare for a node left behind)
+    assert goodput.written_by_this_job(path, {"SLURM_JOB_ID": "42", goodput.STEP_AGAIN_ENV: "1"})
+    assert not goodput.written_by_this_job(path, {"SLURM_JOB_ID": "43", goodput.STEP_AGAIN_ENV: "1"})
     assert goodput.written_by_this_job(path, {"TORCHELASTIC_RUN_ID": "abc", "LLAMA_FP8_ATTEMPT": "1"})
     assert goodput.written_by_this_job(path, {"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "2"})
     assert not goodput.written_by_this_job(path, {"SLURM_JOB_ID": "43", "TORCHELASTIC_RUN_ID": "xyz",

@@ -11,7 +11,7 @@ frozen dead, deaf to every signal but SIGKILL), ``raise`` (an exception: the ran
 (``seconds``, then go on: a slow rank) or ``pause`` (announce ``$LLAMA_FP8_FAULT_DIR/paused.POINT.rankR``, then wait until
 ``$LLAMA_FP8_FAULT_DIR/release`` exists: a test can act at that exact moment). ``once`` fires only if
 ``$LLAMA_FP8_FAULT_DIR/fired.POINT.rankR[.stepN]`` does not exist yet, and creates it (a requeued job runs
-clean). POINT is one of ``POINTS``. Without ``step`` the fault fires at every pass through the point (once with
+clean); with ``node``, once for that node (``fired.POINT.node-NAME[.stepN]``), whichever rank it has. POINT is one of ``POINTS``. Without ``step`` the fault fires at every pass through the point (once with
 ``once``), without ``rank`` on every rank, with ``node`` only on the node Slurm calls NAME (``SLURMD_NODENAME``:
 a bad node).
 """
@@ -123,10 +123,15 @@ def at(point: str, step: int | None = None) -> None:
             continue
         folder = Path(os.environ.get(FAULT_DIR_ENV, "."))
         if f.once:
-            marker = folder / f"fired.{point}.rank{rank}{'' if f.step is None else f'.step{f.step}'}"
-            if marker.exists():
+            at_step = '' if f.step is None else f'.step{f.step}'
+            marker = folder / f"fired.{point}.rank{rank}{at_step}"
+            # a node's fault fires once for the node: its rank changes when a step starts again or a spare joins
+            node = folder / f"fired.{point}.node-{f.node}{at_step}" if f.node is not None else None
+            if marker.exists() or (node is not None and node.exists()):
                 continue
             marker.touch()
+            if node is not None:
+                node.touch()
         _fire(f, rank, step, folder)
 
 

@@ -264,6 +264,9 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                                "loss": loss_summary(a, b), "loss_tolerance_pct": args.loss_tolerance}
     summary["data"] = data_check(a, b)
     summary["environment"] = hardware.compare_environments(a.environments, b.environments)
+    every = [(f"{r.name} ({'AB'[i]}, pair {n})", r.environments, r.swaps) for n, p in enumerate(pairs, 1)
+             for i, r in enumerate(p)]
+    summary["environment"].update(other_hardware=hardware.other_hardware(every), reference_run=every[0][0])
     summary["ab"] = summarize_pairs(pairs, warm, args.loss_tolerance)
     summary["speedup"] = repeats.headline(summary["ab"]["speed"])  # the one speed-up (module docstring)
     equal_quality.add_to(summary, pairs, warm, args.iso_loss_window, args.iso_loss_time, final_loss_k)

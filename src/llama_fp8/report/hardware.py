@@ -4,7 +4,9 @@ A speed ratio only means "FP8 vs BF16" when everything else is equal. Each run's
 record carries an ``environment`` (telemetry/environment.py: node list, GPU model and driver, image, library
 versions, the NCCL network preflight saw); this module compares the two and says "not the same hardware"
 when the nodes, GPUs or driver differ, and "not the same software" when the image or a version differs.
-A requeued run has one meta record per attempt: all of its attempts' node lists are shown.
+A requeued run has one meta record per attempt: all of its attempts' node lists are shown. Across every run of the
+A/B (repeats included), the runs that ran on other nodes than the first, or had a spare node swapped in during the
+run, are named (``other_hardware``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,23 @@ def compare_environments(envs_a: list[dict[str, Any]], envs_b: list[dict[str, An
     hw, sw = differences(a, b, HARDWARE_KEYS), differences(a, b, SOFTWARE_KEYS)
     return {"a": a, "b": b, "same_hardware": not hw, "same_software": not sw,
             "hardware_differences": hw, "software_differences": sw}
+
+
+def other_hardware(runs: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]]]]) -> list[str]:
+    """Which runs ran on other hardware than the first: ``(label, environments, swaps)`` per run, the first the
+    reference (its first attempt's nodes); a run with another node list in any attempt, or a spare node swapped in
+    during it (telemetry/swaps.py), is named with its nodes and swaps."""
+    if not runs or not runs[0][1]:
+        return []
+    ref = str(runs[0][1][0].get("nodes"))
+    out = []
+    for label, envs, swaps in runs:
+        seen = list(dict.fromkeys(str(e.get("nodes")) for e in envs if e.get("nodes")))
+        if swaps or any(n != ref for n in seen):
+            said = "; ".join(f"spare {w.get('node_in')} took the place of {w.get('node_out') or 'a node'} before step "
+                             f"{w.get('step')}" for w in swaps)
+            out.append(f"{label}: nodes {' then '.join(seen) or NOT_RECORDED}" + (f" ({said})" if said else ""))
+    return out
 
 
 def _gpu(e: dict[str, Any]) -> str:
@@ -122,7 +141,11 @@ def markdown(env: dict[str, Any] | None, label_a: str, label_b: str) -> list[str
         if cells == [None, None]:  # a row only some nodes have (the NVLink domain): left out where neither has it
             continue
         lines.append(f"| {name} | {cells[0] or 'none'} | {cells[1] or 'none'} |")
-    return lines + [""] + verdict_lines(env) + [""]
+    other = env.get("other_hardware") or []
+    moved = ["", f"Runs on other hardware than {env.get('reference_run') or 'the first'} (a node list that differs, "
+             "or a spare node swapped in during the run: its speed is not that of the same nodes): "
+             + "; ".join(other) + "."] if other else []
+    return lines + [""] + verdict_lines(env) + moved + [""]
 
 
 def one_line(env: dict[str, Any]) -> str:

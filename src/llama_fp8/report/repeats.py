@@ -83,7 +83,8 @@ def goodput(runs: list[Run]) -> dict[str, Any] | None:
     save_s = (parts["checkpoint_sync"] + parts["checkpoint_async"]) / saves if saves else None
     return {"attempts": len(recs), "runs": len(runs), "wall_s": wall, "parts_s": parts,
             "goodput": parts["productive"] / wall if wall > 0 else None, "restarts": len(gaps),
-            "restart_gap_s": gaps, "save_s": save_s}
+            "restart_gap_s": gaps, "save_s": save_s,
+            "swaps": [{**w, "run": run.name} for run in runs for w in run.swaps]}
 
 
 def _saves(run: Run) -> int:
@@ -201,7 +202,19 @@ def restart_lines(ga: dict | None, gb: dict | None, la: str, lb: str) -> list[st
             return "none" if g else "n/a"
         xs = g["restart_gap_s"]
         return f"{g['restarts']}: {sum(xs):.1f} s (median {xs[len(xs) // 2]:.1f}, max {xs[-1]:.1f})"
-    out = [f"| restarts: time from the last step before to the first after | {gaps(ga)} | {gaps(gb)} |", ""]
+    def swapped(g):
+        if not g or not g.get("swaps"):
+            return "none" if g else "n/a"
+        xs = sorted(w["failure_to_step_s"] for w in g["swaps"])
+        return f"{len(xs)}: failure to next step median {xs[len(xs) // 2]:.1f} s, max {xs[-1]:.1f} s"
+    out = [f"| restarts: time from the last step before to the first after | {gaps(ga)} | {gaps(gb)} |",
+           f"| swaps to a spare node (no requeue) | {swapped(ga)} | {swapped(gb)} |", ""]
+    from llama_fp8.telemetry.swaps import line
+
+    out += [f"- {label}, run {w['run']}: {line(w)}" for label, g in ((la, ga), (lb, gb)) for w in (g or {}).get("swaps", [])
+            if all(k in w for k in ("node_in", "step", "failure_to_step_s", "requeue_expected_s", "cluster",
+                                    "requeue_basis"))]
+    out += [""] if out[-1] else []
     for label, g in ((la, ga), (lb, gb)):
         if not g or not g["save_s"]:
             continue

@@ -35,6 +35,8 @@ class Run:
     """The ``goodput`` record of every attempt (where its wall time went)."""
     restart_gaps: list[float] = field(default_factory=list)
     """Seconds from the last step before each restart to the first step after it (telemetry/goodput.py)."""
+    swaps: list[dict[str, Any]] = field(default_factory=list)
+    """The ``swap`` records: a spare node that took a training node's place during the run (telemetry/swaps.py)."""
 
 
 # ----------------------------------------------------------------------------- loading
@@ -44,10 +46,10 @@ def _dedupe(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def _read_jsonl(path: Path) -> tuple[list[dict], list[dict], dict, list[dict], list[dict], list[float]]:
+def _read_jsonl(path: Path) -> tuple[list[dict], list[dict], dict, list[dict], list[dict], list[float], list[dict]]:
     from llama_fp8.telemetry.goodput import restart_gaps
 
-    train, val, meta, envs, good, bad, order = [], [], {}, [], [], 0, []
+    train, val, meta, envs, good, bad, order, swaps = [], [], {}, [], [], 0, [], []
     for line in path.read_text(errors="replace").splitlines():
         if not line.strip():
             continue
@@ -69,9 +71,11 @@ def _read_jsonl(path: Path) -> tuple[list[dict], list[dict], dict, list[dict], l
             val.append(rec)
         elif kind == "goodput" and isinstance(rec.get("wall_s"), (int, float)):
             good.append(rec)
+        elif kind == "swap" and isinstance(rec.get("failure_to_step_s"), (int, float)):
+            swaps.append(rec)
     if bad:
         print(f"compare: warning: skipped {bad} unparsable line(s) in {path}", file=sys.stderr)
-    return train, val, meta, envs, good, restart_gaps(order)
+    return train, val, meta, envs, good, restart_gaps(order), swaps
 
 
 def _is_jsonl(path: Path) -> bool:
@@ -104,8 +108,9 @@ def load_run(arg: str, which: str) -> Run:
     envs: list[dict[str, Any]] = []
     good: list[dict[str, Any]] = []
     gaps: list[float] = []
+    swaps: list[dict[str, Any]] = []
     if _is_jsonl(file):
-        train, val, meta, envs, good, gaps = _read_jsonl(file)
+        train, val, meta, envs, good, gaps, swaps = _read_jsonl(file)
         kind = "jsonl"
     else:
         (train, val, meta), kind = read_log(file), "log"
@@ -113,7 +118,7 @@ def load_run(arg: str, which: str) -> Run:
         raise CompareError(f"{which}: no training records in {file} (expected metrics.jsonl "
                            "'type: train' records or 'Batch N Loss: x, Speed: y samples/sec, lr: z' lines)")
     run = Run(name, file, kind, _dedupe(train), _dedupe(val), meta, config, environments=envs, goodput=good,
-              restart_gaps=gaps)
+              restart_gaps=gaps, swaps=swaps)
     run.label = precision_label(run)
     return run
 

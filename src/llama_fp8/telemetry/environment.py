@@ -80,8 +80,11 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
 
 
 def nodes(env: dict[str, str]) -> str:
-    """The job's node list as Slurm writes it (``p5-[1-4]``), else this host's name."""
-    return env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or socket.gethostname()
+    """The nodes this attempt trains on: as ``llama-fp8 launch`` names them (``LLAMA_FP8_NODES``, in node-rank
+    order: a job with spare nodes trains on part of its allocation, and a swap changes them), else the job's node
+    list as Slurm writes it (``p5-[1-4]``), else this host's name."""
+    return env.get("LLAMA_FP8_NODES") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or \
+        socket.gethostname()
 
 
 def gpu_fields(device_type: str) -> dict[str, Any]:
@@ -130,7 +133,9 @@ def describe(device_type: str, env: dict[str, str] | None = None) -> dict[str, A
     import torch
 
     env = dict(os.environ if env is None else env)
-    out: dict[str, Any] = {"nodes": nodes(env), "num_nodes": _safe(lambda: int(env["SLURM_JOB_NUM_NODES"])),
+    count = len(env["LLAMA_FP8_NODES"].split(",")) if env.get("LLAMA_FP8_NODES") else \
+        _safe(lambda: int(env["SLURM_JOB_NUM_NODES"]))
+    out: dict[str, Any] = {"nodes": nodes(env), "num_nodes": count,
                            "host": env.get("SLURMD_NODENAME") or socket.gethostname(), "cpu": _safe(cpu_model)}
     out.update(_safe(gpu_fields, device_type) or {"gpu": None, "gpu_count": None, "driver": None})
     out.update(torch=torch.__version__, cuda=torch.version.cuda,

@@ -124,11 +124,17 @@ def _count(env, var: str) -> int:
         return 0
 
 
+STEP_AGAIN_ENV = "LLAMA_FP8_STEP_AGAIN"
+"""1: the batch script started the training step again in the same allocation (a node left behind for a spare of
+the allocation, or a restart in place): the same job continues, as after a requeue."""
+
+
 def written_by_this_job(metrics_path: Path, env: dict[str, str] | None = None, max_bytes: int = 1 << 20) -> bool:
     """Whether the first attempt recorded in ``metrics_path`` was an earlier attempt of this same job, which this one
     may continue in place: a restart inside the allocation (an attempt > 0 of this launch: ``LLAMA_FP8_ATTEMPT``
     from ``llama-fp8 launch``, else torchrun's ``TORCHELASTIC_RESTART_COUNT``) with the same torchrun run id, or a
-    requeue (``SLURM_RESTART_COUNT`` > 0) of the same Slurm job. A first attempt never is, whatever its ids match:
+    requeue (``SLURM_RESTART_COUNT`` > 0) or a training step started again (``STEP_AGAIN_ENV``) of the same Slurm
+    job. A first attempt never is, whatever its ids match:
     torchrun's run id is "none" for every run without --rdzv_id, and two runs in one allocation (salloc, or one
     batch script training twice) share the job id. Reads at most ``max_bytes``."""
     env = os.environ if env is None else env
@@ -145,8 +151,8 @@ def written_by_this_job(metrics_path: Path, env: dict[str, str] | None = None, m
         _count(env, "TORCHELASTIC_RESTART_COUNT")
     restarted = attempt > 0 and bool(env.get("TORCHELASTIC_RUN_ID")) and \
         repro.get("elastic_run_id") == env.get("TORCHELASTIC_RUN_ID")
-    requeued = _count(env, "SLURM_RESTART_COUNT") > 0 and bool(env.get("SLURM_JOB_ID")) and \
-        repro.get("slurm_job_id") == env.get("SLURM_JOB_ID")
+    requeued = (_count(env, "SLURM_RESTART_COUNT") > 0 or env.get(STEP_AGAIN_ENV) == "1") and \
+        bool(env.get("SLURM_JOB_ID")) and repro.get("slurm_job_id") == env.get("SLURM_JOB_ID")
     return restarted or requeued
 
 

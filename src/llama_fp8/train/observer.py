@@ -15,7 +15,7 @@ import torch
 
 from llama_fp8 import faults
 from llama_fp8.data import combine_fingerprints
-from llama_fp8.telemetry import goodput, heartbeat, metrics, profiling, sinks, stragglers
+from llama_fp8.telemetry import goodput, heartbeat, metrics, profiling, sinks, stragglers, swaps
 
 log = logging.getLogger("llama_fp8.train")
 
@@ -34,6 +34,7 @@ class RunObserver:
         self._step_s: float | None = None
         self.lead = lead  # telemetry/time_limit.LeadCheck (rank 0, when the job knows its --signal lead)
         self.readers_per_batch = readers_per_batch  # ranks that read each batch: a tensor/context-parallel group
+        self._swaps = swaps.pending() if is_main else []  # a spare took a node's place before this attempt
 
     def begin(self) -> None:
         """The loop starts: start-up ends here."""
@@ -104,8 +105,14 @@ class RunObserver:
         return self.clock.timed(self.clock.checkpoint_part)
 
     def step_closed(self, step: int) -> None:
-        """The step with its logging, evaluation and save is over: goodput's clock closes it."""
+        """The step with its logging, evaluation and save is over: goodput's clock closes it. The attempt's first
+        step after a swap to a spare node: its records (telemetry/swaps.py)."""
         self.clock.end_step(step, self._data_wait)
+        for swap in self._swaps:
+            rec = swaps.record(swap, step)
+            self.writer.write(rec)
+            log.warning("%s", swaps.line(rec))
+        self._swaps = []
 
     def stopped_by_signal(self) -> None:
         self.clock.ended = "signal"

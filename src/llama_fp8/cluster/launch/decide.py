@@ -4,11 +4,9 @@ what comes next."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 
-from llama_fp8.cluster.launch import peers, progress
+from llama_fp8.cluster.launch import peers, progress, spares
 from llama_fp8.cluster.launch.outcome import NOT_RESTARTED, JobStop, exit_text, say
 from llama_fp8.errors import EXIT_REQUEUE
 from llama_fp8.faults.transient import KINDS
@@ -16,18 +14,35 @@ from llama_fp8.faults.transient import KINDS
 MACHINE_KINDS = ("io", "network", "cuda_startup", "device_lost")
 """Transient classes charged to the node they happened on (a peer's failure is charged to that peer's node)."""
 NODE_FAILURES = 2
-"""Failures charged to one node in a training step after which it is left behind (requeued without it)."""
+"""Failures charged to one node without a new complete checkpoint between them, after which it is left behind
+(to a spare, or by the batch script where the job can run without it). Two failures far apart, with training
+going on between them, are not a bad node: a failure's count starts again with every new checkpoint."""
 
 
-def without_progress(ckpt_at: dict[int, int | None], rnd: int) -> int:
+def without_progress(ckpt_at: dict[int, int | None], rnd: int, first: int = 0) -> int:
     """Failures in a row up to round ``rnd`` with the same latest complete checkpoint: the restarts without
-    progress (a round this agent has no record of counts as one without)."""
+    progress (a round this agent has no record of counts as one without; ``first``: the round this agent joined
+    in, a spare's later one: the rounds before it are the others' to count)."""
     now, n = ckpt_at.get(rnd), 0
-    for r in range(rnd, -1, -1):
+    for r in range(rnd, first - 1, -1):
         if r in ckpt_at and ckpt_at[r] != now:
             break
         n += 1
     return n
+
+
+def charged_without_progress(agent, host: str) -> int:
+    """The failures charged to ``host`` at the latest complete checkpoint of the latest failure: those without a
+    new checkpoint between them."""
+    if not agent.charges:
+        return 0
+    now = agent.ckpt_at.get(max(agent.charges))
+    return sum(1 for r, h in agent.charges.items() if h == host and agent.ckpt_at.get(r) == now)
+
+
+def window(agent) -> str:
+    ckpt = agent.checkpoint
+    return f"without a new checkpoint (the latest complete: {'none yet' if ckpt is None else f'step {ckpt}'})"
 
 
 def _charged(agent, first, kind: str | None, theirs: dict | None) -> str | None:
@@ -72,11 +87,13 @@ def decide(agent, worker_group: WorkerGroup, result: RunResult, stuck: list[str]
         say(f"{line}; not restarting, this node is done")
         return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in worker_group.workers})
     if result.state == WorkerState.UNHEALTHY:  # torch's guard: it has set the restarts to 0 itself
-        agent.exclude.append(peers.node_name())
-        agent.stop(1, "retry", f"{node}: a worker stayed in uninterruptible sleep (D state) longer than "
-                   "TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT: it holds its device, a restarted worker here would "
-                   "find it busy; not restarting; exit 1, the batch script requeues the job without this node (at "
-                   "most MAX_REQUEUES times)")
+        line = (f"{node}: a worker stayed in uninterruptible sleep (D state) longer than "
+                "TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT: it holds its device, a restarted worker here would find "
+                "it busy")
+        if not agent.leave(line, peers.node_name()):
+            agent.exclude.append(peers.node_name())
+            agent.stop(1, "retry", f"{line}; not restarting, no spare waits; exit 1, the batch script leaves this "
+                       "node behind where the job can run without it (at most MAX_REQUEUES times)")
         return result
     codes = {f.exitcode for f in failures.values()}
     point = agent.watch.hang.point if agent.watch.hang is not None else progress.failure_point(own or failures, recs)
@@ -109,8 +126,8 @@ def budget(agent, worker_group: WorkerGroup, what: str, where: str, point: tuple
     agent.ckpt_at[rnd] = agent.checkpoint
     if charged:
         agent.charges[rnd] = charged
-    count = Counter(agent.charges.values())[charged] if charged else 0
-    streak = without_progress(agent.ckpt_at, rnd)
+    count = charged_without_progress(agent, charged) if charged else 0
+    streak = without_progress(agent.ckpt_at, rnd, agent.first_round or 0)
     if point[0] == "step" and before == point:
         agent.stop(code, "fail", f"{node}: {what} {where} again after a restart: the failure is deterministic (data, "
                    f"model or code, not the machine); not restarting, the job ends with exit {code}")
@@ -119,10 +136,13 @@ def budget(agent, worker_group: WorkerGroup, what: str, where: str, point: tuple
                    f"GPU that does not initialize, memory a killed process still holds) than the code; not "
                    f"restarting in place; exit {code}, the batch script requeues the job (at most MAX_REQUEUES times "
                    f"without a new checkpoint)" + (f", without {charged}" if charged else ""))
-    elif charged and count >= NODE_FAILURES:
-        agent.stop(code, "retry", f"{node}: {what} {where}: node {charged} has failed {count} times in this training "
-                   f"step: it is left behind; not restarting in place; the batch script requeues the job without "
-                   f"{charged} (ExcNodeList)")
+    elif charged and count >= NODE_FAILURES and not _to_a_spare(agent, node, f"{what} {where}", charged, count):
+        agent.stop(code, "retry", f"{node}: {what} {where}: node {charged} has failed {count} times {window(agent)}: "
+                   f"no spare waits in this step; the batch script leaves {charged} behind where the job can run "
+                   f"without it (a spare of the allocation, or nodes Slurm can give the requeued job), else it "
+                   f"restarts the training step in place on it, saying why")
+    elif agent.decision is not None:  # this node left its place to a spare
+        pass
     elif streak > spec.max_restarts:
         budget_line = (f"the job's {spec.max_restarts} restart(s) without a new checkpoint are used up"
                        if spec.max_restarts else "restarts are off (--max_restarts 0)")
@@ -130,21 +150,33 @@ def budget(agent, worker_group: WorkerGroup, what: str, where: str, point: tuple
                    f"{code}")
     else:
         agent._remaining_restarts = spec.max_restarts - streak + 1  # _invoke_run takes one off as it restarts
-        charge = f"; charged to node {charged} ({count} of {NODE_FAILURES})" if charged else ""
+        charge = f"; charged to node {charged} ({count} of {NODE_FAILURES} {window(agent)})" if charged else ""
+        if charged and count >= NODE_FAILURES:
+            charge += ": it is left behind and a spare takes its place"
         say(f"{node}: {what} {where}{charge}; restarting the workers of every node (restart {rnd + 1} of the job, "
             f"{streak} of {spec.max_restarts} without a new checkpoint), resuming from the latest complete "
             f"checkpoint")
 
 
+def _to_a_spare(agent, node: str, what: str, charged: str, count: int) -> bool:
+    """A node charged NODE_FAILURES times without progress: this node hands its place to a spare and leaves
+    (``agent.leave``), another node restarts its workers with the spare; False when no spare takes it."""
+    if charged == peers.node_name():
+        return agent.leave(f"{node}: {what}: this node has failed {count} times {window(agent)}", charged)
+    return spares.available(agent._worker_group.spec.rdzv_handler, charged)
+
+
 def check_before_restart(agent, worker_group: WorkerGroup, problem: str | None) -> None:
-    """A node that fails its health check before its workers restart is left behind: JobStop (retry) with the node
-    in the outcome's exclusions."""
+    """A node that fails its health check before its workers restart is left behind: to a spare where one waits
+    (``agent.leave``: JobStop ``left``), else JobStop (retry) with the node in the outcome's exclusions."""
     if problem is None:
         return
     host = peers.node_name()
-    agent.exclude.append(host)
-    line = (f"node {worker_group.group_rank} ({host}): {problem}: failed its health check before a restart; not "
-            f"restarting its workers; the batch script requeues the job without {host} (ExcNodeList)")
-    agent.decision = JobStop(1, "retry", line)
-    say(line)
+    line = f"node {worker_group.group_rank} ({host}): {problem}: failed its health check before a restart"
+    if not agent.leave(line, host):
+        agent.exclude.append(host)
+        line += (f"; not restarting its workers, no spare waits; the batch script leaves {host} behind where the job "
+                 "can run without it, else it restarts the training step in place")
+        agent.decision = JobStop(1, "retry", line)
+        say(line)
     raise agent.decision

@@ -15,9 +15,11 @@ decisions changed through the attributes and methods torch itself uses for them:
   (checkpoint saved after SIGUSR1/SIGTERM: the batch script requeues), or the same step failing in two attempts
   in a row. A start-up failing twice in a row is the machine's more often than the code's: requeued.
 - **A bad node is left behind**: each failure is charged to the node it happened on (the rank that failed first,
-  or the rank the others waited for; not its victims); a node charged twice, or failing its health check
-  (``health.py``) before a restart, ends the step with ``retry`` and the node in the outcome's exclusions: the
-  batch script requeues the job without it.
+  or the rank the others waited for; not its victims); a node charged ``decide.NODE_FAILURES`` times without a new
+  complete checkpoint between the failures, failing its health check (``health.py``) before a restart, or holding a
+  worker in uninterruptible sleep, hands its place to a spare node of the allocation where one waits (``spares.py``:
+  it leaves the rendezvous, the spare joins, no requeue); without a spare it ends the step with ``retry`` and the
+  node named, and the batch script leaves it behind only where the job can run without it (``job_nodes.sh``).
 - **A failure after training finished is not a failure**: a rank that dies after reporting ``finished`` ends the
   job as done, where torch would restart it while the other nodes wait 300 s in its exit barrier.
 - **SIGUSR1/SIGTERM stop restarts**: they mean a time limit or a preemption. The workers save and exit 85.
@@ -31,6 +33,7 @@ Each decision is one line on stderr (``llama-fp8 launch: ...``) saying what happ
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -41,7 +44,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
-from llama_fp8.cluster.launch import decide, health, peers, progress, watchdog
+from llama_fp8.cluster.launch import decide, health, peers, progress, spares, watchdog
 from llama_fp8.cluster.launch.hangs import HangWatch
 from llama_fp8.cluster.launch.outcome import NOT_RESTARTED, JobStop, exit_text, say
 from llama_fp8.cluster.launch.torch_checks import check_torch, internals, rendezvous_round  # noqa: F401
@@ -57,6 +60,10 @@ KILL_WAIT_S = 5.0
 """How long a SIGKILLed worker is waited for (it exits in milliseconds unless stuck in uninterruptible sleep)."""
 FINISH_WAIT_S = 60.0
 """How long the other local ranks may take to close their records after a rank that had finished training died."""
+NODES_ENV = "LLAMA_FP8_NODES"
+"""The attempt's training nodes, in node-rank order (telemetry/environment.py: the hardware the run ran on)."""
+NODES_WAIT_S = 30.0
+"""How long a launcher waits for the others to say which node they are, before starting its workers without it."""
 
 
 class JobAgent(LocalElasticAgent):
@@ -66,10 +73,12 @@ class JobAgent(LocalElasticAgent):
 
     signalled: signal.Signals | None = None  # set by the launcher's signal handler (on_signal)
     last: JobAgent | None = None  # the agent of this process, for the launcher's exit code
+    is_host = False  # this launcher holds the rendezvous store (is_host): it cannot leave it to a spare
 
     def __init__(self, *args, **kwargs):
         try:
             bounds = watchdog.Bounds.from_env()
+            self.spare_wait_s = spares.join_after() if spares.is_spare() else None
         except ValueError as e:
             raise JobStop(EXIT_BAD_CONFIG, "fail", f"{e}; not starting the workers") from None
         super().__init__(*args, **kwargs)
@@ -87,6 +96,8 @@ class JobAgent(LocalElasticAgent):
         self.exclude: list[str] = []  # nodes to leave behind at once (a failed health check)
         self.restarts = 0  # restarts this agent went through (a static rendezvous has no rounds)
         self.gpus_at_start: int | None = None
+        self.first_round: int | None = None  # the round this agent's workers first started in (a spare: later)
+        self.swaps_seen = 0  # spare tickets this agent has passed on to its workers
 
     # --- where things stand ---------------------------------------------------------------------------------
     def _round(self) -> int:
@@ -162,11 +173,67 @@ class JobAgent(LocalElasticAgent):
         self.forwarded.clear()
         self.seen_exit.clear()
         self.watch.new_attempt(worker_group)
+        if self.first_round is None:
+            self.first_round = attempt
+            if JobAgent.is_host:
+                spares.mark_host(worker_group.spec.rdzv_handler, peers.node_name())
+        self._tell_workers()
         pids = super()._start_workers(worker_group)
         self._check_workers()
         if JobAgent.signalled is not None:  # it arrived while they started, before on_signal could see them
             self.forward(JobAgent.signalled)
         return pids
+
+    def _tell_workers(self) -> None:
+        """What the workers record about this attempt: its training nodes (the hardware a run ran on) and the swaps
+        to a spare since their previous attempt."""
+        names = self.watch.peers.names(NODES_WAIT_S) if self.watch.peers else None
+        os.environ[NODES_ENV] = ",".join(names) if names else ""
+        new, self.swaps_seen = spares.swaps(self._worker_group.spec.rdzv_handler, self.swaps_seen)
+        os.environ[spares.SWAPS_ENV] = json.dumps(new) if new else ""
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        if self.spare_wait_s is not None and self.first_round is None:
+            self._stand_by()
+        super()._rendezvous(worker_group)
+
+    def _stand_by(self) -> None:
+        """A spare node: wait until a training node's place is handed over, then join (spares.py); JobStop (0,
+        ``spare``) when the job ended without needing it."""
+        handler = self._worker_group.spec.rdzv_handler
+        if not isinstance(handler, DynamicRendezvousHandler):
+            raise JobStop(EXIT_BAD_CONFIG, "fail", "a spare node needs torch's c10d rendezvous (--rdzv_backend=c10d)")
+        node = peers.node_name()
+        index = spares.register(handler)
+        say(f"node {node}: a spare (number {index}); it passed the same preflight as the training nodes and waits "
+            f"outside the rendezvous until a training node is left behind or stops answering")
+        rec = spares.standby(handler, index, self.spare_wait_s)
+        if rec is None:
+            spares.keep_open(handler)
+            raise JobStop(0, "spare", f"node {node}: a spare, not needed: the job's rendezvous closed (the training "
+                          "step ended) while it waited")
+        out = f"the place of {rec['out']}" if rec.get("out") else "a place"
+        say(f"node {node}: a spare, takes {out} ({rec['why']}): joining the rendezvous; its workers resume from the "
+            f"latest complete checkpoint with the others, at the same world size (no requeue)")
+
+    def leave(self, line: str, exclude: str) -> bool:
+        """Hand this node's place to a spare and leave the rendezvous without closing it (spares.py): True when a
+        spare took it (the decision is then ``left``, code 0: nothing of the job failed), False when none waits or
+        this node holds the rendezvous store."""
+        handler = self._worker_group.spec.rdzv_handler
+        if JobAgent.is_host:
+            return False
+        rec = spares.take(handler, exclude, line, time.time())
+        if rec is None:
+            return False
+        self.kill_running()
+        self.exclude.append(exclude)
+        self._remaining_restarts = 0
+        self.decision = JobStop(0, "left", f"{line}; left behind: spare {rec['in']} takes its place at the next "
+                                "rendezvous (no requeue), this node's launcher ends")
+        say(self.decision.line)
+        spares.leave(handler)
+        return True
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self.kill_running()
@@ -267,8 +334,11 @@ class JobAgent(LocalElasticAgent):
         return self.checkpoint
 
     def failures(self) -> list[str]:
-        """The failures of this training step charged to a node, as ``node@round`` (the outcome's FAILED)."""
-        return [f"{host}@{rnd}" for rnd, host in sorted(self.charges.items())]
+        """The failures of this training step charged to a node, as ``node@round:checkpoint`` (the outcome's FAILED;
+        the latest complete checkpoint when it failed, ``-``: none yet): the batch script counts a node's failures
+        without a new checkpoint between them across requeues, as the launcher does within a step."""
+        return [f"{host}@{rnd}:{'-' if self.ckpt_at.get(rnd) is None else self.ckpt_at[rnd]}"
+                for rnd, host in sorted(self.charges.items())]
 
 
 def on_signal(signum, frame) -> None:

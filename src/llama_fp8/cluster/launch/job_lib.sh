@@ -5,8 +5,9 @@
 #
 # Reads (all optional; docs/cluster.md: Environment variables): IMAGE, CONTAINER_MOUNTS, LLAMA_FP8_CONTAINER, KEEP_CONTAINER,
 # HOST_PYTHON, VENV, REPO_DIR, DEVICE, NPROC_PER_NODE, RDZV_PORT, SKIP_PREFLIGHT, PREFLIGHT_REPORT, SKIP_ESTIMATE, IGNORE_ESTIMATE, NCCL_NET, SIGNAL_LEAD_S,
-# MAX_RESTARTS, MAX_REQUEUES, BAD_NODE_ACTION.
-# Sets: DEVICE DEVICE_ARGS NPROC_PER_NODE CPUS PY WHERE CONTAINER_ARGS RDZV_ADDR RDZV_PORT LF_NODE_ADDRS LF_OUTCOME_DIR.
+# MAX_RESTARTS, MAX_REQUEUES, SPARE_NODES, BAD_NODE_ACTION, CLUSTER_KIND.
+# Sets: DEVICE DEVICE_ARGS NPROC_PER_NODE CPUS PY WHERE CONTAINER_ARGS RDZV_ADDR RDZV_PORT LF_NODE_ADDRS LF_OUTCOME_DIR,
+# and the job's nodes (job_nodes.sh): LF_TRAIN_COUNT LF_ACTIVE LF_TRAINERS LF_SPARES.
 
 # shellcheck disable=SC2034  # read by the scripts that source this file
 EXIT_REQUEUE=85  # llama_fp8.errors.EXIT_REQUEUE: a checkpoint was saved after SIGUSR1/SIGTERM, requeue me
@@ -204,6 +205,7 @@ lf_setup_rendezvous() {
 # all of them that reports its bus bandwidth and the network NCCL chose. Its JSON report goes to every run's
 # metrics.jsonl meta record (LLAMA_FP8_PREFLIGHT). SKIP_PREFLIGHT=1 skips it.
 lf_preflight() {  # lf_preflight TRAIN_ARGS...
+    lf_nodes_known
     if [[ "${SKIP_PREFLIGHT:-0}" == 1 ]]; then
         echo "preflight: skipped (SKIP_PREFLIGHT=1)"
         return 0
@@ -214,8 +216,9 @@ lf_preflight() {  # lf_preflight TRAIN_ARGS...
     # count and the LNet proof to lf_lustre_on_hosts (llama_fp8/cluster/nodes/lustre.py)
     if [[ -n "${IMAGE:-}" ]] && command -v lfs >/dev/null; then export LLAMA_FP8_LUSTRE_ON_HOST=1; fi
     local per_task=$((CPUS / NPROC_PER_NODE))
-    MASTER_ADDR="$RDZV_ADDR" MASTER_PORT=$((RDZV_PORT + 1)) \
-        srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node="$NPROC_PER_NODE" --cpus-per-task=$((per_task > 0 ? per_task : 1)) \
+    MASTER_ADDR="$(lf_addr "${LF_ACTIVE%%,*}")" MASTER_PORT=$((RDZV_PORT + 1)) \
+        LLAMA_FP8_TRAIN_TASKS=$((LF_TRAIN_COUNT * NPROC_PER_NODE)) \
+        srun "${LF_STEP_NODES[@]}" --ntasks-per-node="$NPROC_PER_NODE" --cpus-per-task=$((per_task > 0 ? per_task : 1)) \
         --kill-on-bad-exit=1 ${CONTAINER_ARGS[@]+"${CONTAINER_ARGS[@]}"} \
         "${PY[@]}" -m llama_fp8 preflight --device "$DEVICE" --report "$LLAMA_FP8_PREFLIGHT" -- "$@" || return $?
     lf_lustre_on_hosts
@@ -299,19 +302,14 @@ lf_estimate() {  # lf_estimate TRAIN_ARGS...
 # same step failing twice and a SIGUSR1/SIGTERM are never restarted. The first node's launcher hosts the
 # rendezvous (is_host, explicit: names and addresses need not match); losing it ends the step, and the job is
 # requeued.
-lf_is_hyperpod() { [[ -d /opt/sagemaker_cluster ]]; }
-
-lf_check_knobs() {  # MAX_RESTARTS and MAX_REQUEUES are counts, BAD_NODE_ACTION a choice: checked before anything runs
+lf_check_knobs() {  # MAX_RESTARTS and MAX_REQUEUES are counts, the node knobs too (job_nodes.sh): before anything runs
     local name value
     for name in MAX_RESTARTS MAX_REQUEUES; do
         value=${!name-3}
         [[ "$value" =~ ^(0|[1-9][0-9]*)$ ]] ||
             lf_die "$name=$value: must be a whole number >= 0 without leading zeros (default 3; 0 turns it off)"
     done
-    case "${BAD_NODE_ACTION:-exclude}" in
-        exclude | drain | none) ;;
-        *) lf_die "BAD_NODE_ACTION=$BAD_NODE_ACTION: must be exclude (default), drain or none" ;;
-    esac
+    lf_check_node_knobs
 }
 
 # The per-node wrapper of the training step, run by srun on each node with the address map as $1: this node's
@@ -319,39 +317,64 @@ lf_check_knobs() {  # MAX_RESTARTS and MAX_REQUEUES are counts, BAD_NODE_ACTION 
 # socket.getfqdn(), a name that need not resolve), and is_host (node 0 hosts the rendezvous store) added to any
 # --rdzv_conf the user set in PET_RDZV_CONF (e.g. join_timeout=900).
 # shellcheck disable=SC2016  # expanded by the task's shell, on its node
+# A node named in $2 (comma-separated, or "none") is a spare: its launcher waits (LLAMA_FP8_SPARE, spares.py).
 LF_NODE_WRAPPER='addr=""
 for kv in $1; do if [[ "${kv%%=*}" == "${SLURMD_NODENAME-}" ]]; then addr=${kv#*=}; fi; done
-shift
+if [[ ",$2," == *",${SLURMD_NODENAME-},"* ]]; then export LLAMA_FP8_SPARE=1; fi
+shift 2
 if [[ -n "$addr" ]]; then export PET_LOCAL_ADDR="$addr"; fi
 export PET_RDZV_CONF="${PET_RDZV_CONF:+$PET_RDZV_CONF,}is_host=$((SLURM_NODEID == 0))"
 exec "$@"'
 
-lf_train() {  # lf_train TRAIN_ARGS... ; returns 0, 85 (requeue me) or a failure's code (lf_outcome)
-    local resume=() rc attempt addrs=${LF_NODE_ADDRS-}
+lf_train() {  # lf_train TRAIN_ARGS... ; returns 0, 85 (requeue me, or LF_IN_PLACE=1: run it again) or a code (lf_outcome)
+    local resume=() rc attempt addrs=${LF_NODE_ADDRS-} kill=(--kill-on-bad-exit=1) endpoint
     if [[ -z "$addrs" ]]; then addrs=none; fi  # no map: torchrun finds its own address
-    if lf_is_hyperpod; then
+    lf_nodes_known
+    if [[ "$(lf_cluster_kind)" == hyperpod ]]; then
         # SageMaker HyperPod: replace faulty nodes and resume. An srun flag (sbatch rejects it), and it only
         # applies to the step that carries it: the training step.
         resume=(--auto-resume=1)
     fi
+    # With spares, a node whose launcher dies (its host gone) must not end the step: the others restart with a
+    # spare in its place. --no-kill also keeps the step going when Slurm sets that node DOWN (with sbatch --no-kill).
+    if [[ -n "$LF_SPARES" ]]; then kill=(--no-kill); fi
     # Each node's launcher writes its final decision here (code, action, checkpoint, one line); srun's own exit
     # code cannot carry it: it is 143 as soon as one node ends before the others (--kill-on-bad-exit). One folder
-    # and one rendezvous id per run of the job (SLURM_RESTART_COUNT): a launcher of an earlier run that is still
-    # going away can neither write into this run's decisions nor join this run's rendezvous.
+    # and one rendezvous id per run of the job (SLURM_RESTART_COUNT) and per start of the step in it: a launcher of
+    # an earlier one that is still going away can neither write into this one's decisions nor join its rendezvous.
+    LF_STEP_RUN=$((${LF_STEP_RUN:-0} + 1))
     attempt="${SLURM_JOB_ID}.${SLURM_RESTART_COUNT:-0}"
+    if ((LF_STEP_RUN > 1)); then attempt+=".$LF_STEP_RUN"; fi
     LF_OUTCOME_DIR="$PWD/logs/llama-fp8-outcome_$attempt"
     rm -rf "$LF_OUTCOME_DIR"
     mkdir -p "$LF_OUTCOME_DIR"
-    LLAMA_FP8_OUTCOME_DIR="$LF_OUTCOME_DIR" \
-        srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task="$CPUS" --kill-on-bad-exit=1 \
+    lf_say_nodes
+    endpoint="$(lf_addr "${LF_TRAINERS%%,*}"):$RDZV_PORT"  # the first training node's launcher hosts it
+    LLAMA_FP8_OUTCOME_DIR="$LF_OUTCOME_DIR" LLAMA_FP8_CLUSTER_KIND="$(lf_cluster_kind)" \
+        srun "${LF_STEP_NODES[@]}" --ntasks-per-node=1 --cpus-per-task="$CPUS" "${kill[@]}" \
         ${CONTAINER_ARGS[@]+"${CONTAINER_ARGS[@]}"} ${resume[@]+"${resume[@]}"} \
-        bash -c "$LF_NODE_WRAPPER" lf_node "$addrs" \
+        bash -c "$LF_NODE_WRAPPER" lf_node "$addrs" "${LF_SPARES:-none}" \
         "${PY[@]}" -m llama_fp8 launch \
-        --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE" --max_restarts="${MAX_RESTARTS:-3}" \
-        --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ADDR:$RDZV_PORT" --rdzv_id="$attempt" \
+        --nnodes="$LF_TRAIN_COUNT" --nproc_per_node="$NPROC_PER_NODE" --max_restarts="${MAX_RESTARTS:-3}" \
+        --rdzv_backend=c10d --rdzv_endpoint="$endpoint" --rdzv_id="$attempt" \
         -m llama_fp8 train ${DEVICE_ARGS[@]+"${DEVICE_ARGS[@]}"} "$@"
     rc=$?
     lf_outcome "$rc"
+}
+
+# The training step, run again in this allocation when lf_outcome says so (LF_IN_PLACE: a node left to a spare of
+# the allocation, or a bad node the job cannot run without), each time counted in MAX_REQUEUES.
+# Each start takes the job's nodes as they are now: a node left to a spare (the step's own swap) stays out.
+lf_run_training() {  # lf_run_training TRAIN_ARGS... -> 0, 85 (requeue me) or a failure's code
+    local rc
+    unset LLAMA_FP8_STEP_AGAIN
+    while :; do
+        rc=0
+        lf_setup_nodes
+        lf_train "$@" || rc=$?
+        if ((rc != EXIT_REQUEUE)) || [[ -z "${LF_IN_PLACE:-}" ]]; then return "$rc"; fi
+        export LLAMA_FP8_STEP_AGAIN=1  # training continues this step's run folder (telemetry/goodput.py)
+    done
 }
 
 # ---- the time limit's lead (llama_fp8/telemetry/time_limit.py): how long before the end Slurm's warning comes, for
@@ -375,11 +398,18 @@ lf_setup() {  # lf_setup TRAIN_ARGS...: everything before the first srun
     lf_setup_efa
     lf_setup_runtime "$@"
     lf_setup_rendezvous
+    lf_setup_nodes
     echo "job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES node(s) x $NPROC_PER_NODE process(es), device $DEVICE," \
-        "rendezvous $RDZV_ADDR:$RDZV_PORT, $WHERE"
+        "rendezvous $(lf_addr "${LF_TRAINERS%%,*}"):$RDZV_PORT, $WHERE, cluster $(lf_cluster_kind)," \
+        "BAD_NODE_ACTION=$(lf_bad_node_action)"
+    lf_say_nodes
+    lf_check_time_limit
     if [[ -n "${NCCL_NET:-}" ]]; then echo "EFA: $(lf_efa_devices) device(s), NCCL_NET=$NCCL_NET"; fi
 }
 
-# The launchers' decisions after the training step, the requeue count and the nodes left behind.
+# The job's nodes (training, spares, left behind), then the launchers' decisions after the training step, the
+# requeue count and the requeue.
+# shellcheck source=src/llama_fp8/cluster/launch/job_nodes.sh
+source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/job_nodes.sh"
 # shellcheck source=src/llama_fp8/cluster/launch/job_requeue.sh
 source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/job_requeue.sh"

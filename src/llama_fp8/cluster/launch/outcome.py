@@ -16,7 +16,8 @@ OUTCOME_ENV = "LLAMA_FP8_OUTCOME_DIR"
 exclusions, line). Actions: ``done``, ``fail`` (not requeued), ``requeue`` (a checkpoint was saved: always
 requeued), ``retry`` (requeue without a new checkpoint: a signal during a restart, the rendezvous host lost, a
 machine that fails at start-up, a node to leave behind; requeued at most MAX_REQUEUES times), ``closed`` (another
-node ended the job: its own line says why)."""
+node ended the job: its own line says why), ``left`` (this node was left behind and a spare took its place: the
+others went on), ``spare`` (a spare node that was not needed: the step ended while it waited)."""
 NOT_RESTARTED = {EXIT_BAD_CONFIG: "a bad flag, config or data file", EXIT_NONFINITE: "a non-finite loss",
                  EXIT_REQUEUE: "a checkpoint saved after SIGUSR1/SIGTERM"}
 KINDS = {EXIT_TRANSIENT: "the machine or a service"}
@@ -49,7 +50,8 @@ def write_outcome(code: int, action: str, checkpoint: int | None, line: str, fai
                   exclude: list[str] | None = None) -> None:
     """This node's final decision for the batch script (``OUTCOME_ENV``): ``CODE ACTION CHECKPOINT FAILED EXCLUDE
     LINE``, the checkpoint being the step of the latest complete one a local worker reported (``-``: none known),
-    FAILED the failures of this training step charged to a node (``node@round``, comma-separated; ``-``: none),
+    FAILED the failures of this training step charged to a node (``node@round:checkpoint``, comma-separated; ``-``:
+    none),
     EXCLUDE the nodes to leave behind at once (a failed node check; ``-``: none)."""
     folder = os.environ.get(OUTCOME_ENV)
     if not folder:

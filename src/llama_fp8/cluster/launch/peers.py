@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from datetime import timedelta
 
 PREFIX = "llama-fp8/"
 MAX_BYTES = 1 << 20
@@ -82,3 +83,14 @@ class Peers:
     def decision(self) -> dict | None:
         got = self._json("decision")
         return got if isinstance(got, dict) and isinstance(got.get("line"), str) else None
+
+    def names(self, wait_s: float) -> list[str] | None:
+        """Every node's name in node-rank order, once each launcher has said its own (None: not every one within
+        ``wait_s``; they all say it as they start their workers)."""
+        self._set(f"node/{self.node}", node_name())
+        keys = [PREFIX + f"node/{n}" for n in range(self.nodes)]
+        try:
+            self.store.wait(keys, timedelta(seconds=wait_s))
+            return [self.store.get(k).decode(errors="replace")[:200] for k in keys]
+        except Exception:  # noqa: BLE001 - a launcher gone meanwhile: the workers start without the list
+            return None

@@ -108,6 +108,8 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     for sig in elastic.STOP_SIGNALS:  # Python handlers: the workers (exec'd) get the default disposition back
         signal.signal(sig, elastic.on_signal)
     elastic.JobAgent.signalled = elastic.JobAgent.last = None
+    elastic.JobAgent.is_host = bool(getattr(args, "standalone", False)) or \
+        _rdzv_conf(args).get("is_host", "").lower() in ("1", "true", "yes", "y")
     saved_env = {k: os.environ.get(k) for k in (heartbeat.ENV, elastic.ATTEMPT_ENV, elastic.SAVED_ENV)}
     code, action, line = 0, "done", "training finished on every node"
     try:

@@ -55,12 +55,18 @@ def check_fp8_features(s: Settings) -> Check:
                  f" with {backend.library} {backend.library_version()}")
 
 
+TRAIN_TASKS_ENV = "LLAMA_FP8_TRAIN_TASKS"
+"""The training world's size when it is smaller than the preflight step's (spare nodes: job_nodes.sh)."""
+
+
 def check_layout(s: Settings) -> Check:
     """The mesh the train flags ask for (--dp_*, --tp_size, --cp_size) fits the allocation's tasks and the model."""
     from llama_fp8 import parallel
 
     cfg = s.cfg
     rank, _, tasks = task_position()
+    # A job with spare nodes checks every node but trains on N of them: the layout is the training world's.
+    tasks = int(os.environ.get(TRAIN_TASKS_ENV) or 0) or tasks
     if not s.train_given:
         return Check("layout", OK, f"{tasks} task(s), no train flags to check")
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]

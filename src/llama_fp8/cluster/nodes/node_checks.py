@@ -1,5 +1,6 @@
 """Preflight's node checks: what this node has (GPUs and the FP8 recipes they run, the FP8 libraries, NCCL,
-EFA and the OFI plugin, the container mounts, a writable checkpoint folder, readable data paths). Each
+EFA and the OFI plugin, the site's node health check, the container mounts, a writable checkpoint folder,
+readable data paths). Each
 returns a ``Check``; none decides anything about the run (``config_checks.py`` asks the plan's resolvers)."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llama_fp8.cluster.launch import mounts
+from llama_fp8.cluster.launch import health, mounts
 from llama_fp8.cluster.nodes import nccl
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
@@ -129,6 +130,16 @@ def check_efa(_: Settings) -> Check:
                      f"NCCL_NET='{nccl.OFI_NET_NAME}' (1.train_llama.sbatch does)")
     return Check("efa", OK, f"{len(devices)} EFA device(s) ({', '.join(devices[:4])}), OFI plugin {plugin} "
                  f"({how}), NCCL_NET={net}")
+
+
+def check_node_health(_: Settings) -> Check:
+    """The site's own node check (``LLAMA_FP8_NODE_CHECK``, exit 0 = healthy), the one the launcher runs before
+    restarting workers: a node, spare or training, that fails it is never used (cluster/launch/health.py)."""
+    if not os.environ.get(health.CHECK_ENV):
+        return Check("node health", OK, f"no site check ({health.CHECK_ENV} unset)")
+    problem = health.problem(None)
+    return Check("node health", FAIL, problem) if problem else \
+        Check("node health", OK, f"{health.CHECK_ENV} passed")
 
 
 def check_mounts(s: Settings) -> Check:

@@ -43,6 +43,7 @@ from llama_fp8.cluster.nodes.node_checks import (  # noqa: F401 - the checks, im
     check_gpus,
     check_mounts,
     check_nccl,
+    check_node_health,
     check_path,
     check_writable,
     efa_devices,
@@ -115,7 +116,7 @@ def run_checks(s: Settings) -> list[Check]:
     """Every check, in report order; a check that crashes is reported as FAIL, not raised."""
     checks = []
     for fn in (check_gpus, check_model_impl, check_fp8_backends, check_fp8_features, check_layout, check_nccl,
-               check_efa, check_nvlink, check_mounts, check_writable, check_lustre):
+               check_efa, check_nvlink, check_node_health, check_mounts, check_writable, check_lustre):
         try:
             out = fn(s)
         except Exception as e:  # noqa: BLE001 - report and keep going
