@@ -28,6 +28,31 @@ def _te_importable() -> bool:
 collect_ignore_glob = [] if _te_importable() else ["models/te/test_te_real_*.py"]
 
 
+# Under pytest-xdist (`make test` runs two workers, --dist loadgroup) each worker is a session of its own: a
+# session fixture used by two workers would be made twice. So every test is put in a group that one worker runs
+# whole: the tests of the local Slurm cluster (its slurmd ports are fixed: one cluster per machine), those of the
+# S3 server, and otherwise each file (its module fixtures made once). The cluster's group goes first: it is the
+# longest, and a long group started last would leave the other worker idle at the end.
+SHARED_GROUPS = (("cluster", "slurm"), ("s3_server", "s3"), ("mlflow_server", "mlflow-server"))
+
+
+def group_of(item) -> str:
+    """The xdist group of a test: the first shared fixture it uses (directly or through another), else its file."""
+    names = set(getattr(item, "fixturenames", ()))
+    for fixture, group in SHARED_GROUPS:
+        if fixture in names:
+            return group
+    return item.nodeid.split("::")[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    if not getattr(config.option, "numprocesses", None):  # not under xdist's workers
+        return
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group_of(item)))
+    items.sort(key=lambda item: group_of(item) != "slurm")  # stable: the order within each group is kept
+
+
 @pytest.fixture(autouse=True)
 def _restore_environment():
     """Tests that run training in this process let it set RANK, WORLD_SIZE, MASTER_ADDR... as a launcher would;

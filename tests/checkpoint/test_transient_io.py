@@ -95,7 +95,9 @@ def test_an_eio_during_a_save_is_transient_and_a_full_disk_is_not(tmp_path, monk
 
 
 def test_an_eio_of_the_write_probe_is_transient(tmp_path, monkeypatch, capsys):
-    from llama_fp8.checkpoint import resume
+    """The probe is written by checkpoint/layout.py (since S3 places: checkpoint/places.py calls it for a folder);
+    before, this test patched resume's open, which no longer writes the probe, and the run passed unprobed."""
+    from llama_fp8.checkpoint import layout
 
     real_open = open
 
@@ -104,7 +106,7 @@ def test_an_eio_of_the_write_probe_is_transient(tmp_path, monkeypatch, capsys):
             raise OSError(errno.ESTALE, "Stale file handle", str(path))
         return real_open(path, *a, **kw)
 
-    monkeypatch.setattr(resume, "open", failing, raising=False)
+    monkeypatch.setattr(layout, "open", failing, raising=False)
     capsys.readouterr()
     assert run(tmp_path / "b", "--max_steps", "2", "--checkpoint_freq", "2") == EXIT_TRANSIENT
     err = capsys.readouterr().err

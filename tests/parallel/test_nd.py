@@ -155,15 +155,16 @@ def relative(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fp8, loss_tol, norm_tol", [("0", 1e-3, 1e-2), ("1", 5e-3, 6e-2)], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("fp8, loss_tol, norm_tol", [("0", 1e-3, 2e-2), ("1", 5e-3, 6e-2)], ids=["bf16", "fp8"])
 def test_tensor_parallel_trains_like_fsdp_and_one_rank(tmp_path, fp8, loss_tol, norm_tol):
     """5 steps, the same 4 sequences per step: 1 rank (batch 4), FSDP over 4 ranks (batch 1 each), and
     FSDP 2 x TP 2 (batch 2 per data-parallel rank).
 
     Tolerances. BF16: the layouts sum the same products in other orders (TP splits each matmul and reduces
     partial BF16 outputs), so activations differ by a few BF16 ulps (~0.4 % each); the loss, a mean over
-    4 x 32 tokens x 4096 logits, averages that out: measured within 2e-4, asserted 1e-3; the gradient norm
-    within 1e-2. FP8 (torchao tensorwise, emulated): each rank scales what it quantizes by that tensor's own
+    4 x 32 tokens x 4096 logits, averages that out: measured within 2e-4, asserted 1e-3; the gradient norm grows
+    apart step by step as the updates feed back (measured 0.03, 0.005, 0.55, 0.2, 1.03 % over the 5 steps,
+    deterministic on CPU), asserted 2e-2: a wrong reduction (a missing or doubled partial sum) is off by tens of %. FP8 (torchao tensorwise, emulated): each rank scales what it quantizes by that tensor's own
     amax (its own sequences; under TP with the BF16 collectives used where FP8 is emulated, the
     row-parallel layers' inputs per shard), and e4m3 rounds to 3 mantissa bits (steps of up to 6 %), so
     the three runs round differently: measured within 2e-3 on the loss and 4 % on the gradient norm;

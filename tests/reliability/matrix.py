@@ -16,7 +16,9 @@ exactly MATRIX and that the README's headline figures are the doc's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import fcntl
 import json
 import os
 import platform
@@ -329,9 +331,24 @@ HOSTILE_ROWS_FILE = ROWS_FILE.with_name("llama-fp8-hostile.json")
 BEGIN, END = "<!-- hostile inputs: generated from tests/checkpoint/ -->", "<!-- end of hostile inputs -->"
 
 
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Hold an exclusive lock beside ``path`` (two test workers, `make test`'s -n 2, record rows at once: each
+    read-modify-write of the rows file is whole, or a row recorded meanwhile would be lost)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def record_hostile(test_id: str, observed: str) -> None:
     """Store a passing hostile-input test's observation (replacing that test's earlier row)."""
     assert test_id in HOSTILE, f"{test_id} is not in tests/reliability/matrix.py HOSTILE"
+    with _locked(HOSTILE_ROWS_FILE):
+        _record_hostile(test_id, observed)
+
+
+def _record_hostile(test_id: str, observed: str) -> None:
     rows = json.loads(HOSTILE_ROWS_FILE.read_text()) if HOSTILE_ROWS_FILE.is_file() else {}
     observed = re.sub(r"/tmp/pytest-of-[^/\s]+/pytest-\d+/[^/\s]+/", "", observed).replace("|", "/")
     rows[test_id] = {"observed": " ".join(observed.split())[:300],
@@ -372,6 +389,11 @@ def with_hostile(doc: str, kept: str | None = None) -> str:
 def record(test_id: str, observed: str, steps_lost: int | None) -> None:
     """Store a passing test's row (replacing that test's earlier row)."""
     assert test_id in MATRIX, f"{test_id} is not in tests/reliability/matrix.py MATRIX"
+    with _locked(ROWS_FILE):
+        _record(test_id, observed, steps_lost)
+
+
+def _record(test_id: str, observed: str, steps_lost: int | None) -> None:
     rows = load_rows()
     observed = re.sub(r"/tmp/pytest-of-[^/\s]+/pytest-\d+/[^/\s]+/", "", observed).replace("|", "/")
     rows[test_id] = {"observed": observed, "steps_lost": steps_lost,

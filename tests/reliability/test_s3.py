@@ -223,7 +223,30 @@ def test_s3_planted_objects_that_are_not_ours_are_kept(tmp_path, s3_server, ref1
         f"step_6.incomplete/ before step 6 was saved; the bucket's other object untouched; {seen}", 0)
 
 
-def test_s3_tier_resumes_from_s3_when_the_file_system_tier_is_gone(tmp_path, s3_server, ref1, row):
+def test_s3_tier_resumes_from_s3_when_the_file_system_tier_is_gone(tmp_path, s3_server, ref1, row, monkeypatch):
+    """The copy of step_2 is held until step_4 is saved (a copy slower than the checkpoint interval, as on a busy
+    link): step_4's copy is skipped then, and the end of the run copies it. Before, the run ended with step_4 on the
+    file system only ("s3://ckpt/tier/step_4/COMPLETE: missing")."""
+    import threading
+
+    from llama_fp8.checkpoint.s3 import copy as s3copy
+
+    asked = threading.Event()
+    real_destination, real_copy = s3copy.Copier.destination, s3copy.Copier.copy
+
+    def destination(self, step):
+        out = real_destination(self, step)
+        if step == 4:
+            asked.set()
+        return out
+
+    def held(self, folder, step):
+        if step == 2:
+            asked.wait(120)
+        return real_copy(self, folder, step)
+
+    monkeypatch.setattr(s3copy.Copier, "destination", destination)
+    monkeypatch.setattr(s3copy.Copier, "copy", held)
     run, fs = tmp_path / "run", tmp_path / "fsx"
     flags = ["--checkpoint_dir", str(fs), "--checkpoint_copy_dir", f"s3://{s3kit.BUCKET}/tier",
              "--checkpoint_copy_every", "1", "--s3_region", s3kit.REGION, "--s3_endpoint", s3_server.endpoint,
@@ -237,6 +260,7 @@ def test_s3_tier_resumes_from_s3_when_the_file_system_tier_is_gone(tmp_path, s3_
     assert local["copies"] == remote["copies"] == [str(fs / "step_4"), f"s3://{s3kit.BUCKET}/tier/step_4"]
     assert remote["files"] == local["files"]
     shutil.rmtree(fs)  # the cluster (and its FSx volume) is gone
+    monkeypatch.undo()
     assert F.run1(run, [*F.RUN, *flags]) == 0
     assert resumed_from(run) == [0, 4]
     got = F.losses(run)

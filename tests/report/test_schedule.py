@@ -78,7 +78,7 @@ def test_launchers_take_their_order_and_seeds_from_the_schedule():
 
 FAKE_JOB_LIB = """EXIT_REQUEUE=85
 lf_die() { echo "error: $*" >&2; exit 1; }
-lf_setup() { PY=("$FAKE_PY"); CONTAINER_ARGS=(); }
+lf_setup() { PY=("$FAKE_PY"); CONTAINER_ARGS=(); lf_setup_nodes; }  # the real one sets the nodes too
 lf_preflight() { :; }
 lf_estimate() { :; }  # tests/estimate/test_prejob.py
 lf_setup_nodes() {  # the training nodes: the job's, or n1,n3 once a spare took n2's place (AB_DIR/swapped)

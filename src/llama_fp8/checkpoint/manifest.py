@@ -124,6 +124,19 @@ def write_manifest(folder: Path, step: int, world_size: int, files: dict[str, di
         os.fsync(f.fileno())
 
 
+def rewrite_copies(folder: Path, man: dict, copies: list[str]) -> None:
+    """Rewrite a complete checkpoint's manifest ``man`` (read_manifest's) naming ``copies``: written beside it,
+    fsynced and renamed over it, so that a crash leaves the old manifest or the new one, never half of one (the
+    temporary file lies beside the folder, not in it: a checkpoint's folder holds only what its manifest lists)."""
+    body = manifest_text(int(man["step"]), int(man["world_size"]), man["files"], man.get("save_s"), copies)
+    tmp = folder.parent / f".{folder.name}.{MARKER}.tmp"
+    with open(tmp, "w") as f:
+        f.write(body)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / MARKER)
+
+
 def manifest_text(step: int, world_size: int, files: dict[str, dict], save_s: float | None = None,
                   copies: list[str] | None = None) -> str:
     """The manifest's JSON. ``copies``: where every copy of this checkpoint is meant to live (the file system's

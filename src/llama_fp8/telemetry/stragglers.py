@@ -155,6 +155,8 @@ def find_stragglers(ranks: list[dict[str, Any]], threshold: float) -> list[dict[
                   # a difference of a few samples is the sampler's own noise, whatever the step time
                   WAIT_CAUSE: less_comm / med_total if less_comm > 2 * SAMPLE_S else 0.0}
         cause, excess = max(causes.items(), key=lambda kv: kv[1])
+        if causes["data wait"] > threshold:  # its own loader is why the others wait for it: the cause to name
+            cause = "data wait"
         if excess > threshold:
             named.append({"rank": r["rank"], "host": r["host"], "local_rank": r["local_rank"],
                           "slower_pct": 100 * excess, "cause": cause})

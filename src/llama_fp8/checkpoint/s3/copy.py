@@ -32,6 +32,7 @@ class Copier:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-copy")
         self._pending: tuple[int, Future] | None = None
         self.copied: list[int] = []  # steps copied and published, in order
+        self.skipped: int | None = None  # a due copy skipped (the one before still running), none copied since
 
     def destination(self, step: int) -> S3Location | None:
         """Where checkpoint ``step`` is copied to, if it is (every ``every``-th save, unless the previous copy is
@@ -43,7 +44,9 @@ class Copier:
             log.warning("the copy of step_%d to S3 is still running: step_%d is not copied (the next one due is); "
                         "copies slower than checkpoints: raise --checkpoint_copy_every", self.busy(), step)
             self._saves -= 1  # the next save is due instead
+            self.skipped = step  # unless a later one is copied, the end of the run copies it (late)
             return None
+        self.skipped = None
         return self.target.root / f"step_{step}"
 
     def busy(self) -> int | None:
