@@ -65,7 +65,7 @@ TRAIN_EXTRA=()  # the training jobs' own options (placement): not the report job
 if [[ -n "${SEGMENT:-}" ]]; then
     [[ "$SEGMENT" =~ ^[1-9][0-9]{0,3}$ ]] || { echo "error: SEGMENT='$SEGMENT': a number of nodes >= 1 (sbatch --segment)" >&2; exit 2; }
     nodes=""  # the node count SBATCH_ARGS asks for, if it says (else the batch script's #SBATCH --nodes)
-    for i in "${!EXTRA[@]}"; do
+    for ((i = 0; i < ${#EXTRA[@]}; i++)); do
         case "${EXTRA[$i]}" in
             --nodes=*) nodes=${EXTRA[$i]#--nodes=} ;;
             --nodes | -N) nodes=${EXTRA[$((i + 1))]:-} ;;

@@ -25,11 +25,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	VENV=$(VENV) bash scripts/demo.sh
 
+# Two pytest-xdist workers: many tests wait (for Slurm jobs, servers, a hang to be seen) while the other core is free.
+# Tests that share a session fixture (the local Slurm cluster, the S3 server) run in one worker (tests/conftest.py).
+# TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=30 -m "not gpu and not te"
+	$(PY) -m pytest -q $(XDIST) --durations=30 -m "not gpu and not te"
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu and not te and not slow and not slurm and not container"
+	$(PY) -m pytest -q $(XDIST) -m "not gpu and not te and not slow and not slurm and not container"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts

@@ -76,8 +76,8 @@ if [[ -n "$PLATFORM" ]]; then
 fi
 if [[ "${1:-}" == --print-plan ]]; then  # what would run, with the platform in every step; nothing is built
     shift
-    echo "build: $DOCKERFILE -t $TAG ${platform_args[*]} $*"
-    echo "import: enroot import ${arch_args[*]} -o $OUT"
+    echo "build: $DOCKERFILE -t $TAG ${platform_args[*]+${platform_args[*]}} $*"
+    echo "import: enroot import ${arch_args[*]+${arch_args[*]}} -o $OUT"
     exit 0
 fi
 

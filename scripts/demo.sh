@@ -43,7 +43,7 @@ if [ -n "${DEMO_EXTRA:-}" ]; then
   common+=(${extra[@]+"${extra[@]}"})  # the safe form: bash 4.2 calls an empty array unbound under set -u
 fi
 # Tokenized once (cached under $DATA/tokenized), read by every arm: the same tokens, not tokenized per run.
-"$PY" -m llama_fp8.cluster.launch.ab_data --out "$DATA/tokenized" --workers 1 -- "${common[@]}" >"$OUT/arm_args.bin"
+"$PY" -m llama_fp8.cluster.launch.ab_data --out "$DATA/tokenized" --workers 1 -- ${common[@]+"${common[@]}"} >"$OUT/arm_args.bin"
 mapfile -d '' -t common <"$OUT/arm_args.bin"
 
 # The run order (alternating per pair) and seeds come from the same schedule as the Slurm A/B job.
@@ -53,12 +53,12 @@ ARMS=${DEMO_ARMS:-bf16,fp8}
 # FP8 arms run DEMO_EXTRA_STEPS % more steps (default 25) on BF16's LR schedule, so that one whose loss tracks BF16's
 # can reach BF16's final loss: the iso-loss speed-up (0: every arm the same steps).
 schedule=$("$PY" -m llama_fp8.cluster.launch.schedule --repeats "$REPEATS" --arms "$ARMS" \
-  --extra_steps "${DEMO_EXTRA_STEPS:-25}" -- "${common[@]}")
+  --extra_steps "${DEMO_EXTRA_STEPS:-25}" -- ${common[@]+"${common[@]}"})
 while read -r subdir fp8 seed extra <&3; do  # fd 3: the launcher cannot take the schedule from stdin
   read -r -a flags <<<"$extra"  # an arm's own flags (its --fp8_recipe); none for bf16 and fp8
   echo "== training tiny on CPU with $NPROC ranks, ${flags[*]+${flags[*]} }--fp8=$fp8 --seed $seed -> $OUT/$subdir"
   mkdir -p "$OUT/$subdir"
-  "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m llama_fp8 train "${common[@]}" \
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m llama_fp8 train ${common[@]+"${common[@]}"} \
     ${flags[@]+"${flags[@]}"} --fp8 "$fp8" --seed "$seed" --run_dir "$OUT/$subdir" 2>"$OUT/$subdir.stderr" \
     | tee "$OUT/$subdir.log" | grep -E '^Batch' | tail -n 3
 done 3<<<"$schedule"
@@ -70,7 +70,7 @@ while read -r subdir _; do
   echo "      metrics: $OUT/$subdir/metrics.jsonl  config: $OUT/$subdir/config.yaml"
 done <<<"$schedule"
 read -r -a runs <<<"$("$PY" -m llama_fp8.cluster.launch.schedule --repeats "$REPEATS" --arms "$ARMS" --compare \
-  -- "${common[@]}")"
+  -- ${common[@]+"${common[@]}"})"
 per_repeat=()  # arms per repeat, from the schedule (DEMO_ARMS=shootout: the arms this machine runs)
 ((${#runs[@]} / REPEATS == 2)) || per_repeat=(--arms "$((${#runs[@]} / REPEATS))")
 echo

@@ -107,7 +107,7 @@ def expected(records: list[dict], rank: int) -> dict[tuple[str, str | None], flo
                 **{("llama_fp8_fp8_underflow_ratio", t): fp8[f"{t}_underflow_max"]
                    for t in ("input", "weight", "grad_output")},
                 **{("llama_fp8_fp8_snr_decibels", t): fp8[f"{t}_snr_db_min"] for t in ("input", "weight", "grad_output")}})
-    return out
+    return {k: v for k, v in out.items() if v is not None}  # n/a (MFU of emulated FP8) is left out of the textfile
 
 
 def parse_textfile(path: Path) -> tuple[dict[tuple[str, str | None], float], list[dict], dict[str, str]]:
@@ -147,8 +147,19 @@ def test_the_textfile_of_a_2_rank_run_holds_metrics_jsonl_under_prometheus_names
     info = [s for s in parse_textfile(final / names[0])[1] if "model" in s]
     assert info == [{**job_labels, "model": "tiny", "model_impl": meta["model_impl"], "device_name": meta["device_name"],
                      "git_commit": meta["repro"]["git_commit"] or ""}]
-    # every gauge of the table was exported by this run (the docs' table lists no gauge that never appears)
-    assert {name for name, _ in expected(run2.records, 0)} == {g.name for g in gauges.GAUGES}
+    # every gauge of the table was exported by this run (the docs' table lists no gauge that never appears), but MFU:
+    # FP8 emulated on CPU has no peak to be measured against (n/a); the MFU gauge is proven on a BF16 record below
+    assert {name for name, _ in expected(run2.records, 0)} == {g.name for g in gauges.GAUGES} - {"llama_fp8_mfu_ratio"}
+    assert last(run2.records, "train")["mfu_vs_bf16_peak"] is None
+
+
+def test_the_mfu_gauge_carries_each_peaks_ratio_and_leaves_out_what_is_not_measured():
+    labels = {k: "x" for k in gauges.JOB_LABELS}
+    board = gauges.Board(labels, 0, 0, True)
+    assert board.update({"type": "train", "step": 3, "tflops_per_device": 0.5, "mfu_vs_bf16_peak": 0.25,
+                         "mfu_vs_fp8_peak": None})
+    (mfu,) = [samples for gauge, samples in board.samples() if gauge.name == "llama_fp8_mfu_ratio"]
+    assert mfu == [({**labels, "peak": "bf16"}, 0.25)]  # the FP8 peak's ratio is n/a: no sample, not a 0
 
 
 def test_the_documented_sqlite_store_holds_the_runs_params_metrics_and_standard_tags(run2, monkeypatch):
@@ -251,6 +262,7 @@ def test_the_dashboards_queries_name_only_metrics_and_labels_the_textfile_writes
         values, sample_labels, _ = parse_textfile(path)
         written |= {name for name, _ in values}
         labels |= {k for s in sample_labels for k in s}
+    written.add("llama_fp8_mfu_ratio")  # n/a in this run (FP8 emulated); its samples: test_the_mfu_gauge_carries_...
     used = [names_and_labels(e) for e in dashboard_queries()]
     assert len(used) > 20
     assert set().union(*(n for n, _ in used)) <= written

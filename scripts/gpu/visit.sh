@@ -18,8 +18,9 @@ wheels=${WHEELS:-.whl}
 [[ $wheels == /* ]] || wheels="$repo/$wheels"
 budget=${VISIT_SECONDS:-380}
 margin=15  # verify.py's budget ends this long before the command's (units.MARGIN_S)
-[[ $budget =~ ^[0-9]+$ ]] && (( budget >= margin + 60 )) || {
-    echo "visit: VISIT_SECONDS '$budget': expected whole seconds, at least $((margin + 60))" >&2; exit 2; }
+if ! [[ $budget =~ ^[0-9]+$ ]] || (( budget < margin + 60 )); then
+    echo "visit: VISIT_SECONDS '$budget': expected whole seconds, at least $((margin + 60))" >&2; exit 2
+fi
 left() { echo $((budget - margin - SECONDS)); }
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1

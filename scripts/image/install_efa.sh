@@ -42,7 +42,7 @@ if ! compgen -G "$tmp/aws-efa-installer/DEBS/*/$arch" >/dev/null &&
     exit 1
 fi
 echo "EFA installer $EFA_INSTALLER_VERSION: packages for $arch: $(cd "$tmp/aws-efa-installer" &&
-    ls -d DEBS/*/"$arch" RPMS/*/"$arch" 2>/dev/null | tr '\n' ' ')"
+    find DEBS RPMS -mindepth 2 -maxdepth 2 -type d -name "$arch" 2>/dev/null | sort | tr '\n' ' ')"
 real_root=0
 if [[ "$ROOT" == / ]]; then real_root=1; fi  # the package lists are the image's own only then (tests: a fake root)
 if ((real_root)) && command -v apt-get >/dev/null; then apt-get update; fi

@@ -20,7 +20,7 @@ trap 'rm -rf "$venv"' EXIT
 env_py=$venv/env/bin/python
 "$env_py" -m pip install -q "torch==$torch" "setuptools<82" wheel ninja packaging numpy pydantic einops onnxscript \
     nvidia-cudnn-frontend
-"$env_py" -m pip install -q --no-deps "${core[@]}"
+"$env_py" -m pip install -q --no-deps ${core[@]+"${core[@]}"}
 site=$("$env_py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 includes=$(find "$site/nvidia" -maxdepth 3 -type d -name include | paste -sd:)
 out=$venv/wheel

@@ -154,8 +154,8 @@ ReturnToService=2
 MinJobAge=3600
 KillWait=10
 SchedulerType=sched/backfill
-# schedule every few seconds instead of every minute: tests wait on it
-SchedulerParameters=sched_interval=3,bf_interval=2
+# schedule every second instead of every minute: tests wait on it (a job released from a hold starts at the next pass)
+SchedulerParameters=sched_interval=1,bf_interval=1
 {f"PlugStackConfig={root / 'plugstack.conf'}" if cluster.container else ""}
 {chr(10).join(node_lines)}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP

@@ -379,7 +379,7 @@ def node_in_service(env: dict[str, str], name: str, timeout: float = 120) -> Non
         state = m.group(1) if m else "?"
         if state in ("IDLE", "ALLOCATED", "MIXED"):
             return
-        time.sleep(1)
+        time.sleep(0.5)
     pytest.fail(f"node {name} not back in service after {timeout:.0f} s: State={state}")
 
 

@@ -18,7 +18,8 @@ SHELL_FILES = sorted([*REPO.glob("*.sh"), *REPO.glob("*.sbatch"), *REPO.glob("sc
                       *REPO.glob("scripts/**/*.sbatch")])
 CLUSTER_SCRIPTS = [REPO / "1.train_llama.sbatch", REPO / "2.ab_fp8_vs_bf16.sh", REPO / "scripts" / "build_image.sh",
                    REPO / "scripts" / "slurm" / "job_lib.sh", REPO / "scripts" / "slurm" / "job_nodes.sh",
-                   REPO / "scripts" / "slurm" / "job_requeue.sh", REPO / "scripts" / "slurm" / "ab_job.sbatch",
+                   REPO / "scripts" / "slurm" / "job_requeue.sh", REPO / "scripts" / "slurm" / "job_estimate.sh",
+                   REPO / "scripts" / "slurm" / "ab_job.sbatch",
                    REPO / "scripts" / "slurm" / "tokenize.sbatch",
                    *sorted(REPO.glob("scripts/image/*.sh")), *sorted(REPO.glob("scripts/container/**/*.sh"))]
 BATCH_SCRIPTS = [REPO / "1.train_llama.sbatch", REPO / "scripts" / "slurm" / "ab_job.sbatch"]
@@ -111,8 +112,8 @@ def test_named_modules_and_commands_exist():
 
 
 def test_train_flags_in_launchers_exist(capsys):
-    """Flags after `1.train_llama.sbatch`, `2.ab_fp8_vs_bf16.sh` (but its leading `--repeats R` / `--arms LIST`) or
-    `llama_fp8 train` are train flags."""
+    """Flags after `1.train_llama.sbatch`, `2.ab_fp8_vs_bf16.sh` (but its leading `--repeats R` / `--arms LIST` /
+    `--extra_steps PCT`) or `llama_fp8 train` are train flags."""
     accepted = help_text("train", capsys)
     bad, checked = [], set()
     for path in LAUNCHER_FILES:
@@ -120,7 +121,7 @@ def test_train_flags_in_launchers_exist(capsys):
             for match in TRAIN_ENTRY.finditer(line):
                 rest = line[match.end():]
                 if match.group(0).startswith("2.ab_fp8_vs_bf16.sh"):  # its own leading options, then train flags
-                    rest = re.sub(r"^(?:\s*--(?:repeats|arms)(?:=|\s+)\S+)+", "", rest)
+                    rest = re.sub(r"^(?:\s*--(?:repeats|arms|extra_steps)(?:=|\s+)\S+)+", "", rest)
                 used = flags(rest)
                 checked.update(used)
                 bad += [f"{path.name}: --{f}" for f in used if f"--{f}" not in accepted]

@@ -264,8 +264,11 @@ def run_preflight_step(tmp_path: Path, lfs: bool, preflight_rc: int = 0) -> tupl
 set -euo pipefail
 source {REPO}/scripts/slurm/job_lib.sh
 srun() {{ printf '%s\\n' "$*" >>{calls}; if [[ "$*" == *"llama_fp8 preflight"* ]]; then return {preflight_rc}; fi; }}
-SLURM_JOB_NUM_NODES=2 SLURM_JOB_ID=7 CPUS=2 NPROC_PER_NODE=4 DEVICE=cuda PY=(python) CONTAINER_ARGS=() RDZV_ADDR=n1
-RDZV_PORT=29500 IMAGE=/fsx/img.sqsh PREFLIGHT_REPORT={tmp_path}/pf.json
+scontrol() {{ if [[ "$*" == "show hostnames n[1-2]" ]]; then printf 'n1\\nn2\\n'; fi; }}
+SLURM_JOB_NUM_NODES=2 SLURM_JOB_ID=7 SLURM_JOB_NODELIST='n[1-2]' CPUS=2 NPROC_PER_NODE=4 DEVICE=cuda PY=(python)
+CONTAINER_ARGS=() RDZV_ADDR=n1 RDZV_PORT=29500 IMAGE=/fsx/img.sqsh PREFLIGHT_REPORT={tmp_path}/pf.json
+mkdir -p logs
+lf_setup_nodes  # as lf_setup does before preflight: the job's training nodes and spares
 rc=0; lf_preflight --model tiny || rc=$?
 echo "rc=$rc on_host=${{LLAMA_FP8_LUSTRE_ON_HOST:-0}}"
 """

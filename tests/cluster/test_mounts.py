@@ -154,7 +154,8 @@ NOT_PATHS = {"model", "model_type", "model_impl", "fp8_backend", "fp8_recipe", "
              "fp8_amax_compute_algo", "lr_decay_style", "optimizer", "dataset_config_name", "text_field", "sharding_strategy", "cp_comm_type",
              "activation_checkpointing", "device", "nan_policy", "wandb_project", "wandb_mode", "otlp_endpoint",
              "mlflow_experiment", "mlflow_run_name", "profile_steps", "profile_ranks",
-             "checkpoint_copy_dir", "s3_region", "s3_endpoint", "s3_prefix_strategy"}  # an s3:// copy: no mount
+             "checkpoint_copy_dir", "s3_region", "s3_endpoint", "s3_prefix_strategy",  # an s3:// copy: no mount
+             "skip_samples"}  # sample ranges to skip
 INSIDE_DATASET = {"data_files", "val_data_files"}  # globs inside --dataset: its mount holds them
 
 

@@ -46,7 +46,7 @@ def test_tokenize_as_a_slurm_array_makes_the_corpus_one_process_makes(job_env, t
         states = array_states(job, job_env)
         if len(states) == 2 and all(s.split()[0] in TERMINAL for s in states.values()):
             break
-        time.sleep(2)
+        time.sleep(0.5)
     logs = {p.name: p.read_text() for p in (tmp_path / "logs").glob("*.out")}
     assert states == {"0": "COMPLETED 0:0", "1": "COMPLETED 0:0"}, (states, logs)
     said = "\n".join(logs.values())

@@ -1,4 +1,4 @@
-"""Before a job starts: the batch script's ``lf_estimate`` (cluster/launch/job_lib.sh) and ``submit``'s estimate stop a run
+"""Before a job starts: the batch script's ``lf_estimate`` (cluster/launch/job_estimate.sh) and ``submit``'s estimate stop a run
 that does not fit, let everything else go on, and can be switched off. Shell-level: job_lib.sh sourced under
 ``set -euo pipefail`` with srun and nvidia-smi replaced (recorders, or srun running its command here: the real
 estimate on this machine). The real-cluster run of 1.train_llama.sbatch is tests/cluster/test_real_cluster.py
@@ -62,10 +62,10 @@ def test_the_estimate_checks_against_the_row_of_the_nodes_gpu(tmp_path):
     domain and 4 GPUs per node; a name not in the table leaves the default."""
     gb200 = '[[ "$*" == *name* ]] && { echo "NVIDIA GB200"; return 0; }; echo "189471, 738"'
     run_lib(tmp_path, f"lf_estimate {TINY}", srun="return 0", smi=gb200)
-    assert "--gpu_memory_gib 184.31 --gpu GB200 --suggest 0" in srun_calls(tmp_path)[0]
+    assert f"--gpu_memory_gib 184.31 --gpu GB200 {TINY}" in srun_calls(tmp_path)[0]  # with the suggestions
     l40s = '[[ "$*" == *name* ]] && { echo "NVIDIA L40S"; return 0; }; echo "46068, 0"'
     run_lib(tmp_path, f"lf_estimate {TINY}", srun="return 0", smi=l40s)
-    assert "--gpu_memory_gib 44.9883 --suggest 0" in srun_calls(tmp_path)[1]
+    assert f"--gpu_memory_gib 44.9883 {TINY}" in srun_calls(tmp_path)[1]
 
 
 def test_without_nvidia_smis_memory_the_estimate_says_which_gpu_it_checks_against(tmp_path):
@@ -76,7 +76,7 @@ def test_without_nvidia_smis_memory_the_estimate_says_which_gpu_it_checks_agains
 
 
 def test_the_shell_and_python_agree_on_the_estimates_exit_codes():
-    lib = (REPO / "src/llama_fp8/cluster/launch/job_lib.sh").read_text()
+    lib = (REPO / "src/llama_fp8/cluster/launch/job_estimate.sh").read_text()
     assert re.search(r"local does_not_fit=(\d+) stand_in=(\d+)", lib).groups() == (
         str(errors.EXIT_DOES_NOT_FIT), str(errors.EXIT_STAND_IN_DOES_NOT_FIT))
 
@@ -159,7 +159,8 @@ def test_the_batch_script_estimates_after_preflight_and_before_training():
              ('lf_preflight "$@"', 'lf_estimate "$@"', 'lf_run_training "$@"')]
     assert order == sorted(order)
     lib = (REPO / "src/llama_fp8/cluster/launch/job_lib.sh").read_text()
-    assert re.search(r"^lf_preflight\(\) \{.*?^\}\n\n# ---- estimate.*?^lf_estimate\(\) \{", lib, re.S | re.M)
+    assert re.search(r'^source ".*/job_estimate\.sh"$', lib, re.M)  # the batch scripts' library brings lf_estimate
+    assert re.search(r"^lf_estimate\(\) \{", (REPO / "src/llama_fp8/cluster/launch/job_estimate.sh").read_text(), re.M)
 
 
 def test_the_ab_job_estimates_every_arm_after_preflight_and_before_the_first_run(tmp_path):

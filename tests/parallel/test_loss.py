@@ -22,8 +22,11 @@ from torch.nn import functional
 from helpers import REPO, run_cli
 from llama_fp8.parallel import loss as L
 
+# BF16 gradients: the chunks' GEMMs are split over CPU threads differently from the whole one, and BF16 sums in another
+# order round differently: measured 0 with one intra-op thread, 4.6e-5 (relative norm) with 2 at 128 rows; a chunk
+# left out or counted twice is off by more than 1e-2.
 TOL = {torch.float32: {"loss": 1e-6, "grad": 1e-5, "weight": 1e-5},
-       torch.bfloat16: {"loss": 1e-5, "grad": 1e-5, "weight": 1e-2}}
+       torch.bfloat16: {"loss": 1e-5, "grad": 2e-4, "weight": 1e-2}}
 
 
 def distance(a: torch.Tensor, b: torch.Tensor) -> float:

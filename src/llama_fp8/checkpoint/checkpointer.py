@@ -78,30 +78,12 @@ class Checkpointer:
         self.last_complete: int | None = None  # the step of the latest checkpoint known complete (saved or loaded)
         self._started = 0.0  # perf_counter at the start of the save being finalized (its manifest records the time)
 
-    def _copy_late(self) -> None:
-        """The run's last due copy, skipped while the copy before it ran: copied now, so that the run's latest
-        checkpoint reaches S3 (before, a copy slower than the checkpoint interval left it on the file system only).
-        Its manifest is rewritten first (atomically) to name both places, as a copy made at save time does."""
-        step, self.copy.skipped = self.copy.skipped, None
-        folder = self.dir / f"step_{step}" if step is not None else None
-        if folder is None or step != self.last_complete or not (folder / manifest.MARKER).is_file():
-            return
-        man = manifest.read_manifest(folder)
-        if man is None:  # a version-1 marker: no file list to copy by
-            return
-        dest = self.copy.target.root / folder.name
-        manifest.rewrite_copies(folder, man, [str(folder), str(dest)])
-        log.info("copying %s to %s now: its copy was skipped while the copy before it ran", folder, dest)
-        self.copy.submit(folder, step)
-        self.copy.join()
-
     def join_copy(self) -> None:
         """At the end of a run: wait for the background copy to S3 in flight (rank 0 with --checkpoint_copy_dir), and
         for the deletion of retired S3 checkpoints (a prefix left half-deleted is billed until the next run's first
         save removes it; a folder's deletion is not waited for: the next run's first save finishes it)."""
         if self.copy is not None:
-            self.copy.join()
-            self._copy_late()
+            self.copy.finish(self.dir, self.last_complete)
         if self.s3 is not None:
             self._deleter.shutdown(wait=True)
             self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ckpt-delete")

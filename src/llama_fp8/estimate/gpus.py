@@ -119,5 +119,5 @@ def for_device(device_name: str) -> str | None:
     return None
 
 
-if __name__ == "__main__":  # the batch script's estimate (job_lib.sh lf_estimate): the row of nvidia-smi's name
+if __name__ == "__main__":  # the batch script's estimate (job_estimate.sh lf_estimate): the row of nvidia-smi's name
     print(for_device(" ".join(sys.argv[1:])) or "")

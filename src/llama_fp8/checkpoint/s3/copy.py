@@ -62,6 +62,26 @@ class Copier:
         if self._pending is not None:
             self._pending[1].result()
 
+    def finish(self, folder_root: Path, latest: int | None) -> None:
+        """At the end of a run: wait for the copy in flight; then, if the run's last due copy was skipped while the
+        copy before it ran and ``latest`` (the run's newest complete checkpoint under ``folder_root``) is that one,
+        copy it now, so that the run's newest checkpoint reaches S3 (before, a copy slower than the checkpoint
+        interval left it on the file system only). Its manifest is rewritten first (atomically) to name both
+        places, as a copy made at save time does."""
+        self.join()
+        step, self.skipped = self.skipped, None
+        folder = folder_root / f"step_{step}"
+        if step is None or step != latest or not (folder / manifest.MARKER).is_file():
+            return
+        man = manifest.read_manifest(folder)
+        if man is None:  # a version-1 marker: no file list to copy by
+            return
+        dest = self.target.root / folder.name
+        manifest.rewrite_copies(folder, man, [str(folder), str(dest)])
+        log.info("copying %s to %s now: its copy was skipped while the copy before it ran", folder, dest)
+        self.submit(folder, step)
+        self.join()
+
     def _copy_logged(self, folder: Path, step: int) -> None:
         t0 = time.perf_counter()
         try:

@@ -1,0 +1,1 @@
+../../src/llama_fp8/cluster/launch/job_estimate.sh
