@@ -70,9 +70,11 @@ def _runs(folder: Path, since: float, seen: set, here: float) -> list[dict]:
             parts = rec.get("startup_parts") or {}
             imports = float(parts.get("imports", 0.0))
             in_process = isinstance(rec.get("process_start"), (int, float)) and abs(rec["process_start"] - here) < 1
+            # in this process, start-up is the run's own parts: its startup_s counts from the process's start
+            own = sum(float(v) for k, v in parts.items() if k != "imports" and isinstance(v, (int, float)))
             out.append({
                 "imports": 0.0 if in_process else imports,
-                "startup": max(float(rec.get("startup_s", 0.0)) - imports, 0.0),
+                "startup": own if in_process else max(float(rec.get("startup_s", 0.0)) - imports, 0.0),
                 "training": sum(float(rec.get(k, 0.0)) for k in ("warmup_s", "productive_s", "data_wait_s",
                                                                    "restart_loss_s")),
                 "checkpoints": float(rec.get("checkpoint_sync_s", 0.0)) + float(rec.get("checkpoint_async_s", 0.0)),

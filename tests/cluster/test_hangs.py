@@ -9,6 +9,8 @@ import pickle
 import subprocess
 import sys
 
+import pytest
+
 from standin import attempts, finish, launch, launch_nodes, outcome, outcome_fields
 
 from helpers import REPO, cli_env, train_records
@@ -146,13 +148,21 @@ def losses(run) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in train_records(run)}  # a redone step: its last value
 
 
-def test_real_training_a_stopped_rank_is_named_dumped_and_the_job_completes(tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """The uninterrupted run's losses, once for the module's hang tests (each compares its run with them)."""
+    folder = tmp_path_factory.mktemp("hang_ref")
+    ref = train(folder, "ref")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return losses(folder / "ref")
+
+
+@pytest.mark.slow  # waits out the hang bound (15 s) and a restart: make test runs it, test-fast does not
+def test_real_training_a_stopped_rank_is_named_dumped_and_the_job_completes(tmp_path, reference):
     """Rank 1 SIGSTOPped in the middle of step 5, the default --process_group_timeout (600 s): the launcher sees
     it stall within its bound (15 s here), names it (stopped; rank 0 waits for it in a collective), asks
     every rank for its flight recorder (rank 0 dumps into the run folder's comm_traces; the stopped rank cannot),
     kills both and restarts; the job ends with the uninterrupted run's losses."""
-    ref = train(tmp_path, "ref")
-    assert ref.returncode == 0, ref.stderr[-3000:]
     p = train(tmp_path, "run", "stop@step:step=5:rank=1:once", TORCH_FR_BUFFER_SIZE="2000")
     assert p.returncode == 0, p.stderr[-4000:]
     err = p.stderr
@@ -162,14 +172,14 @@ def test_real_training_a_stopped_rank_is_named_dumped_and_the_job_completes(tmp_
     dump = pickle.loads((tmp_path / "run" / "comm_traces" / "rank_0").read_bytes())  # our own worker's dump
     assert dump["entries"] and {e["profiling_name"].split(":")[0] for e in dump["entries"]} == {"gloo"}
     assert "closing signal SIGTERM" not in err and "Timed out" not in err  # no wait for the collective timeout
-    assert losses(tmp_path / "run") == losses(tmp_path / "ref")
+    assert losses(tmp_path / "run") == reference
 
 
-def test_real_training_every_rank_stopped_at_once_is_detected(tmp_path):
+@pytest.mark.slow
+def test_real_training_every_rank_stopped_at_once_is_detected(tmp_path, reference):
     """Both ranks SIGSTOPped in step 5 (a stall where nobody fails: before, it ran to the time limit): seen the same
     way, nobody named as the culprit, restarted, the uninterrupted run's losses."""
-    assert train(tmp_path, "ref").returncode == 0
     p = train(tmp_path, "run", "stop@step:step=5:once")
     assert p.returncode == 0, p.stderr[-4000:]
     assert "a hang: every rank stopped moving at the same point" in p.stderr, p.stderr[-4000:]
-    assert losses(tmp_path / "run") == losses(tmp_path / "ref")
+    assert losses(tmp_path / "run") == reference
