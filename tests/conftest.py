@@ -31,9 +31,10 @@ collect_ignore_glob = [] if _te_importable() else ["models/te/test_te_real_*.py"
 # Under pytest-xdist (`make test` runs two workers, --dist loadgroup) each worker is a session of its own: a
 # session fixture used by two workers would be made twice. So every test is put in a group that one worker runs
 # whole: the tests of the local Slurm cluster (its slurmd ports are fixed: one cluster per machine), those of the
-# S3 server, and otherwise each file (its module fixtures made once). The cluster's group goes first: it is the
-# longest, and a long group started last would leave the other worker idle at the end.
-SHARED_GROUPS = (("cluster", "slurm"), ("s3_server", "s3"), ("mlflow_server", "mlflow-server"))
+# S3 server, the fault matrix's (its reference runs), and otherwise each file (its module fixtures made once). The
+# cluster's group goes first: it is the longest, and a long group started last would leave the other worker idle.
+SHARED_GROUPS = (("cluster", "slurm"), ("s3_server", "s3"), ("mlflow_server", "mlflow-server"),
+                 ("ref2", "reliability"), ("ref1", "reliability"))  # the fault matrix's uninterrupted runs
 
 
 def group_of(item) -> str:
