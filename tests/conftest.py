@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +35,8 @@ collect_ignore_glob = [] if _te_importable() else ["models/te/test_te_real_*.py"
 # whole: the tests of the local Slurm cluster (its slurmd ports are fixed: one cluster per machine), those of the
 # S3 server, the fault matrix's (its reference runs), and otherwise each file (its module fixtures made once). The
 # cluster's group goes first: it is the longest, and a long group started last would leave the other worker idle.
+# xdist's own xdist_group marks do not reach its scheduler under pytest 9 (the test ids it rewrites stay as they
+# were), so the workers write each test's group to a file and the controller schedules by it (GroupScheduling).
 SHARED_GROUPS = (("cluster", "slurm"), ("s3_server", "s3"), ("mlflow_server", "mlflow-server"),
                  ("ref2", "reliability"), ("ref1", "reliability"))  # the fault matrix's uninterrupted runs
 
@@ -46,12 +50,41 @@ def group_of(item) -> str:
     return item.nodeid.split("::")[0]
 
 
+def pytest_configure_node(node):
+    """Controller: tell each worker where to write the tests' groups (one file per test run)."""
+    node.workerinput["llama_fp8_groups"] = str(_groups_file(node.config))
+
+
+def _groups_file(config) -> Path:
+    return Path(config._tmp_path_factory.getbasetemp()) / "xdist-groups.json"
+
+
 def pytest_collection_modifyitems(config, items):
-    if not getattr(config.option, "numprocesses", None):  # not under xdist's workers
+    where = getattr(config, "workerinput", {}).get("llama_fp8_groups")
+    if not where:  # not an xdist worker: serial runs keep the files' order
         return
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group_of(item)))
     items.sort(key=lambda item: group_of(item) != "slurm")  # stable: the order within each group is kept
+    tmp = Path(f"{where}.{os.getpid()}")
+    tmp.write_text(json.dumps({item.nodeid: group_of(item) for item in items}))
+    tmp.replace(where)  # both workers write the same map; either is whole
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        """LoadScope's scheduling (a scope runs whole on one worker) with the groups the workers wrote as scopes."""
+
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # read once every worker has collected (the scheduler asks only then)
+                self.groups = json.loads(_groups_file(config).read_text())
+            return self.groups.get(nodeid, nodeid.split("::")[0])
+
+    return GroupScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)

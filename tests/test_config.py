@@ -112,6 +112,7 @@ def test_abbreviated_flag_is_not_accepted(capsys):
     assert e.value.code == 2 and "--max_step" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_unknown_flag_exit_code_2():
     """The acceptance command itself, in a real process."""
     r = run_cli(["train", "--model", "tiny", "--train_batch_sizee=2"], timeout=120)
@@ -119,6 +120,7 @@ def test_cli_unknown_flag_exit_code_2():
     assert "--train_batch_sizee" in r.stderr
 
 
+@pytest.mark.slow
 def test_cli_bad_value_exit_code_2():
     r = run_cli(["train", "--model", "tiny", "--lr_decay_style", "step"], timeout=120)
     assert r.returncode == 2 and "valid: cosine, linear, constant" in r.stderr
@@ -132,6 +134,7 @@ def test_help_lists_every_flag_with_description():
         assert first_words in " ".join(text.split()), f.name
 
 
+@pytest.mark.slow
 def test_cli_help_exit_0():
     r = run_cli(["train", "--help"], timeout=120)
     assert r.returncode == 0 and "--max_context_width" in r.stdout and "--fp8_backend" in r.stdout

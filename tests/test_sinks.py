@@ -125,6 +125,7 @@ def parse_textfile(path: Path) -> tuple[dict[tuple[str, str | None], float], lis
     return values, labels, types
 
 
+@pytest.mark.slow
 def test_the_textfile_of_a_2_rank_run_holds_metrics_jsonl_under_prometheus_names(run2):
     final = run2.run_dir / prometheus.FINAL_DIR
     run, run_id = f"{run2.base.name}/run", outputs_run_id(run2.run_dir)
@@ -491,6 +492,7 @@ def test_otlp_honours_the_standard_environment_for_its_service_name(monkeypatch)
     assert (names[("OTEL_RESOURCE_ATTRIBUTES",)]["service.name"], names[("OTEL_RESOURCE_ATTRIBUTES",)]["team"]) == ("x", "y")
 
 
+@pytest.mark.slow
 def test_an_otlp_endpoint_that_is_down_is_one_warning_per_job_without_the_librarys_lines(capfd):
     """Rank 0 says it once, with the exporter's own reason; another rank says nothing; none of the exporter's lines."""
     import logging

@@ -29,6 +29,7 @@ def test_the_rule_and_the_suggested_interval():
     assert time_limit.lead_from_env({time_limit.LEAD_ENV: "120"}) == 120 and time_limit.lead_from_env({}) is None
 
 
+@pytest.mark.slow
 def test_the_estimate_predicts_the_save_and_warns_on_a_short_lead(capsys, monkeypatch):
     from llama_fp8.estimate import cli
 

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 from ckpt_kit import run
 
 from llama_fp8 import checkpoint as K
@@ -61,6 +62,7 @@ def test_the_same_slurm_job_requeued_takes_its_lock_back(saved, capsys, monkeypa
     hostile("\"taking over the lock ...: held by this same job 555 before a requeue or restart\"; exit 0")
 
 
+@pytest.mark.slow
 def test_lock_is_released_at_the_end_of_the_process(tmp_path):
     from ckpt_kit import BASE
 

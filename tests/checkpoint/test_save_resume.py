@@ -68,6 +68,7 @@ def text_data(tmp_path, monkeypatch) -> list[str]:
     return local_text_flags(tmp_path, monkeypatch)
 
 
+@pytest.mark.slow
 def test_resume_on_local_text_with_workers_reproduces_the_uninterrupted_run_bitwise(tmp_path, text_data):
     data = [*text_data, "--num_workers", "2"]
     assert run(tmp_path / "a", *data, "--max_steps", "7") == 0
@@ -83,6 +84,7 @@ def test_resume_on_local_text_with_workers_reproduces_the_uninterrupted_run_bitw
     assert [m["start_step"] for m in read_metrics(b) if m["type"] == "meta"] == [0, 3]
 
 
+@pytest.mark.slow
 def test_resume_with_other_data_settings_is_refused_and_the_checkpoint_kept(tmp_path, text_data, capsys):
     b = tmp_path / "b"
     assert run(b, *text_data, "--max_steps", "2", "--checkpoint_freq", "2") == 0
@@ -100,6 +102,7 @@ def test_resume_with_other_data_settings_is_refused_and_the_checkpoint_kept(tmp_
     assert [r["step"] for r in train_records(b)] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_fp8_and_bf16_runs_read_the_same_tokens_and_compare_checks_it(tmp_path, text_data):
     pytest.importorskip("torchao")
     from llama_fp8.report import compare
@@ -172,6 +175,7 @@ def test_nan_skip_policy_skips_and_counts(tmp_path, monkeypatch):
     assert run(tmp_path / "t", "--max_steps", "5", "--nan_policy", "skip", "--max_nan_skips", "0") == EXIT_NONFINITE
 
 
+@pytest.mark.slow
 def test_hf_export_gives_the_trained_models_logits(tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM

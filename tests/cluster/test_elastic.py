@@ -18,6 +18,7 @@ from helpers import REPO, cli_env
 from llama_fp8.telemetry import heartbeat
 
 
+@pytest.mark.slow
 def test_a_crash_restarts_every_rank_and_the_job_succeeds(tmp_path):
     rc, err = launch(tmp_path, {"0": {"1": "kill"}})
     assert rc == 0, err[-2000:]
@@ -27,6 +28,7 @@ def test_a_crash_restarts_every_rank_and_the_job_succeeds(tmp_path):
     assert outcome(tmp_path) == (0, "done", "training finished on every node")
 
 
+@pytest.mark.slow
 def test_the_restart_budget_is_the_jobs_and_ends_with_the_crash_code(tmp_path):
     """Four crashes at four different steps with --max_restarts 3: three restarts, then the job stops."""
     rc, err = launch(tmp_path, {**{str(a): {"0": 1} for a in range(5)}, "steps": {"0": 1, "1": 2, "2": 3, "3": 4}})
@@ -38,6 +40,7 @@ def test_the_restart_budget_is_the_jobs_and_ends_with_the_crash_code(tmp_path):
 
 
 @pytest.mark.parametrize("code,action", [(2, "fail"), (3, "fail"), (85, "requeue")])
+@pytest.mark.slow
 def test_deterministic_codes_and_the_requeue_code_are_never_restarted(tmp_path, code, action):
     rc, err = launch(tmp_path, {"0": {"0": code, "1": code}})
     assert rc == code and attempts(tmp_path) == 1, err[-2000:]
@@ -52,6 +55,7 @@ def test_the_same_step_failing_again_after_a_restart_is_not_restarted_again(tmp_
     assert outcome(tmp_path)[:2] == (137, "fail")
 
 
+@pytest.mark.slow
 def test_a_live_rank_without_progress_is_named_and_killed_at_once(tmp_path):
     """Rank 1 sleeps (a hang) while rank 0 moves: rank 1 is named at once, without any failure (it has reported no
     progress for 60 s with 0.5 s steps: bound 15 s), and both are killed with SIGKILL (torch would send SIGTERM,
@@ -66,6 +70,7 @@ def test_a_live_rank_without_progress_is_named_and_killed_at_once(tmp_path):
     assert "closing signal SIGTERM" not in err, err[-2000:]  # torch found it reaped: it sent no SIGTERM at all
 
 
+@pytest.mark.slow
 def test_a_healthy_rank_in_a_long_step_is_not_named(tmp_path):
     """A rank 12 s into a step when its peer fails, its previous step having taken 20 s (a GPU step, a save): it is
     moving, and must not be named as the rank that stopped (the limit scales with the step's own duration)."""
@@ -75,6 +80,7 @@ def test_a_healthy_rank_in_a_long_step_is_not_named(tmp_path):
     assert "stopped moving" not in err, err[-2000:]
 
 
+@pytest.mark.slow
 def test_a_start_up_failure_twice_is_requeued_not_called_deterministic(tmp_path):
     """A rank that fails before its first progress record, in two attempts in a row (a GPU that does not
     initialize, memory still held by a killed process): the machine, not the data or the code. No third attempt
@@ -101,6 +107,7 @@ def test_a_deterministic_code_wins_over_a_stop_signal(tmp_path):
     assert outcome(tmp_path)[:2] == (3, "fail")
 
 
+@pytest.mark.slow
 def test_the_failure_is_placed_at_the_failed_ranks_step(tmp_path):
     """Rank 1 fails in step 5 while rank 0, which the launcher then kills, already reported step 6: the failure
     is in step 5 (the killed rank's step would make a repeated failure look like progress)."""
@@ -110,6 +117,7 @@ def test_the_failure_is_placed_at_the_failed_ranks_step(tmp_path):
     assert "rank 1 (exit 1) in step 5; restarting the workers of every node" in err, err[-2000:]
 
 
+@pytest.mark.slow
 def test_a_signal_death_is_named_before_a_peers_exit_1(tmp_path):
     """Rank 1 is SIGKILLed and rank 0 exits 1 as it sees its peer gone (gloo's error), both seen in one look of
     the launcher (torch's failure times are whole seconds, ties went to the lowest rank): the SIGKILL is named."""
@@ -302,6 +310,7 @@ def test_the_flight_recorder_dumps_into_the_run_folder_when_it_is_on(tmp_path, m
     assert flight_recorder.set_dump_path(cfg) is None and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
 
 
+@pytest.mark.slow
 def test_a_crash_before_the_first_checkpoint_starts_the_job_over(tmp_path):
     """Real training, rank 1 killed in step 1: the restarted attempt finds this job's own metrics.jsonl and no
     checkpoint, and starts over instead of refusing the run dir (which it does for another job's metrics)."""
@@ -317,6 +326,7 @@ def test_a_crash_before_the_first_checkpoint_starts_the_job_over(tmp_path):
     assert [r["step"] for r in train_records(tmp_path / "run")] == [1, 1, 2, 3]  # step 1 trained twice
 
 
+@pytest.mark.slow
 def test_a_peer_dying_after_training_finished_lets_the_others_write_their_last_records(tmp_path):
     """Both ranks report `finished`; rank 1 is SIGKILLed at once while rank 0 still closes its records (2 s).
     Before: the crash killed rank 0 too (a finished run's last goodput and metrics records lost, the job "done").
@@ -330,6 +340,7 @@ def test_a_peer_dying_after_training_finished_lets_the_others_write_their_last_r
     assert outcome(tmp_path)[:2] == (0, "done")
 
 
+@pytest.mark.slow
 def test_a_rank_killed_after_training_finished_is_not_restarted(tmp_path):
     """Real training under the launcher, rank 1 SIGKILLed once it reported `finished` (the final checkpoint
     complete, as in a crash in teardown): the job ends done, no second attempt, the checkpoint of the last step

@@ -10,9 +10,11 @@ import signal
 import socket
 import time
 
+import pytest
 from standin import attempts, finish, launch_nodes, outcome
 
 
+@pytest.mark.slow
 def test_the_restart_budget_is_the_jobs_across_nodes(tmp_path):
     """--max_restarts 2 and failures on alternating nodes (rank 0's, rank 1's, rank 0's): torch would allow 2
     restarts per node and start a fourth attempt; the job gets 2 in all and stops at the third failure. (A node
@@ -29,6 +31,7 @@ def test_the_restart_budget_is_the_jobs_across_nodes(tmp_path):
     assert "the job's 2 restart(s) without a new checkpoint are used up" in err, err[-4000:]
 
 
+@pytest.mark.slow
 def test_a_failure_after_training_finished_ends_the_job_as_done(tmp_path):
     """Both ranks finished (the final checkpoint is complete, their progress says so); one exits 0, the other
     segfaults 3 s later in its teardown. Before: the finished node waited 300 s in torch's exit barrier while the
@@ -45,6 +48,7 @@ def test_a_failure_after_training_finished_ends_the_job_as_done(tmp_path):
         assert outcome(tmp_path, node)[:2] == (0, "done"), outcome(tmp_path, node)
 
 
+@pytest.mark.slow
 def test_a_lost_rendezvous_host_kills_the_other_nodes_workers_at_once(tmp_path):
     """The first node's launcher (the rendezvous host) and its worker SIGKILLed: the other launcher cannot go on
     (exit 86, requeue). Its worker gets SIGKILL, not torch's SIGTERM + 30 s, which our workers read as "save a
@@ -82,6 +86,7 @@ def test_a_busy_rendezvous_port_is_named_not_called_a_lost_host(tmp_path):
     assert "could not open the rendezvous store" in line and "host" not in line.split("(")[0], line
 
 
+@pytest.mark.slow
 def test_a_node_missing_from_the_rendezvous_is_named_not_called_a_lost_host(tmp_path):
     """Only one of two launchers ever joins (a node whose launcher did not start): after join_timeout the line
     says that a node is missing, not that the host is gone (this launcher is the host)."""

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from standin import attempts, finish, launch, launch_nodes, outcome, outcome_fields
 
 from helpers import REPO, cli_env, train_records
@@ -22,6 +21,7 @@ def host_of(tmp_path, rank: int, procs) -> str:
     return f"n{[p.pid for p in procs].index(parent) + 1}"
 
 
+@pytest.mark.slow
 def test_the_rank_behind_is_named_on_every_node_not_its_victims(tmp_path):
     """Two nodes x two ranks; rank 1 has issued 40 collectives and stopped, the three others 41 (they wait for it in
     the 41st). Its node's launcher sees it stall, names rank 1 only, charges its node; the other node restarts with
@@ -40,6 +40,7 @@ def test_the_rank_behind_is_named_on_every_node_not_its_victims(tmp_path):
         assert outcome_fields(tmp_path, node)["failed"] == [f"{culprit}@0:-"], outcome_fields(tmp_path, node)
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_is_named_when_no_rank_is_behind(tmp_path):
     """No collective counts to compare (every rank reports none): the rank whose process is stopped is named. The
     floor lowered through LLAMA_FP8_HANG_FLOOR_S: with 0.5 s steps the bound is max(5 x 0.5, 2) = 2.5 s."""
@@ -50,6 +51,7 @@ def test_a_stopped_rank_is_named_when_no_rank_is_behind(tmp_path):
     assert "bound 2 s" in err or "bound 3 s" in err, err[-3000:]
 
 
+@pytest.mark.slow
 def test_a_node_charged_twice_is_left_behind_instead_of_restarted_a_third_time(tmp_path):
     """Two crashes (SIGKILL: a crash or an OOM kill) on the same node at two steps, no checkpoint between them, no
     spare: the second ends the training step with `retry` and the node's two failures in the outcome (with the
@@ -80,6 +82,7 @@ def test_two_failures_of_a_node_with_a_new_checkpoint_between_them_are_not_a_bad
     assert (got["action"], got["failed"]) == ("done", ["n7@0:2", "n7@1:8"]), got
 
 
+@pytest.mark.slow
 def test_a_python_exception_is_not_charged_to_the_node(tmp_path):
     plan = {"0": {"0": 1}, "1": {"0": 1}, "2": {}, "steps": {"0": 3, "1": 4}}
     rc, err = launch(tmp_path, plan, SLURMD_NODENAME="n7")
@@ -87,6 +90,7 @@ def test_a_python_exception_is_not_charged_to_the_node(tmp_path):
     assert outcome_fields(tmp_path)["failed"] == [] and "charged" not in err
 
 
+@pytest.mark.slow
 def test_a_transient_failure_names_its_class_and_a_peers_failure_is_not_the_culprit(tmp_path):
     """Rank 1 exits 75 with an I/O error; rank 0 exits 75 as its peer's victim at the same look: the line names rank
     1 and its class, and the failure is charged to the node."""
@@ -98,6 +102,7 @@ def test_a_transient_failure_names_its_class_and_a_peers_failure_is_not_the_culp
         err[-3000:]
 
 
+@pytest.mark.slow
 def test_the_budget_counts_only_restarts_without_progress(tmp_path):
     """--max_restarts 1 and four failures, a new complete checkpoint before each: the job keeps going (before: it
     ended at the second failure, however much it had trained). Without progress, the second failure ends it."""

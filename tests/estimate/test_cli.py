@@ -131,6 +131,7 @@ def test_gpu_and_its_memory_decide_the_verdict(capsys):
     assert d["gpu"]["nvlink_gbs"] == gpus.GPUS["A100-40GB"].nvlink_gbs
 
 
+@pytest.mark.slow
 def test_does_not_fit_exits_4_and_each_suggestion_is_its_own_estimate(capsys):
     deep = TINY + ["--num_layers", "8", "--vocab_size", "512"]  # blocks whose activations outweigh the loss's chunk
     base = assess.estimate(config.parse_args(deep), EstimateOptions())
@@ -184,6 +185,7 @@ def te_cannot_run_here():
     return models.get("te")
 
 
+@pytest.mark.slow
 def test_an_implementation_that_cannot_run_here_is_estimated_through_a_stated_stand_in(capsys):
     te = te_cannot_run_here()
     code, out, _ = run_main(capsys, *TINY, "--model_impl", "te", "--activation_checkpointing", "full", "--json")
@@ -281,6 +283,7 @@ def test_hybrid_sharding_all_reduces_across_nodes_and_reduce_scatters_within(cap
     assert all_reduce["bytes"] * 4 == reduce_scatter["bytes"]  # each replica all-reduces its FP32 shard (1/4)
 
 
+@pytest.mark.slow
 def test_through_a_stand_in_what_any_implementation_holds_still_decides():
     """Through a stand-in the activations are an approximation, but the sharded parameters, gradients and AdamW
     states as the optimizer step starts (the same for any implementation of these shapes) and the GPU terms that

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from helpers import REPO
 from llama_fp8 import config
 from llama_fp8.estimate import gpus, table, terms
@@ -18,6 +20,7 @@ def test_the_estimate_pages_table_is_current_and_lists_every_preset():
     assert sorted(r.split("|")[1].strip() for r in rows) == config.available_presets()
 
 
+@pytest.mark.slow
 def test_a_changed_input_makes_the_table_stale(monkeypatch):
     text = table.replace_block(f"x\n{table.MARKERS[0]}\n{table.MARKERS[1]}\n", table.render([], table.fingerprint()))
     assert table.stale(text) is None

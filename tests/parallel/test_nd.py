@@ -85,6 +85,7 @@ def test_what_tensor_and_context_parallelism_refuse():
         precision.resolve(config.parse_args(["--model", "tiny", "--fp8", "1", "--fp8_recipe", "rowwise", "--tp_size", "2"]), hf, CPU)
 
 
+@pytest.mark.slow
 def test_a_refused_layout_exits_2_naming_the_flag(tmp_path):
     r = run_cli(["launch", "--standalone", "--nproc_per_node=2", "-m", "llama_fp8", "train", "--model", "tiny",
                  "--device", "cpu", "--cp_size", "2", "--run_dir", str(tmp_path / "r")], timeout=180)

@@ -53,6 +53,7 @@ def test_hybrid_is_replicate_across_nodes_shard_within():
 
 
 # --- activation checkpointing, compile ------------------------------------------------------------------
+@pytest.mark.slow
 def test_activation_checkpointing_keeps_losses_and_checkpoint_names(tmp_path):
     plain = losses(tmp_path, "plain", "--max_steps", "4")
     full = losses(tmp_path, "full", "--max_steps", "4", "--activation_checkpointing", "full")
@@ -141,6 +142,7 @@ def test_grad_accumulation_equals_the_larger_batch(tmp_path, monkeypatch):
     assert meta["global_batch_size"] == 4                 # samples/sec counts every micro-batch
 
 
+@pytest.mark.slow
 def test_adamw8bit_trains_checkpoints_and_resumes_exactly(tmp_path):
     full = losses(tmp_path, "full", "--max_steps", "4", "--optimizer", "adamw8bit", "--lr_decay_iters", "4")
     d = tmp_path / "r"

@@ -73,6 +73,7 @@ def layer_errors(mutate=None) -> dict[str, tuple[float, float, float]]:
     return out
 
 
+@pytest.mark.slow
 def test_every_mxfp8_layer_is_within_the_formats_error_and_above_bf16s():
     errors = layer_errors()
     worst = {kind: max(e[i] for e in errors.values()) for i, kind in enumerate(("output", "dx", "dw"))}

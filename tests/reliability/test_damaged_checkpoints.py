@@ -65,6 +65,7 @@ def resume_and_check(b, ref1, capsys) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
+@pytest.mark.slow
 def test_damaged_latest_checkpoint_falls_back(saved, ref1, capsys, row, damage):
     name, how = DAMAGE[damage]
     how(ck(saved, 4) / name)

@@ -38,6 +38,7 @@ CHANGES = {"num_layers": ["--num_layers", "3"], "hidden_width": ["--hidden_width
 
 
 @pytest.mark.parametrize("flag", list(CHANGES))
+@pytest.mark.slow
 def test_resume_with_changed_model_shape_stops(saved, tmp_path, monkeypatch, capsys, row, flag):
     if flag == "optimizer":
         pytest.importorskip("torchao")
@@ -65,6 +66,7 @@ PRECISION = {"fp8": ["--fp8", "1"], "fp8 rowwise": ["--fp8", "1", "--fp8_recipe"
 
 
 @pytest.mark.parametrize("change", list(PRECISION))
+@pytest.mark.slow
 def test_resume_with_changed_precision_works(saved, ref1, capsys, row, change):
     if "fp8" in change:
         pytest.importorskip("torchao")
@@ -130,6 +132,7 @@ def test_resume_of_a_tokenized_corpus_at_another_world_size_reads_on_exactly(tmp
         f"run's on both; {'; '.join(observed)}", 0)
 
 
+@pytest.mark.slow
 def test_resume_with_changed_lr_applies_the_new_schedule(saved, row):
     assert run1(saved, [*RUN, "--lr", "0.0015", "--min_lr", "0.0001"]) == 0
     cfg = C.parse_args([*RUN, "--lr", "0.0015", "--min_lr", "0.0001"])

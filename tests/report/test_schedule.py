@@ -99,6 +99,7 @@ exec "$@"
 """
 
 
+@pytest.mark.slow
 def test_batch_job_runs_the_interleaved_schedule_and_compares_every_pair(tmp_path):
     """ab_job.sbatch itself, with Slurm's commands and the job library faked: every run of 3 pairs runs, in
     the alternating order with one seed per pair, although each job step drains its stdin; then compare."""
@@ -162,6 +163,7 @@ def test_a_swap_to_a_spare_during_an_arm_is_recorded(tmp_path):
         ("pair2/fp8", "n1,n3", []), ("pair2/bf16", "n1,n3", [])]
 
 
+@pytest.mark.slow
 def test_batch_job_publishes_the_report_to_mlflow_only_when_the_arms_log_there(tmp_path):
     """With --mlflow_tracking_uri among the train arguments the job runs `llama_fp8 publish` on its report once; a
     failed upload is a warning, not a failed A/B; without the flag there is no publish step."""

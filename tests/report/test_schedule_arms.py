@@ -50,6 +50,7 @@ def test_the_ab_preset_compiles_every_arm_alike_and_gathers_in_fp8_where_allowed
         ab_preset.arm_flags(own, [*train, "--fp8_backend", "te"])
 
 
+@pytest.mark.slow
 def test_the_batch_job_runs_every_arm_with_its_flags_and_reports_them_together(tmp_path):
     repo = tmp_path / "repo"
     (repo / "scripts" / "slurm").mkdir(parents=True)

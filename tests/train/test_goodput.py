@@ -15,6 +15,7 @@ from helpers import REPO, cli_env, read_metrics, run_cli
 from llama_fp8.telemetry import goodput
 
 
+@pytest.mark.slow
 def test_goodput_parts_add_up_to_wall_time_and_resume_counts_restart_loss(tiny_args, tmp_path):
     args = [*tiny_args, "--max_steps", "12", "--logging_freq", "4", "--validation_freq", "4",
             "--validation_batches", "2", "--checkpoint_freq", "6", "--keep_last_k", "3"]
@@ -126,6 +127,7 @@ def test_written_by_this_job_reads_the_first_meta_record(tmp_path):
     assert not goodput.written_by_this_job(tmp_path / "missing.jsonl", {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1"})
 
 
+@pytest.mark.slow
 def test_a_second_torchrun_without_a_run_id_is_refused_the_first_ones_run_dir(tmp_path):
     """Two plain multi-node-style torchrun runs (c10d rendezvous, no --rdzv_id: torchrun's run id "none" for
     both) into one --run_dir: the second stops before writing anything (its config.yaml and metrics.jsonl are the

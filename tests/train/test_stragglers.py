@@ -15,6 +15,7 @@ from helpers import REPO, cli_env, train_records
 from llama_fp8.telemetry import gpu_health, stragglers
 
 
+@pytest.mark.slow
 def test_a_rank_slowed_by_a_fault_is_named_with_host_and_gpu(tiny_args, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "llama_fp8",
            "train", *tiny_args, "--max_steps", "6", "--logging_freq", "3", "--straggler_threshold_pct", "15"]
@@ -36,6 +37,7 @@ def test_a_rank_slowed_by_a_fault_is_named_with_host_and_gpu(tiny_args, tmp_path
     assert f"rank 1 ({socket.gethostname()} GPU 1)" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_rank_paused_from_outside_half_the_time_is_named_as_the_one_the_others_wait_for(tiny_args, tmp_path):
     """Rank 1 of 2 gloo ranks is stopped and continued from outside, 60 ms of every 120 (a noisy neighbour, a
     throttled device): its steps take as long as rank 0's (every collective makes rank 0 wait for it), so host step

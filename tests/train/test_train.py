@@ -215,6 +215,7 @@ def test_log_line_prefix_is_what_monitors_match():
     json.dumps(rec)
 
 
+@pytest.mark.slow
 def test_val_batch_size_sets_the_validation_batch(tiny_args):
     cfg = C.parse_args([*tiny_args, "--validation_freq", "1", "--val_batch_size", "3", "--validation_batches", "2"])
     _, val = B.build_loaders(cfg, CPU_ENV)

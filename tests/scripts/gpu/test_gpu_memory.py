@@ -13,6 +13,7 @@ from pathlib import Path
 
 import memory
 import memprobe
+import pytest
 import results
 import runs
 import sections as visit_sections
@@ -79,6 +80,7 @@ def test_memprobe_terms_are_the_differences_of_its_stages():
     assert memprobe.terms(skipped)["nccl_one_rank_outside"] == 100 * MIB  # against the last stage measured
 
 
+@pytest.mark.slow
 def test_memprobe_without_cuda_says_so_and_the_unit_is_skipped(tmp_path):
     proc = subprocess.run([sys.executable, str(Path(memprobe.__file__))], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})

@@ -124,6 +124,7 @@ def test_done_means_a_final_status_for_this_key(tmp_path):
 
 
 # --- time box --------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_timebox_kills_the_whole_group_at_the_limit(tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     code = (f"import subprocess, sys, time\np = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"

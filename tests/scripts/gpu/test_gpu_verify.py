@@ -29,6 +29,7 @@ def train_argv(cmd: list[str]) -> list[str]:
     return cmd[i + 1:]
 
 
+@pytest.mark.slow
 def test_every_matrix_cell_is_accepted_by_the_trainers_parser(tmp_path):
     opts = units.Options()
     cells = [u for u in units.plan(opts) if u.step == "train"]

@@ -47,6 +47,7 @@ def test_the_network_guard_catches_a_connection(tmp_path):
     assert "192.0.2.1" in log.read_text()  # so an empty log below means no attempt was made
 
 
+@pytest.mark.slow
 def test_prebuilt_wheel_for_this_torch_is_installed_and_imports(tmp_path, capfd, guarded):
     kit = fakes.kit(tmp_path / "kit", prebuilt_for=fakes.torch_version(), build_log=tmp_path / "build.jsonl")
     target = tmp_path / "site"
@@ -64,6 +65,7 @@ def test_prebuilt_wheel_for_this_torch_is_installed_and_imports(tmp_path, capfd,
     assert not guarded.exists()
 
 
+@pytest.mark.slow
 def test_te_that_imports_but_whose_kernels_fail_is_not_usable(tmp_path, capfd, guarded, monkeypatch):
     """The kernel check (one te.Linear forward+backward on the GPU) fails as a core library without this GPU's
     code would: exit 3 with TE's error, and the versions block is still printed."""
@@ -150,6 +152,7 @@ def test_wheels_dir_must_be_a_folder(tmp_path, capfd):
     assert code == install.EXIT_BAD_KIT and f"WHEELS_DIR {tmp_path / 'nowhere'}: not a folder" in err
 
 
+@pytest.mark.slow
 def test_a_folder_install_did_not_make_is_left_alone(tmp_path, capfd, guarded):
     kit = fakes.kit(tmp_path / "kit", prebuilt_for=fakes.torch_version())
     target = tmp_path / "mine"
@@ -160,6 +163,7 @@ def test_a_folder_install_did_not_make_is_left_alone(tmp_path, capfd, guarded):
     assert (target / "notes.txt").read_text() == "keep me" and len(list(target.iterdir())) == 1
 
 
+@pytest.mark.slow
 def test_no_build_stops_with_exit_3_when_te_does_not_import(tmp_path, capfd, guarded):
     kit = fakes.kit(tmp_path / "kit", prebuilt_for="2.11.0+cu130", build_log=tmp_path / "build.jsonl")
     code, out, err = run_main([kit, tmp_path / "site", "--no-build"], capfd)
@@ -168,6 +172,7 @@ def test_no_build_stops_with_exit_3_when_te_does_not_import(tmp_path, capfd, gua
     assert not (tmp_path / "build.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_a_missing_python_module_is_named_and_not_compiled_for(tmp_path, capfd, guarded, monkeypatch):
     """TE's import fails because a pure-Python module it imports is not on the node (TE 2.20 imports onnxscript at
     import time, and the kit does not carry it): compiling TE's extension cannot help, so install names the module
