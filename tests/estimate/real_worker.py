@@ -1,5 +1,5 @@
 """One rank of the real runs the equality tests compare the estimate with: ``torchrun --nproc_per_node 2
-real_worker.py OUT.json 'JSON list of train flag lists' ['JSON train flag list' RUN_DIR]``. The process group is
+real_worker.py OUT_DIR 'JSON list of train flag lists' ['JSON train flag list' RUN_DIR]``. The process group is
 gloo (real collectives, real CPU tensors).
 
 - Each configuration of the list runs ``estimate.run.measure(..., fake_run=False)``: the same build and steps as
@@ -9,7 +9,9 @@ gloo (real collectives, real CPU tensors).
   tracker: what the estimate's own set-up (random-token batches, its optimizer and state) could hide shows there.
   It runs last: training ends by leaving the process group.
 
-Rank 0 writes ``{"measured": [record per configuration], "trained": record or null}``."""
+Every rank writes its own ``OUT_DIR/rank<r>.json``, ``{"measured": [record per configuration], "trained": record or
+null}``: the test compares each rank's, not rank 0's alone (a rank that differs from rank 0 is what an estimate of
+rank 0 could hide)."""
 
 from __future__ import annotations
 
@@ -89,9 +91,8 @@ def main(out: str, configs: str, train_args: str | None = None, run_dir: str | N
         runs = [record(run.measure(cfg, env, fake_run=False)) for _ in range(2)]
         measured.append(min(runs, key=lambda r: r["peak_bytes"]))
     trained = train_record(json.loads(train_args), run_dir) if train_args else None
-    if os.environ["RANK"] == "0":
-        with open(out, "w") as f:
-            json.dump({"measured": measured, "trained": trained}, f)
+    with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump({"measured": measured, "trained": trained}, f)
     if env is not None and trained is None:
         parallel.destroy_distributed(barrier=True)
 

@@ -117,3 +117,12 @@ def test_the_verdicts_boundaries():
     assert terms.verdict(tracked, found, gpus.get("H100", memory_gib=10.5)).status == "tight"
     v = terms.verdict(tracked, found, gpus.get("H100", memory_gib=8.9))
     assert v.status == "does not fit" and v.needed == 9 * GIB and v.margin == int(0.20 * tracked)
+
+
+def test_the_nccl_terms_lie_within_what_is_published_for_one_communicator():
+    """The 640 MiB per communicator and the 288 MiB of NVLS buffers against their sources (tests/estimate/
+    published.py): a term moved outside them fails here, on the CPU, before any GPU measures it."""
+    from published import NCCL_COMMUNICATOR_LEAST, NCCL_COMMUNICATOR_MOST, NCCL_NVLS_MOST
+
+    assert NCCL_COMMUNICATOR_LEAST <= terms.NCCL_PER_COMMUNICATOR <= NCCL_COMMUNICATOR_MOST
+    assert terms.NCCL_NVLS_PER_COMMUNICATOR == NCCL_NVLS_MOST  # vllm-project/vllm#9699: nvlsPerRankSize 301989888
