@@ -50,6 +50,7 @@ def group_of(item) -> str:
     return item.nodeid.split("::")[0]
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hooks: a run without xdist (the image's self-test) has none
 def pytest_configure_node(node):
     """Controller: tell each worker where to write the tests' groups (one file per test run)."""
     node.workerinput["llama_fp8_groups"] = str(_groups_file(node.config))
@@ -69,6 +70,7 @@ def pytest_collection_modifyitems(config, items):
     tmp.replace(where)  # both workers write the same map; either is whole
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadgroup":
         return None
