@@ -163,3 +163,17 @@ def test_every_hardware_key_is_compared(key):
     other = {**H100, key: "something else"}
     env = hardware.compare_environments([H100], [other])
     assert env["same_hardware"] is False and env["hardware_differences"][0].startswith(key + ":")
+
+
+def test_the_same_nodes_in_another_rendezvous_order_are_the_same_hardware():
+    """`llama-fp8 launch` records an attempt's nodes in node-rank order, the order they joined the rendezvous: the
+    two arms of one allocation came out as n2,n1 and n1,n2, and the report said "NOT THE SAME" (the local cluster's
+    same-allocation A/B failed so). The same machines are the same hardware; another machine is not."""
+    a = [{"nodes": "n2,n1", "gpu": None}]
+    assert hardware.compare_environments(a, [{"nodes": "n1,n2", "gpu": None}])["same_hardware"] is True
+    other = hardware.compare_environments(a, [{"nodes": "n1,n3", "gpu": None}])
+    assert other["same_hardware"] is False and other["b"]["nodes"] == "n1,n3"
+    runs = [("pair1/bf16", a, []), ("pair1/fp8", [{"nodes": "n1,n2"}], []), ("pair2/bf16", [{"nodes": "n3,n1"}], [])]
+    assert hardware.other_hardware(runs) == ["pair2/bf16: nodes n1,n3"]
+    assert hardware.node_set("p5-[1-4]") == "p5-[1-4]"
+

@@ -19,8 +19,16 @@ from llama_fp8.telemetry.environment import HARDWARE_KEYS, SOFTWARE_KEYS, differ
 NOT_RECORDED = "not recorded"
 
 
+def node_set(value: Any) -> str:
+    """A node list as the set of machines it names: ``llama-fp8 launch`` lists an attempt's nodes in node-rank
+    order, which is the order the nodes joined the rendezvous (``n2,n1`` in one arm, ``n1,n2`` in the next on the
+    same two nodes): sorted, they compare as the hardware they are. A Slurm range (``n[1-2]``) stays as written."""
+    text = str(value)
+    return ",".join(sorted(text.split(","))) if "," in text and "[" not in text else text
+
+
 def _nodes(envs: list[dict[str, Any]]) -> str | None:
-    seen = list(dict.fromkeys(str(e.get("nodes")) for e in envs if e.get("nodes")))
+    seen = list(dict.fromkeys(node_set(e.get("nodes")) for e in envs if e.get("nodes")))
     return " then ".join(seen) if seen else None
 
 
@@ -50,10 +58,10 @@ def other_hardware(runs: list[tuple[str, list[dict[str, Any]], list[dict[str, An
     during it (telemetry/swaps.py), is named with its nodes and swaps."""
     if not runs or not runs[0][1]:
         return []
-    ref = str(runs[0][1][0].get("nodes"))
+    ref = node_set(runs[0][1][0].get("nodes"))
     out = []
     for label, envs, swaps in runs:
-        seen = list(dict.fromkeys(str(e.get("nodes")) for e in envs if e.get("nodes")))
+        seen = list(dict.fromkeys(node_set(e.get("nodes")) for e in envs if e.get("nodes")))
         if swaps or any(n != ref for n in seen):
             said = "; ".join(f"spare {w.get('node_in')} took the place of {w.get('node_out') or 'a node'} before step "
                              f"{w.get('step')}" for w in swaps)
