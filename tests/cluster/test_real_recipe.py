@@ -56,7 +56,8 @@ def test_preflight_all_reduce_on_two_nodes(job_env, tmp_path):
     report = json.loads((tmp_path / "logs" / f"llama-fp8-preflight_{job}.json").read_text())
     assert report["network"]["nodes"] == 2 and report["network"]["busbw_gbps"] > 0 and report["network"]["values_ok"]
     env_meta = read_jsonl(run / "metrics.jsonl")[0]["environment"]
-    assert env_meta["nodes"] == "n[1-2]" and env_meta["nccl_network"] == "gloo (TCP)"
+    # the attempt's training nodes as `llama-fp8 launch` names them, in node-rank order (the rendezvous's)
+    assert sorted(env_meta["nodes"].split(",")) == ["n1", "n2"] and env_meta["nccl_network"] == "gloo (TCP)"
     assert env_meta["preflight_busbw_gbps"] == report["network"]["busbw_gbps"]
 
 
@@ -74,7 +75,7 @@ def test_same_allocation_ab(job_env, tmp_path):
     assert_completed(info, log)
     assert info["Partition"] == "alt" and info["NodeList"] == "n[1-2]"
     text = log.read_text()
-    arms = re.findall(r"^== run (\w+) \((.*?)--fp8=(\d) --seed=(\d+)\) on n\[1-2\]$", text, re.M)
+    arms = re.findall(r"^== run (\w+) \((.*?)--fp8=(\d) --seed=(\d+)\) on n1,n2$", text, re.M)  # its training nodes
     assert [(name, fp8) for name, _, fp8, _ in arms] == [("bf16", "0"), ("fp8", "1")], arms  # one pair, in order
     assert arms[0][3] == arms[1][3]  # both arms of a pair train with the same seed
     # the A/B preset on CPU (torchao FP8, whose speed-up needs torch.compile): both arms compiled alike, and the FP8
@@ -86,7 +87,8 @@ def test_same_allocation_ab(job_env, tmp_path):
         assert (ab / name / ".ab_done").exists()
     summary = json.loads((ab / "report" / "summary.json").read_text())
     assert summary["environment"]["same_hardware"] is True
-    assert summary["environment"]["a"]["nodes"] == summary["environment"]["b"]["nodes"] == "n[1-2]"
+    # each arm's nodes in node-rank order (the rendezvous's), compared as the machines they are (report/hardware.py)
+    assert summary["environment"]["a"]["nodes"] == summary["environment"]["b"]["nodes"] == "n1,n2"
     assert "Hardware: same hardware" in (ab / "report" / "report.md").read_text()
 
 
