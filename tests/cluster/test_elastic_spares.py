@@ -85,5 +85,7 @@ def test_a_node_failing_its_health_check_goes_to_the_spare_and_an_unused_spare_s
     codes, err = finish(quiet, launch_nodes(quiet, {"0": {}}, names=True, spares=1), timeout=WAIT_S)
     assert codes == [0, 0, 0], err[-5000:]
     unused = outcome_fields(quiet, "node2")
-    assert (unused["code"], unused["action"]) == (0, "spare") and "a spare, not needed" in unused["line"], unused
+    # the rendezvous closed while it waited, or its store went away with the first node's launcher at the job's end
+    # (which of the two depends on timing; before, the second ended the spare with 86: "lost the rendezvous store")
+    assert (unused["code"], unused["action"]) == (0, "spare") and "a spare, not " in unused["line"], unused
     assert attempts(quiet, 0) == 1 and attempts(quiet, 1) == 1

@@ -42,6 +42,7 @@ import time
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
 from llama_fp8.cluster.launch import decide, health, peers, progress, spares, watchdog
@@ -207,7 +208,16 @@ class JobAgent(LocalElasticAgent):
         index = spares.register(handler)
         say(f"node {node}: a spare (number {index}); it passed the same preflight as the training nodes and waits "
             f"outside the rendezvous until a training node is left behind or stops answering")
-        rec = spares.standby(handler, index, self.spare_wait_s)
+        try:
+            rec = spares.standby(handler, index, self.spare_wait_s)
+        except (RuntimeError, OSError, RendezvousError) as e:  # torch's DistNetworkError is a RuntimeError
+            # The store's host (the first node's launcher) ended: at the end of the training step as a rule, or with
+            # its node; either way this spare cannot join, and the training nodes' own outcomes decide the job.
+            # Before, the spare ended 86 ("lost the rendezvous store") after every job that did not need it.
+            spares.keep_open(handler)
+            raise JobStop(0, "spare", f"node {node}: a spare, not used: the rendezvous store went away while it "
+                          f"waited ({type(e).__name__}: its host's launcher ended, with the training step or its "
+                          "node; the training nodes' outcomes decide the job)") from None
         if rec is None:
             spares.keep_open(handler)
             raise JobStop(0, "spare", f"node {node}: a spare, not needed: the job's rendezvous closed (the training "
