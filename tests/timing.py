@@ -70,8 +70,10 @@ def _runs(folder: Path, since: float, seen: set, here: float) -> list[dict]:
             parts = rec.get("startup_parts") or {}
             imports = float(parts.get("imports", 0.0))
             in_process = isinstance(rec.get("process_start"), (int, float)) and abs(rec["process_start"] - here) < 1
-            # in this process, start-up is the run's own parts: its startup_s counts from the process's start
-            own = sum(float(v) for k, v in parts.items() if k != "imports" and isinstance(v, (int, float)))
+            # in this process, start-up is the run's own parts: its startup_s counts from the process's start, and
+            # its first part after the imports ("process group") from the import of the module, sessions ago
+            own = sum(float(v) for k, v in parts.items() if k not in ("imports", "process group")
+                      and isinstance(v, (int, float)))
             out.append({
                 "imports": 0.0 if in_process else imports,
                 "startup": own if in_process else max(float(rec.get("startup_s", 0.0)) - imports, 0.0),
