@@ -203,7 +203,16 @@ def run_one(scratch: Path, m: dict, lock: Path | None, timeout: float) -> dict:
         restore(scratch, m, original)
     res = verdict(rc, out)
     return dict(id=m["id"], result=res, seconds=round(secs, 1), cpu_seconds=round(cpu, 1),
-                detail=why_caught(out) if res == "caught" else out[-800:])
+                detail=without_hosts_paths(why_caught(out) if res == "caught" else out[-800:]))
+
+
+ABSOLUTE = re.compile(r"(?<![\w.:/])/(?:[\w.%+-]+/)+([\w.%+-]*)")
+
+
+def without_hosts_paths(text: str) -> str:
+    """A test's output as the committed result keeps it: an absolute path of this host (the scratch copy, pytest's
+    temporary folders, a venv) cut to its last part, "<path>/NAME": the result says what failed, not where it ran."""
+    return ABSOLUTE.sub(lambda m: f"<path>/{m.group(1)}", text)
 
 
 def why_caught(out: str) -> str:
