@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import ports
+
 # Per-test wall, CPU, shared-fixture and training-run times when LLAMA_FP8_TEST_TIMES is set (tests/timing.py).
 pytest_plugins = ("timing",)
 
@@ -98,6 +100,16 @@ def _restore_environment():
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _no_listener_left_on_a_job_port():
+    """A test that leaves this process listening on a port that a Slurm job of the session's cluster will use fails
+    here, naming it: the job's launcher could not open its rendezvous store (once: an in-process torchrun agent's
+    store, which torch leaves open until its process ends)."""
+    yield
+    held = sorted(ports.listening_ports() & set(ports.JOB_PORTS))
+    assert not held, f"this test left port(s) {held} listening in the test process, which Slurm jobs here use"
 
 
 @pytest.fixture

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from standin import free_port
 
+from helpers import cli_env
 from llama_fp8.cluster.launch import submit
-from llama_fp8.cluster.launch import torchrun as launch
 from llama_fp8.cluster.nodes import node_checks, preflight
 
 
@@ -192,16 +195,21 @@ def test_split_argv():
 
 
 @pytest.mark.parametrize("code", [0, 85, 3])
-def test_torchrun_wrapper_keeps_worker_exit_code(code, tmp_path, monkeypatch):
+def test_torchrun_wrapper_keeps_worker_exit_code(code, tmp_path):
     """Plain torchrun exits 1 for any worker failure; `launch` returns the worker's code
     (85 = checkpoint saved, requeue me, which 1.train_llama.sbatch acts on)."""
     script = tmp_path / "worker.py"
     script.write_text(f"import sys\nsys.exit({code})\n")
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    port = 29400 + os.getpid() % 500 + code
-    rc = launch.main(["--nnodes=1", "--nproc_per_node=1", "--rdzv_backend=c10d",
-                      f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=t", str(script)])
-    assert rc == code
+    # In a child process: torch's agent leaves the rendezvous store listening (on every address) until its process
+    # ends, and the test worker lives on. Run in-process on a port in the jobs' range (29500 + job id % 1000), it
+    # once held the port of a later Slurm job on this host, whose launcher then could not open its store.
+    port = free_port()
+    proc = subprocess.run([sys.executable, "-m", "llama_fp8", "launch", "--nnodes=1", "--nproc_per_node=1",
+                           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=t", str(script)],
+                          env=cli_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr[-3000:]
+    with socket.socket() as s:  # nothing of the launcher's is left listening
+        s.bind(("", port))
 
 
 
@@ -210,7 +218,6 @@ def test_submit_batch_script_requeues_on_the_host(tmp_path):
     functions: one owner, nothing to keep in step) exporting the rendezvous address Slurm knows and the job's
     port, and the EXIT trap that requeues on the task's marker or exit code 85 (run here with a fake scontrol:
     the trap must call `scontrol requeue <job>` and exit 0)."""
-    import subprocess
 
     import submitit.slurm.slurm as sl
 
@@ -250,7 +257,6 @@ def test_submit_batch_script_requeues_on_the_host(tmp_path):
 def test_train_task_exits_85_with_a_marker_and_no_scontrol(tmp_path, monkeypatch):
     """Inside the task: no `scontrol` call (it may not exist there); rank 0 leaves the marker and the task
     raises SystemExit(85), which submitit's `except Exception` lets through (no result written)."""
-    import subprocess
     import types
 
     import submitit

@@ -103,3 +103,50 @@ def test_the_line_names_the_rank_its_node_and_the_bound():
     line = watchdog.describe(1, {"host": "n2", "pid": 77, "state": "T", "phase": "step", "step": 5}, 1, stall)
     assert line == ("rank 1 (n2, pid 77): stopped (SIGSTOP) in step 5, 1 collective(s) behind the others, no progress "
                     "for 16 s (bound 15 s: 5 x its recent step time (0.20 s), at least 15 s)")
+
+
+def test_a_stopped_rank_named_before_its_own_bound_passed_is_told_with_its_time_without_progress(tmp_path):
+    """The rank waiting for a stopped one can pass its bound first (its record is the older by up to a tick); the
+    stopped rank is then named (by its state) before its own bound passed, and its line still tells how long it has
+    gone without progress and its bound. Before, that part was left out, as CI saw it once."""
+    import signal
+    import subprocess
+    import time
+
+    from llama_fp8.cluster.launch import hangs, peers
+
+    procs = {r: subprocess.Popen(["sleep", "60"]) for r in (0, 1)}
+    try:
+        procs[1].send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{procs[1].pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        now = time.time()
+        recs = {0: {**rec(time=now - 4.0, step_max_s=0.5), "rank": 0},  # past its bound of 2.5 s
+                1: {**rec(time=now - 1.0, step_max_s=0.5), "rank": 1}}  # stopped 1 s ago: not yet
+
+        class Agent:
+            progress_dir = tmp_path
+            _worker_group = None
+
+            def progress(self):
+                return recs
+
+            def ranked_procs(self):
+                return procs
+
+            def kill_running(self):
+                self.killed = True
+
+        agent = Agent()
+        watch = hangs.HangWatch(agent, Bounds(floor_s=2.0))
+        watch.look()
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+    line = watch.hang.line
+    assert agent.killed and watch.hang.charged == peers.node_name()
+    assert "a hang: rank 1 (" in line and "stopped (SIGSTOP) in step 5, no progress for 1 s (bound 2 s: 5 x its " \
+        "recent step time (0.50 s), at least 2 s); rank(s) 0 wait for it (named: stopped)" in line, line

@@ -385,4 +385,5 @@ def test_compare_two_real_cpu_runs(tmp_path):
     assert from_logs["data"]["same"] is None  # plain logs carry no fingerprints
     assert from_logs["loss"]["train_loss_b"] == pytest.approx(summary["loss"]["train_loss_b"], abs=1e-5)
     assert from_logs["loss"]["val_loss_a"] == pytest.approx(summary["loss"]["val_loss_a"], abs=1e-5)
-    assert from_logs["run_a"]["samples_per_sec"] == pytest.approx(summary["run_a"]["samples_per_sec"], abs=0.006)
+    assert from_logs["run_a"]["samples_per_sec"] == pytest.approx(summary["run_a"]["samples_per_sec"], abs=0.006), \
+        (from_logs, summary, (tmp_path / "fp8_0.log").read_text())

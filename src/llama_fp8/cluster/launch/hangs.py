@@ -130,7 +130,11 @@ class HangWatch:
             ("startup", None)
         if names:
             others = sorted(set(ranks) - set(names))
-            told = "; ".join(watchdog.describe(r, ranks[r], behind.get(r), by_rank.get(r)) for r in names)
+            # a rank named by its state (stopped) may not have passed its own bound yet (the rank waiting for it
+            # can pass its bound a tick sooner): its line still tells how long it has gone without progress
+            now = time.time()
+            told = "; ".join(watchdog.describe(r, ranks[r], behind.get(r), by_rank.get(r) or watchdog.standing(
+                r, ranks[r], now, self.bounds, self.memory, self.started)) for r in names)
             line = (f"a hang: {told}" + (f"; rank(s) {', '.join(map(str, others))} wait for it" if others else "")
                     + f" (named: {how})")
             hosts = {ranks[r].get("host") for r in names}

@@ -133,24 +133,30 @@ class Stall:
         return PLACES.get(self.phase, "during start-up").format(self.step)
 
 
+def standing(rank: int, rec: dict, now: float, bounds: Bounds, memory: Memory,
+             started: float | None = None) -> Stall | None:
+    """How long the rank of ``rec`` has gone without progress, and its phase's bound, past it or not (None: no
+    time in the record, or no bound). ``started``: when this attempt's workers were started, the start of a
+    start-up no record shows yet."""
+    last = heartbeat.number(rec, "time")
+    if last is None:
+        return None
+    if rec.get("phase") == "startup" and started is not None:
+        last = max(last, started)
+    limit, why = bound(rec, bounds, memory)
+    if limit is None:
+        return None
+    step = rec.get("step") if isinstance(rec.get("step"), int) else 0
+    return Stall(rank, str(rec.get("phase")), step, now - last, limit, why)
+
+
 def stalls(records: dict[int, dict], now: float, bounds: Bounds, memory: Memory,
            started: float | None = None) -> list[Stall]:
-    """The ranks of ``records`` without progress for longer than their phase's bound (``started``: when this
-    attempt's workers were started, the start of a start-up no record shows yet)."""
+    """The ranks of ``records`` without progress for longer than their phase's bound (``standing``)."""
     if not bounds.on:
         return []
-    out = []
-    for rank, rec in records.items():
-        last = heartbeat.number(rec, "time")
-        if last is None:
-            continue
-        if rec.get("phase") == "startup" and started is not None:
-            last = max(last, started)
-        limit, why = bound(rec, bounds, memory)
-        if limit is not None and now - last > limit:
-            step = rec.get("step") if isinstance(rec.get("step"), int) else 0
-            out.append(Stall(rank, str(rec.get("phase")), step, now - last, limit, why))
-    return out
+    found = (standing(rank, rec, now, bounds, memory, started) for rank, rec in records.items())
+    return [s for s in found if s is not None and s.still_s > s.bound_s]
 
 
 def _seqs(summary: dict) -> dict[str, int]:
