@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,9 @@ def group_of(item) -> str:
     return item.nodeid.split("::")[0]
 
 
+_GROUPS_FILE = pytest.StashKey[Path]()
+
+
 @pytest.hookimpl(optionalhook=True)  # xdist's hooks: a run without xdist (the image's self-test) has none
 def pytest_configure_node(node):
     """Controller: tell each worker where to write the tests' groups (one file per test run)."""
@@ -59,7 +64,15 @@ def pytest_configure_node(node):
 
 
 def _groups_file(config) -> Path:
-    return Path(config._tmp_path_factory.getbasetemp()) / "xdist-groups.json"
+    """The controller's file of the tests' groups: in a folder of its own, removed when the run ends."""
+    if _GROUPS_FILE not in config.stash:
+        config.stash[_GROUPS_FILE] = Path(tempfile.mkdtemp(prefix="llama-fp8-xdist-")) / "groups.json"
+    return config.stash[_GROUPS_FILE]
+
+
+def pytest_unconfigure(config):
+    if _GROUPS_FILE in config.stash:
+        shutil.rmtree(config.stash[_GROUPS_FILE].parent, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -23,12 +22,10 @@ from test_faults_slurm import (
     faultkit,
     fired_at,
     job_pids,
+    matrix,  # the fault matrix's row recorder (tests/reliability), on the path test_faults_slurm put it on
     steps_lost,
     submit,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
-import matrix  # noqa: E402 - the fault matrix's row recorder lives with the matrix
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 NOT_N3 = 'test "$SLURMD_NODENAME" != n3'  # LLAMA_FP8_NODE_CHECK: n3 fails it (its preflight, its restarts)

@@ -19,6 +19,8 @@ import torch
 
 datasets = pytest.importorskip("datasets")
 
+from data_cfg import Cfg  # noqa: E402
+
 from llama_fp8 import data  # noqa: E402
 from llama_fp8.data import demo as demo_data  # noqa: E402
 from llama_fp8.data import packing, readers  # noqa: E402
@@ -27,30 +29,6 @@ from llama_fp8.data import tokenizer as data_tokenizer  # noqa: E402
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
          "sigma tau upsilon phi chi psi omega the of and to in is that for it as with").split()
-
-
-@dataclasses.dataclass
-class Cfg:
-    """The attributes of the lead's TrainConfig that the data pipeline reads."""
-
-    dataset: str = "synthetic"
-    dataset_config_name: str | None = None
-    text_field: str = "text"
-    data_files: str | None = None
-    val_data_files: str | None = None
-    val_fraction: float = 0.0
-    tokenizer: str | None = None
-    max_context_width: int = 32
-    train_batch_size: int = 4
-    val_batch_size: int = 2
-    seed: int = 7
-    num_workers: int = 0
-    vocab_size: int = 512
-    validation_batches: int = 3
-    streaming: bool = True
-    data_blend: str | None = None
-    skip_samples: str | None = None
-    doc_masking: bool = False
 
 
 def make_docs(n: int, seed: int = 0) -> list[str]:

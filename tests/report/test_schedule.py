@@ -3,13 +3,11 @@ use it (2.ab_fp8_vs_bf16.sh --repeats with a fake sbatch, the batch job and the 
 
 from __future__ import annotations
 
-import os
 import shlex
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from ab_fakes import fake_ab_job, fake_sbatch
 
 from helpers import REPO
 from llama_fp8.cluster.launch import schedule
@@ -40,16 +38,8 @@ def test_base_seed_from_train_flags_and_bad_values(capsys):
                                                        "pair2/bf16 0 11"]
 
 
-def fake_sbatch(tmp_path: Path) -> dict[str, str]:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text(f'#!/bin/bash\necho "AB_REPEATS=$AB_REPEATS $*" >>{tmp_path}/sbatch.calls\necho 101\n')
-    (bin_dir / "sbatch").chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "AB_DIR": str(tmp_path / "ab")}
-
-
 def test_ab_script_passes_repeats_to_the_job_and_keeps_the_exact_command(tmp_path):
-    env = fake_sbatch(tmp_path)
+    env = fake_sbatch(tmp_path, "AB_REPEATS")
     proc = subprocess.run([str(REPO / "2.ab_fp8_vs_bf16.sh"), "--repeats", "3", "--model", "tiny", "--seed", "5"],
                           env=env, cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -62,7 +52,7 @@ def test_ab_script_passes_repeats_to_the_job_and_keeps_the_exact_command(tmp_pat
 
 @pytest.mark.parametrize("bad", [["--repeats", "0"], ["--repeats", "x"], ["--repeats"]])
 def test_ab_script_refuses_a_bad_repeat_count(tmp_path, bad):
-    env = fake_sbatch(tmp_path)
+    env = fake_sbatch(tmp_path, "AB_REPEATS")
     proc = subprocess.run([str(REPO / "2.ab_fp8_vs_bf16.sh"), *bad, "--model", "tiny"], env=env, cwd=tmp_path,
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "--repeats" in proc.stderr and not (tmp_path / "sbatch.calls").exists()
@@ -76,47 +66,15 @@ def test_launchers_take_their_order_and_seeds_from_the_schedule():
         assert "read -r" in text and '--seed' in text and "$fp8" in text, path
 
 
-FAKE_JOB_LIB = """EXIT_REQUEUE=85
-lf_die() { echo "error: $*" >&2; exit 1; }
-lf_setup() { PY=("$FAKE_PY"); CONTAINER_ARGS=(); lf_setup_nodes; }  # the real one sets the nodes too
-lf_preflight() { :; }
-lf_estimate() { :; }  # tests/estimate/test_prejob.py
-lf_setup_nodes() {  # the training nodes: the job's, or n1,n3 once a spare took n2's place (AB_DIR/swapped)
-    LF_TRAINERS=$SLURM_JOB_NODELIST LF_SPARES=""
-    if [[ -f "$AB_DIR/swapped" ]]; then LF_TRAINERS=n1,n3; fi
-}
-lf_run_training() {  # like the real one: a job step (srun), which reads its stdin
-    srun --nodes=1 bash -c 'echo "$*" >>"$AB_DIR/train.calls"; d="${*: -1}"; mkdir -p "${d#--run_dir=}"' _ "$@"
-    if [[ -n "${FAKE_SWAP_IN:-}" && "$*" == *"--run_dir=$AB_DIR/$FAKE_SWAP_IN" ]]; then touch "$AB_DIR/swapped"; fi
-}
-"""
-FAKE_SRUN = """#!/bin/bash
-cat >/dev/null   # srun forwards stdin to its tasks: take all of it, as a task reading stdin would
-while [[ "$1" == --* ]]; do shift; done
-if [[ "$*" == *"llama_fp8 compare"* ]]; then echo "$*" >>"$AB_DIR/compare.calls"; exit 0; fi
-if [[ "$*" == *"llama_fp8 publish"* ]]; then echo "$*" >>"$AB_DIR/publish.calls"; exit "${FAKE_PUBLISH_RC:-0}"; fi
-exec "$@"
-"""
-
-
 @pytest.mark.slow
 def test_batch_job_runs_the_interleaved_schedule_and_compares_every_pair(tmp_path):
     """ab_job.sbatch itself, with Slurm's commands and the job library faked: every run of 3 pairs runs, in
     the alternating order with one seed per pair, although each job step drains its stdin; then compare."""
-    repo = tmp_path / "repo"
-    (repo / "scripts" / "slurm").mkdir(parents=True)
-    (repo / "scripts" / "slurm" / "ab_job.sbatch").write_text((REPO / "scripts/slurm/ab_job.sbatch").read_text())
-    (repo / "scripts" / "slurm" / "job_lib.sh").write_text(FAKE_JOB_LIB)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(FAKE_SRUN)
-    (bin_dir / "srun").chmod(0o755)
+    job, base = fake_ab_job(tmp_path)
     ab = tmp_path / "ab"
     ab.mkdir()
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "REPO_DIR": str(repo), "AB_DIR": str(ab),
-           "AB_REPEATS": "3", "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-2]", "FAKE_PY": sys.executable,
-           "PYTHONPATH": str(REPO / "src")}
-    cmd = ["bash", str(repo / "scripts" / "slurm" / "ab_job.sbatch"), "--model", "tiny", "--seed", "10"]
+    env = {**base, "AB_DIR": str(ab), "AB_REPEATS": "3", "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-2]"}
+    cmd = ["bash", str(job), "--model", "tiny", "--seed", "10"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     calls = [shlex.split(line) for line in (ab / "train.calls").read_text().splitlines()]
@@ -139,20 +97,12 @@ def test_a_swap_to_a_spare_during_an_arm_is_recorded(tmp_path):
     """A spare node takes n2's place during pair 1's fp8 run (SPARE_NODES): the job log says that run trained on
     n[1-2], then n1,n3, ab_runs.tsv gets a swap line, and the later runs start on the nodes now training (the
     report's hardware check then names that run and the ones after it: report/hardware.py)."""
-    repo = tmp_path / "repo"
-    (repo / "scripts" / "slurm").mkdir(parents=True)
-    (repo / "scripts" / "slurm" / "ab_job.sbatch").write_text((REPO / "scripts/slurm/ab_job.sbatch").read_text())
-    (repo / "scripts" / "slurm" / "job_lib.sh").write_text(FAKE_JOB_LIB)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(FAKE_SRUN)
-    (bin_dir / "srun").chmod(0o755)
+    job, base = fake_ab_job(tmp_path)
     ab = tmp_path / "ab"
     ab.mkdir()
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "REPO_DIR": str(repo), "AB_DIR": str(ab),
-           "AB_REPEATS": "2", "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-2]", "FAKE_PY": sys.executable,
-           "PYTHONPATH": str(REPO / "src"), "FAKE_SWAP_IN": "pair1/fp8"}
-    cmd = ["bash", str(repo / "scripts" / "slurm" / "ab_job.sbatch"), "--model", "tiny", "--seed", "10"]
+    env = {**base, "AB_DIR": str(ab), "AB_REPEATS": "2", "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-2]",
+           "FAKE_SWAP_IN": "pair1/fp8"}
+    cmd = ["bash", str(job), "--model", "tiny", "--seed", "10"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "== run pair1/fp8: a training node was left behind during the run: it trained on n[1-2], then n1,n3" \
@@ -167,21 +117,12 @@ def test_a_swap_to_a_spare_during_an_arm_is_recorded(tmp_path):
 def test_batch_job_publishes_the_report_to_mlflow_only_when_the_arms_log_there(tmp_path):
     """With --mlflow_tracking_uri among the train arguments the job runs `llama_fp8 publish` on its report once; a
     failed upload is a warning, not a failed A/B; without the flag there is no publish step."""
-    repo = tmp_path / "repo"
-    (repo / "scripts" / "slurm").mkdir(parents=True)
-    (repo / "scripts" / "slurm" / "ab_job.sbatch").write_text((REPO / "scripts/slurm/ab_job.sbatch").read_text())
-    (repo / "scripts" / "slurm" / "job_lib.sh").write_text(FAKE_JOB_LIB)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(FAKE_SRUN)
-    (bin_dir / "srun").chmod(0o755)
+    job, base = fake_ab_job(tmp_path)
     for name, extra, rc in (("plain", [], "0"), ("tracked", ["--mlflow_tracking_uri", "http://mlflow:5000"], "1")):
         ab = tmp_path / name
         ab.mkdir()
-        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "REPO_DIR": str(repo), "AB_DIR": str(ab),
-               "SLURM_JOB_ID": "78", "SLURM_JOB_NODELIST": "n1", "FAKE_PY": sys.executable, "FAKE_PUBLISH_RC": rc,
-               "PYTHONPATH": str(REPO / "src")}
-        cmd = ["bash", str(repo / "scripts" / "slurm" / "ab_job.sbatch"), "--model", "tiny", *extra]
+        env = {**base, "AB_DIR": str(ab), "SLURM_JOB_ID": "78", "SLURM_JOB_NODELIST": "n1", "FAKE_PUBLISH_RC": rc}
+        cmd = ["bash", str(job), "--model", "tiny", *extra]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         calls = (ab / "publish.calls").read_text().splitlines() if (ab / "publish.calls").exists() else []

@@ -3,13 +3,11 @@ with Slurm faked, 2.ab_fp8_vs_bf16.sh with a fake sbatch). The two-arm behaviour
 
 from __future__ import annotations
 
-import os
 import shlex
 import subprocess
-import sys
 
 import pytest
-from test_schedule import FAKE_JOB_LIB, FAKE_SRUN
+from ab_fakes import fake_ab_job, fake_sbatch
 
 from helpers import REPO
 from llama_fp8.cluster.launch import ab_preset, schedule
@@ -52,20 +50,12 @@ def test_the_ab_preset_compiles_every_arm_alike_and_gathers_in_fp8_where_allowed
 
 @pytest.mark.slow
 def test_the_batch_job_runs_every_arm_with_its_flags_and_reports_them_together(tmp_path):
-    repo = tmp_path / "repo"
-    (repo / "scripts" / "slurm").mkdir(parents=True)
-    (repo / "scripts" / "slurm" / "ab_job.sbatch").write_text((REPO / "scripts/slurm/ab_job.sbatch").read_text())
-    (repo / "scripts" / "slurm" / "job_lib.sh").write_text(FAKE_JOB_LIB)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(FAKE_SRUN)
-    (bin_dir / "srun").chmod(0o755)
+    job, base = fake_ab_job(tmp_path)
     ab = tmp_path / "ab"
     ab.mkdir()
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "REPO_DIR": str(repo), "AB_DIR": str(ab),
-           "AB_REPEATS": "2", "AB_ARMS": "bf16,tensorwise,mxfp8", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1",
-           "FAKE_PY": sys.executable, "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.run(["bash", str(repo / "scripts/slurm/ab_job.sbatch"), "--model", "tiny", "--seed", "10"],
+    env = {**base, "AB_DIR": str(ab), "AB_REPEATS": "2", "AB_ARMS": "bf16,tensorwise,mxfp8", "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": "n1"}
+    proc = subprocess.run(["bash", str(job), "--model", "tiny", "--seed", "10"],
                           env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     calls = [shlex.split(line) for line in (ab / "train.calls").read_text().splitlines()]
@@ -85,16 +75,8 @@ def test_the_batch_job_runs_every_arm_with_its_flags_and_reports_them_together(t
     assert dirs == [f"{ab}/pair{i}/{a}" for i in (1, 2) for a in ("bf16", "tensorwise", "mxfp8")]
 
 
-def fake_sbatch(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text(f'#!/bin/bash\necho "AB_ARMS=$AB_ARMS $*" >>{tmp_path}/sbatch.calls\necho 101\n')
-    (bin_dir / "sbatch").chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "AB_DIR": str(tmp_path / "ab")}
-
-
 def test_the_ab_script_takes_the_arms_for_one_job_or_one_job_each(tmp_path):
-    env = fake_sbatch(tmp_path)
+    env = fake_sbatch(tmp_path, "AB_ARMS")
     proc = subprocess.run([str(REPO / "2.ab_fp8_vs_bf16.sh"), "--arms", "bf16,fp8,mxfp8", "--repeats", "2", "--model",
                            "tiny"], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

@@ -80,32 +80,22 @@ def test_fp8_arms_run_extra_steps_on_the_baselines_lr_schedule(capsys):
 
 @pytest.mark.slow
 def test_the_batch_job_runs_the_shootout_decided_on_its_node_and_ends_with_the_headline(tmp_path):
-    """ab_job.sbatch with Slurm faked (tests/report/test_schedule.py): AB_ARMS=shootout runs the arms its node decides
+    """ab_job.sbatch with Slurm faked (tests/report/ab_fakes.py): AB_ARMS=shootout runs the arms its node decides
     (a CPU here), the FP8 ones AB_EXTRA_STEPS longer, compares them as 4 arms and prints the report's headline last."""
-    import os
     import shlex
     import subprocess
-    import sys
 
-    from test_schedule import FAKE_JOB_LIB, FAKE_SRUN
+    from ab_fakes import FAKE_SRUN, fake_ab_job
 
-    from helpers import REPO
-
-    repo, bin_dir, ab = tmp_path / "repo", tmp_path / "bin", tmp_path / "ab"
-    (repo / "scripts" / "slurm").mkdir(parents=True)
-    (repo / "scripts" / "slurm" / "ab_job.sbatch").write_text((REPO / "scripts/slurm/ab_job.sbatch").read_text())
-    (repo / "scripts" / "slurm" / "job_lib.sh").write_text(FAKE_JOB_LIB)
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(FAKE_SRUN.replace('echo "$*" >>"$AB_DIR/compare.calls"; exit 0',
-                                                    'echo "$*" >>"$AB_DIR/compare.calls"; mkdir -p "$AB_DIR/report"; '
-                                                    'echo "at equal quality: a call" >"$AB_DIR/report/headline.txt"; '
-                                                    'exit 0'))
-    (bin_dir / "srun").chmod(0o755)
+    ab = tmp_path / "ab"
+    compare = 'echo "$*" >>"$AB_DIR/compare.calls"; '
+    job, base = fake_ab_job(tmp_path, FAKE_SRUN.replace(
+        compare + "exit 0",
+        compare + 'mkdir -p "$AB_DIR/report"; echo "at equal quality: a call" >"$AB_DIR/report/headline.txt"; exit 0'))
     ab.mkdir()
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "REPO_DIR": str(repo), "AB_DIR": str(ab),
-           "AB_REPEATS": "1", "AB_ARMS": "shootout", "AB_PRESET": "none", "AB_EXTRA_STEPS": "20",
-           "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "FAKE_PY": sys.executable, "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.run(["bash", str(repo / "scripts/slurm/ab_job.sbatch"), "--model", "tiny", "--max_steps", "10"],
+    env = {**base, "AB_DIR": str(ab), "AB_REPEATS": "1", "AB_ARMS": "shootout", "AB_PRESET": "none",
+           "AB_EXTRA_STEPS": "20", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1"}
+    proc = subprocess.run(["bash", str(job), "--model", "tiny", "--max_steps", "10"],
                           env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     calls = [shlex.split(line) for line in (ab / "train.calls").read_text().splitlines()]
