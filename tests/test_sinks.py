@@ -493,9 +493,12 @@ def test_otlp_honours_the_standard_environment_for_its_service_name(monkeypatch)
 
 
 @pytest.mark.slow
-def test_an_otlp_endpoint_that_is_down_is_one_warning_per_job_without_the_librarys_lines(capfd):
-    """Rank 0 says it once, with the exporter's own reason; another rank says nothing; none of the exporter's lines."""
+def test_an_otlp_endpoint_that_is_down_is_one_warning_per_job_without_the_librarys_lines(capfd, monkeypatch):
+    """Rank 0 says it once, with the exporter's own reason; another rank says nothing; none of the exporter's lines.
+    The exporter's standard timeout (its retries included) cut to 1 s: the test waits on no retry schedule."""
     import logging
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "1")
 
     logging.getLogger().handlers.clear()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
