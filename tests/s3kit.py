@@ -107,18 +107,25 @@ class S3Server:
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                      preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:  # ready: the filer takes a bucket, the S3 gateway answers
+        bucket = False
+        while time.monotonic() < deadline:  # ready: the filer has the bucket, then the S3 gateway answers
             if self.proc.poll() is not None:
                 raise RuntimeError(f"weed server exited {self.proc.returncode}: see {self.folder / 'weed.log'}")
             try:
-                create_bucket(self, BUCKET)
+                if not bucket:
+                    create_bucket(self, BUCKET)
+                    bucket = True
                 urllib.request.urlopen(self.endpoint, timeout=2).close()
-            except urllib.error.HTTPError:  # the gateway answered (403 without a signature): up
                 return
+            except urllib.error.HTTPError as e:
+                if bucket:  # the gateway answered (403 without a signature): up
+                    return
+                # 409: the bucket is there already (a restart); the gateway may still be starting, so go on to it.
+                # (Before, any answer of the filer counted as up, and a restarted server's gateway refused.)
+                bucket = e.code == 409
             except OSError:
-                time.sleep(0.2)
-                continue
-            return
+                pass
+            time.sleep(0.2)
         raise RuntimeError(f"weed server not ready after {timeout} s: see {self.folder / 'weed.log'}")
 
     def stop(self) -> None:

@@ -6,6 +6,8 @@ uninterrupted run on disk (ref1, ref2): the losses after the resume and the fina
 from __future__ import annotations
 
 import shutil
+import urllib.error
+import urllib.request
 import zlib
 
 import faultkit as F
@@ -168,6 +170,10 @@ def test_s3_server_down_during_a_save_and_back_before_the_next(tmp_path, s3_serv
         rc = F.run1(run, [*F.RUN, *flags])
     finally:
         s3_server.start()  # back before the next save
+    try:  # start() returned: its S3 gateway answers (before, a restarted server's refused at first)
+        urllib.request.urlopen(s3_server.endpoint, timeout=5).close()
+    except urllib.error.HTTPError:
+        pass  # 403 without a signature: it answered
     monkeypatch.setattr(faults, "at", real_at)
     assert downed == [4] and rc == errors.EXIT_TRANSIENT, rc
     assert sorted(s for s, names in steps_on(s3_server.endpoint, "down").items() if "COMPLETE" in names) == [2]
