@@ -121,7 +121,7 @@ def _no_listener_left_on_a_job_port():
     here, naming it: the job's launcher could not open its rendezvous store (once: an in-process torchrun agent's
     store, which torch leaves open until its process ends)."""
     yield
-    held = sorted(ports.listening_ports() & set(ports.JOB_PORTS))
+    held = sorted(p for p in ports.listening_ports() if p in ports.JOB_PORTS)
     assert not held, f"this test left port(s) {held} listening in the test process, which Slurm jobs here use"
 
 
