@@ -59,7 +59,7 @@ TORCH214_VENV ?= .venv-torch214
 TORCH214_SPEC ?= torch==2.14.1
 TORCH214_TESTS ?= \
 	tests/parallel/test_distributed.py::test_two_rank_fsdp_trains_agrees_and_shards \
-	'tests/parallel/test_nd.py::test_tensor_parallel_trains_like_fsdp_and_one_rank[fp8]' \
+	'tests/parallel/test_nd.py::test_tensor_parallel_trains_like_one_rank[fp8]' \
 	tests/parallel/test_nd.py::test_resume_reshards_between_layouts \
 	tests/parallel/test_nd.py::test_causal_sdpa_for_context_parallelism_gives_hfs_logits \
 	tests/parallel/test_nd.py::test_mesh_dims_fill_rank_coordinates_and_groups \

@@ -76,7 +76,7 @@ FLAG_TESTS: dict[str, list[str]] = {
     "dp_replicate_size": ["parallel/test_scale::test_parallel_dims_fill_and_validate",
                           "parallel/test_distributed::test_hsdp_and_fsdp_match_one_rank_with_the_same_global_batch"],
     "dp_shard_size": ["parallel/test_scale::test_parallel_dims_fill_and_validate"],
-    "tp_size": ["parallel/test_nd::test_tensor_parallel_trains_like_fsdp_and_one_rank",
+    "tp_size": ["parallel/test_nd::test_tensor_parallel_trains_like_one_rank",
                 "parallel/test_nd::test_resume_reshards_between_layouts"],
     "cp_size": ["parallel/test_nd::test_a_refused_layout_exits_2_naming_the_flag",
                 "models/te/test_te_real_parallel::test_te_context_parallel_wiring_on_two_ranks"],

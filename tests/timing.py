@@ -28,6 +28,7 @@ import pytest
 
 OUT_ENV = "LLAMA_FP8_TEST_TIMES"
 _SHARED = ("module", "package", "session")
+_OUT = pytest.StashKey[str]()
 
 
 def _cpu() -> float:
@@ -125,6 +126,16 @@ class Timer:
 
 
 def pytest_configure(config):
-    out = os.environ.get(OUT_ENV)
+    # The variable is for this test run only: taken out of the environment, so that a pytest a test starts (the
+    # image's self-test, the mutation script's) neither writes its own tests into the file nor fails where the file
+    # cannot be written (a container's read-only mount); xdist workers get it from the controller (below).
+    out = getattr(config, "workerinput", {}).get(OUT_ENV) or os.environ.pop(OUT_ENV, None)
     if out:  # one line per test, appended in one write: several pytest processes may share the file
+        config.stash[_OUT] = out
         config.pluginmanager.register(Timer(Path(out)), "llama_fp8_timer")
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's: a run without xdist has none
+def pytest_configure_node(node):
+    if _OUT in node.config.stash:
+        node.workerinput[OUT_ENV] = node.config.stash[_OUT]
