@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from llama_fp8.estimate import build, corrections, fake, gpus, run, terms
+from llama_fp8.estimate import build, corrections, gpus, layers, run, terms
 from llama_fp8.estimate.flags import EstimateOptions
 
 # bus-bandwidth factors (NVIDIA nccl-tests, doc/PERFORMANCE.md): the bytes each rank moves per byte of the
@@ -65,8 +65,7 @@ def estimate(cfg, opts: EstimateOptions, progress: run.Progress = lambda _: None
     t0 = time.perf_counter()
     gpu = gpus.get(opts.gpu, opts.gpu_memory_gib)
     env = build.env_for(opts.world_size, opts.gpus_per_node)
-    with fake.process_group(opts.world_size):
-        m = run.measure(cfg, env, fake_run=True, progress=progress)
+    m = layers.measure(cfg, env, progress=progress)  # in a fake world of opts.world_size ranks
     found = terms.gpu_terms(m.collectives, m.group_ranks, m.fp8_operand_bytes, bool(cfg.compile), gpu,
                             opts.gpus_per_node)
     return Estimate(cfg, opts, gpu, m, found, terms.verdict(m.peak_bytes, found, gpu),

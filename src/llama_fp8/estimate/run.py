@@ -46,6 +46,7 @@ class Measurement:
     seconds: float
     fp8_operand_bytes: int = 0  # terms.fp8_operand_copies of the model (0 without FP8)
     at_optimizer: dict[str, int] | None = None  # by kind as the optimizer step starts (gradients all sharded)
+    phase_peaks: list[tuple[int, dict[str, int], Where]] | None = None  # each phase's highest: total, by kind, where
 
 
 class Batches:

@@ -74,6 +74,9 @@ class StepTracker(FSDPMemTracker):
         self.at_optimizer: dict | None = None  # the snapshot (by kind) as the optimizer step starts
         self.micro_batch = 0  # set by the batch source as each micro-batch is fetched
         self._backward_seen = 0  # the micro-batch whose backward has run (0: none yet)
+        # (phase, micro-batch) -> (its highest total, the snapshot by kind then, where): the step's peak is the
+        # highest of them; a deeper model's is the highest of theirs extended (estimate/layers.py)
+        self.phase_peaks: dict[tuple[str, int], tuple[int, dict, Where]] = {}
 
     def next_micro_batch(self) -> None:
         """Called as each micro-batch is fetched (inside the step)."""
@@ -86,6 +89,7 @@ class StepTracker(FSDPMemTracker):
         step starts."""
         (peak,) = self.get_tracker_snapshot("peak").values()
         return {"peak_bytes": peak[TOTAL], "by_kind": by_name(peak), "where": self.peak_where,
+                "phase_peaks": [(total, by_name(snap), where) for total, snap, where in self.phase_peaks.values()],
                 "collectives": [{"kind": k, "dim": d, "phase": p, "calls": c, "bytes": b}
                                 for (k, d, p), (c, b) in sorted(self.collectives.by_key.items())],
                 "at_optimizer": by_name(self.at_optimizer or {})}
@@ -110,14 +114,18 @@ class StepTracker(FSDPMemTracker):
         return canonical_name(name.split(".", 1)[1] + ".").rstrip(".") if "." in name else "the model's root"
 
     def _update_peak_stats(self, peak_state) -> None:
-        """The step's peak and where it was reached. MemTracker's own version also keeps every module's peak, going
-        over every module of the model at every op (a fifth of an 8B estimate's time); the estimate reads only the
-        step's peak (``get_tracker_snapshot("peak")``), so that loop is left out."""
+        """The step's peak and where it was reached, and each phase's. MemTracker's own version also keeps every
+        module's peak, going over every module of the model at every op (a fifth of an 8B estimate's time); the
+        estimate reads only the step's peak and the phases', so that loop is left out."""
         for dev, snap in self._curr_mem_snap.items():
+            key = (self.phase(), self.micro_batch)
+            best = self.phase_peaks.get(key)
+            if best is None or best[0] < snap[TOTAL]:
+                self.phase_peaks[key] = (snap[TOTAL], dict(snap), Where(key[0], self._module(), self.micro_batch))
             if self._peak_mem.get(dev, 0) < snap[TOTAL]:
                 self._peak_mem[dev] = snap[TOTAL]
                 self._peak_mem_snap[dev] = dict(snap)
-                self.peak_where = Where(self.phase(), self._module(), self.micro_batch)
+                self.peak_where = self.phase_peaks[key][2]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self._in_opt and self.at_optimizer is None:  # every gradient reduced and sharded, no state updated yet
