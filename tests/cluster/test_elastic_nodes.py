@@ -71,6 +71,27 @@ def test_a_lost_rendezvous_host_kills_the_other_nodes_workers_at_once(tmp_path):
     assert not os.path.exists(f"/proc/{started[other][0]}"), "the other node's worker outlived its launcher"
 
 
+@pytest.mark.slow
+def test_a_stop_signal_requeues_every_node_though_the_host_ends_first(tmp_path):
+    """SIGUSR1 (a time limit) to both launchers: the first node's worker saves at once and its launcher, the
+    rendezvous host, ends; the other node's worker takes 4 s more to save. Its launcher must not look for the store
+    meanwhile: before, it lost the store while waiting for its worker and reported a lost host (exit 86, "retry"),
+    where both nodes saved their checkpoint (seen under Pyxis on the local cluster)."""
+    worker = {"exit": "wait", "step_s": 0.5, "on_usr1": 85, "usr1_s": {"1": 4}}
+    procs = launch_nodes(tmp_path, {"0": {"0": worker, "1": worker}})
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("started.0.*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(list(tmp_path.glob("started.0.*"))) == 2, finish(tmp_path, procs, timeout=1)[1]
+    for p in procs:
+        p.send_signal(signal.SIGUSR1)
+    codes, err = finish(tmp_path, procs, timeout=60)
+    assert codes == [85, 85], err[-4000:]
+    for node in ("node0", "node1"):
+        code, action, line = outcome(tmp_path, node)
+        assert (code, action) == (85, "requeue") and "after SIGUSR1" in line, (node, line)
+
+
 def test_a_busy_rendezvous_port_is_named_not_called_a_lost_host(tmp_path):
     """The first node's launcher cannot open the rendezvous store (another process holds the port): the line says
     so and names RDZV_PORT, not "the host is gone" (this node is the host). Requeued (bounded by MAX_REQUEUES): the

@@ -84,6 +84,7 @@ class JobAgent(LocalElasticAgent):
             raise JobStop(EXIT_BAD_CONFIG, "fail", f"{e}; not starting the workers") from None
         super().__init__(*args, **kwargs)
         JobAgent.last = self
+        _quiet_after_a_stop(self._worker_group.spec.rdzv_handler)
         self.progress_dir = progress.folder()
         self.watch = HangWatch(self, bounds)
         self.failed_at: dict[int, tuple] = {}  # rendezvous round -> where that attempt failed on this node
@@ -349,6 +350,20 @@ class JobAgent(LocalElasticAgent):
         without a new checkpoint between them across requeues, as the launcher does within a step."""
         return [f"{host}@{rnd}:{'-' if self.ckpt_at.get(rnd) is None else self.ckpt_at[rnd]}"
                 for rnd, host in sorted(self.charges.items())]
+
+
+def _quiet_after_a_stop(handler) -> None:
+    """torch's agent asks the rendezvous store, while its workers run, whether nodes wait to join (to restart them
+    with the newcomers). After a stop signal no restart follows: the workers save and exit 85. The first node's
+    launcher, which holds the store, may by then have ended with its own workers, and the question would lose the
+    store and make this node's requeue a lost host (exit 86, a requeue charged to MAX_REQUEUES). So none is said to
+    wait once the signal is in."""
+    asked = handler.num_nodes_waiting
+
+    def num_nodes_waiting() -> int:
+        return 0 if JobAgent.signalled is not None else asked()
+
+    handler.num_nodes_waiting = num_nodes_waiting
 
 
 def on_signal(signum, frame) -> None:
