@@ -113,7 +113,7 @@ def extend(shallow: list[run.Measurement], first: int, blocks: int) -> run.Measu
             return None
         peaks.append((out[("peak", *phase)], {k: out[("peak", *phase, k)] for k in kinds},
                       dataclasses.replace(where, module=module)))
-    total, by_kind, where = max(peaks, key=lambda p: p[0])  # the first of equal ones, as the tracker keeps
+    total, by_kind, where = max(peaks, key=lambda p: p[0])  # of equal ones, the phase that came first in the step
     base = shallow[0]
     return dataclasses.replace(
         base, peak_bytes=total, by_kind=by_kind, where=where, phase_peaks=peaks, num_params=out[("params",)],
