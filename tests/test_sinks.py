@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +22,7 @@ import pytest
 from helpers import REPO, cli_env, read_metrics
 from llama_fp8 import config as C
 from llama_fp8 import train as T
-from llama_fp8.telemetry import gauges, goodput, otlp, outputs, prometheus
+from llama_fp8.telemetry import gauges, goodput, otlp, outputs, prometheus, sinks
 
 pytest.importorskip("prometheus_client", reason="the prometheus extra (make installs it)")
 pytest.importorskip("mlflow", reason="the mlflow extra (make installs it)")
@@ -538,3 +539,33 @@ def test_the_dashboards_per_rank_panels_name_the_run_and_one_panel_compares_fp8_
     (ratio,) = [p for p in dash["panels"] if p["title"].startswith("FP8 over BF16")]
     expr = ratio["targets"][0]["expr"]
     assert 'precision!="bf16"' in expr and 'precision="bf16"' in expr and " / " in expr
+
+
+class _Slow(sinks.Sink):
+    """A sink that takes ``start_s`` to be made (a new sqlite store creating its tables) and records what it got."""
+
+    def __init__(self, got: list, start_s: float):
+        time.sleep(start_s)
+        self.got = got
+
+    def write(self, rec: dict, line: str | None = None) -> None:
+        self.got.append(rec["step"])
+
+    def close(self, ended: str) -> None:
+        self.got.append(ended)
+
+
+def test_a_sink_still_starting_at_the_end_of_a_short_run_gets_its_start_bound_then_its_close_bound():
+    """A 4-step run on a busy node ended before its MLflow sink had created its sqlite store's tables; the close
+    waited its 5 s for a sink that had not started, and the run stayed RUNNING in MLflow (CI-sized run). The start
+    has a bound of its own: the records and the close reach a sink that starts within it, not one that does not."""
+    got: list = []
+    slow = sinks.Background("slow", lambda: _Slow(got, 1.0), close_timeout_s=0.2, start_timeout_s=10.0)
+    slow.write({"step": 1})
+    slow.close("completed")
+    assert got == [1, "completed"]
+    stuck = sinks.Background("stuck", lambda: _Slow([], 5.0), close_timeout_s=0.2, start_timeout_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="not done after 0 s"):
+        stuck.close("completed")
+    assert time.monotonic() - t0 < 2

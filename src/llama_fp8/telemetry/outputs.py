@@ -80,9 +80,11 @@ def open_writer(cfg, origin: Origin, params: dict[str, Any]) -> sinks.MetricsWri
         if cfg.wandb_project:
             add("wandb", lambda: sinks.WandbSink(cfg, origin.run_dir))
         if cfg.mlflow_tracking_uri and _mlflow_answers(cfg.mlflow_tracking_uri):
-            # closing waits a few seconds at most: what a gone server missed, `publish` fills in from metrics.jsonl
+            # closing waits a few seconds at most: what a gone server missed, `publish` fills in from metrics.jsonl;
+            # a store still starting gets a minute (a new sqlite store creates its tables: seconds, more on a busy
+            # node or a shared file system; a short run used to end first, leaving its MLflow run RUNNING)
             out.append(sinks.Background("mlflow", lambda: _mlflow(cfg, origin, params), close_timeout_s=5.0,
-                                        where=f"MLflow at {cfg.mlflow_tracking_uri}"))
+                                        start_timeout_s=60.0, where=f"MLflow at {cfg.mlflow_tracking_uri}"))
     if cfg.prometheus_textfile_dir:
         from llama_fp8.telemetry import prometheus
 

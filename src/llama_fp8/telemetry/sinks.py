@@ -127,11 +127,14 @@ class WandbSink(Sink):
 class Background(Sink):
     """Runs a sink on a thread of its own: ``write`` queues the record and returns. The sink is made on that thread
     too (``make``: connecting may take as long as a server takes to answer). An error of the sink comes back at the
-    next ``write`` or at ``close``, which waits at most ``close_timeout_s`` for the records still queued."""
+    next ``write`` or at ``close``, which waits at most ``start_timeout_s`` for a sink still being made (default
+    ``close_timeout_s``), then at most ``close_timeout_s`` for the records still queued."""
 
     def __init__(self, name: str, make: Callable[[], Sink], close_timeout_s: float = 60.0, max_queued: int = 10_000,
-                 where: str = ""):
+                 where: str = "", start_timeout_s: float | None = None):
         self.name, self._timeout, self._where = name, close_timeout_s, where
+        self._start_timeout = close_timeout_s if start_timeout_s is None else start_timeout_s
+        self._made = threading.Event()  # make() has returned or raised
         self._queue: queue.Queue = queue.Queue(maxsize=max_queued)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._work, args=(make,), name=f"llama-fp8 {name}", daemon=True)
@@ -139,7 +142,10 @@ class Background(Sink):
 
     def _work(self, make: Callable[[], Sink]) -> None:
         try:
-            sink = make()
+            try:
+                sink = make()
+            finally:
+                self._made.set()
             while True:
                 item = self._queue.get()
                 if item[0] == "close":
@@ -162,6 +168,7 @@ class Background(Sink):
 
     def close(self, ended: str) -> None:
         if self._thread.is_alive():
+            self._made.wait(self._start_timeout)  # a sink still starting (a new sqlite store creating its tables)
             try:
                 self._queue.put(("close", ended), timeout=self._timeout)
             except queue.Full:
