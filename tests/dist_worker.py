@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from llama_fp8 import config, faults, parallel, train
+from llama_fp8.__main__ import leave
 
 
 def run_rank(out_dir: Path, argv: list[str]) -> None:
@@ -21,3 +22,4 @@ def run_rank(out_dir: Path, argv: list[str]) -> None:
 
 if __name__ == "__main__":
     run_rank(Path(sys.argv[1]), sys.argv[2:])
+    leave(0)  # as `python -m llama_fp8` leaves: without the shutdown's collections

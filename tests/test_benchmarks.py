@@ -136,3 +136,14 @@ def test_bench_loss_prints_table_and_ratio():
     assert all(r["loss_diff"] < 1e-5 for r in rec["rows"].values()), rec
     assert rec["ratio"] == round(rec["rows"]["chunked"]["peak_rss_growth_mib"] /
                                  rec["rows"]["whole"]["peak_rss_growth_mib"], 4), rec
+
+
+def test_bench_exit_prints_table_and_ratio():
+    out, rec = run_bench("bench_exit.py", "--rounds", "1", "--steps", "1", "--num_layers", "1")
+    assert [r[0] for r in table_rows(out, "leave") + table_rows(out, "plain")] == ["leave", "plain"], out
+    assert rec["bench"] == "exit" and rec["rounds"] == 1 and set(rec["median"]) == {"leave", "plain"}
+    # the same run both ways (the same loss): only how the process leaves differs
+    assert rec["losses"]["leave"] == rec["losses"]["plain"] and len(rec["losses"]["leave"]) == 1, rec
+    med = rec["median"]
+    assert all(0 < m["exit_s"] < m["wall_s"] and m["cpu_s"] > 0 for m in med.values()), med
+    assert rec["ratio"] == pytest.approx(med["leave"]["exit_s"] / med["plain"]["exit_s"], abs=2e-3), rec

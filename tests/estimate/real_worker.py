@@ -21,6 +21,7 @@ import os
 import sys
 
 from llama_fp8 import config, parallel
+from llama_fp8.__main__ import leave
 from llama_fp8.estimate import run
 from llama_fp8.estimate.tracker import StepTracker
 
@@ -99,3 +100,4 @@ def main(out: str, configs: str, train_args: str | None = None, run_dir: str | N
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    leave(0)  # as `python -m llama_fp8` leaves: without the shutdown's collections
