@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from llama_fp8 import config, faults, parallel, train
-from llama_fp8.__main__ import leave
+from llama_fp8.collector import leave
 
 
 def run_rank(out_dir: Path, argv: list[str]) -> None:

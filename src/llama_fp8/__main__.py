@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-import gc
 import importlib
 import sys
 from typing import NoReturn
+
+from llama_fp8 import collector
 
 COMMANDS = {
     "train": "train a model (torchrun, srun or a single process)",
@@ -42,28 +43,17 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in COMMANDS:
         print(f"llama-fp8: unknown command {cmd!r}\n{_usage()}", file=sys.stderr)
         return 2
-    return int(importlib.import_module(MODULES[cmd]).main(rest) or 0)
+    with collector.paused(freeze=True):  # the command's imports, torch's among them (src/llama_fp8/collector.py)
+        module = importlib.import_module(MODULES[cmd])
+    return int(module.main(rest) or 0)
 
 
-def leave(code: int) -> NoReturn:
-    """Exit with ``code`` once the command has returned, without the garbage collections of Python's shutdown.
-
-    Python's shutdown collects garbage several times while it clears the modules, each time walking every object
-    alive: after imports of torch and transformers and a run, that took 1.5-2 s of CPU per process (a short training
-    rank on a CPU spent a fifth of its life leaving; on a restart the launcher waits for it). Frozen, the objects of
-    the finished command are left out of those walks. What an exit must still do is done: non-daemon threads are
-    joined, atexit handlers (weakref finalizers included) run, the standard streams are flushed, and what is freed
-    by reference counting is freed. Only cyclic garbage made before the freeze is not collected; every file and
-    store a command writes to is closed by the command itself. Only when this module runs as the program: a test
-    calling ``main()`` in its own process keeps its collector."""
-    gc.freeze()
-    sys.exit(code)
-
-
-def cli() -> NoReturn:
-    """The ``llama-fp8`` console script."""
-    leave(main())
+def program() -> NoReturn:
+    """``python -m llama_fp8`` and the ``llama-fp8`` script: the command's imports frozen once made, and the process
+    leaving without the collections of Python's shutdown (src/llama_fp8/collector.py)."""
+    collector.as_program()
+    collector.leave(main())
 
 
 if __name__ == "__main__":
-    leave(main())
+    program()

@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from llama_fp8.__main__ import leave
+from llama_fp8.collector import leave
 
 
 def outside_allocator(device: torch.device) -> int:

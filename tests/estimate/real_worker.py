@@ -21,7 +21,7 @@ import os
 import sys
 
 from llama_fp8 import config, parallel
-from llama_fp8.__main__ import leave
+from llama_fp8.collector import leave
 from llama_fp8.estimate import run
 from llama_fp8.estimate.tracker import StepTracker
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional
 
-from llama_fp8.__main__ import leave
+from llama_fp8.collector import leave
 from llama_fp8.parallel.context import head_tail_index
 from llama_fp8.parallel.loss import cross_entropy, output_cross_entropy
 

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from llama_fp8 import checkpoint, faults, parallel
+from llama_fp8 import checkpoint, collector, faults, parallel
 from llama_fp8 import config as config_mod
 from llama_fp8.config import TrainConfig
 from llama_fp8.errors import (
@@ -132,7 +132,8 @@ def train(cfg: TrainConfig, env: parallel.DistEnv, beat: heartbeat.Heartbeat | N
     progress file for the launcher (one is made here when not given)."""
     from llama_fp8.train import build, loop, state
 
-    s = state.start(cfg, env, beat or heartbeat.Heartbeat(env.rank))
+    with collector.paused():  # the start-up: transformers' import, the model, a checkpoint read (collector.py)
+        s = state.start(cfg, env, beat or heartbeat.Heartbeat(env.rank))
     try:
         losses = loop.loop(s)
     except torch.cuda.OutOfMemoryError:
