@@ -21,6 +21,7 @@ worker stuck in uninterruptible sleep, another node's launcher having closed the
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import signal
@@ -151,6 +152,12 @@ def run_torchrun(torchrun_args: list[str]) -> int:
         if agent is not None:
             checkpoint, failed, exclude = agent.latest_checkpoint(), agent.failures(), agent.exclude
             shutil.rmtree(agent.progress_dir, ignore_errors=True)
+        # The agent holds the rendezvous store in a reference cycle: released and collected now, the store closes its
+        # own connections before its port. Left to the exit (`python -m llama_fp8` leaves without collecting:
+        # collector.py), the kernel closed them in descriptor order and the store's port stayed in TIME-WAIT for a
+        # minute, where a bind without SO_REUSEADDR fails.
+        elastic.JobAgent.last = agent = None
+        gc.collect()
     outcome.write_outcome(code, action, checkpoint, line, failed, exclude)
     return code
 
