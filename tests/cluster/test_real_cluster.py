@@ -72,7 +72,8 @@ def fake_package(root: Path) -> Path:
     pkg = root / "src" / "llama_fp8"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    for name in ("__main__.py", "cluster", "config", "errors.py", "configs", "precision", "telemetry", "faults"):
+    for name in ("__main__.py", "collector.py", "cluster", "config", "errors.py", "configs", "precision", "telemetry",
+                 "faults"):
         (pkg / name).symlink_to(REPO / "src" / "llama_fp8" / name)
     (pkg / "train").mkdir()  # `llama-fp8 train` runs llama_fp8.train.cli
     (pkg / "train" / "__init__.py").write_text("")

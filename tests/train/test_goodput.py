@@ -3,6 +3,7 @@ redoes to restart loss."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -45,6 +46,19 @@ def test_goodput_parts_add_up_to_wall_time_and_resume_counts_restart_loss(tiny_a
     first, second = [r for r in read_metrics(run_dir) if r["type"] == "goodput"]
     assert first == g and second["start_step"] == 6 and second["restart_loss_s"] > 0
     assert second["productive_s"] == 0 and second["warmup_s"] == 0   # every step was a redo
+
+
+def test_the_process_start_is_read_to_the_kernels_tick_not_the_boot_times_second():
+    """The start of a fresh process lies between the moment it was asked for and its first line. Before, the start was
+    the boot time (whole seconds in /proc/stat) plus the process's start ticks: up to a second early (0.43 s on this
+    project's machine), a goodput wall longer than the process's life."""
+    code = ("import time\nfirst = time.time()\nfrom llama_fp8.telemetry import goodput\n"
+            "print(first, goodput.process_start_time())")
+    asked = time.time()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), check=True)
+    first, start = map(float, out.stdout.split())
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert asked - tick <= start <= first + tick, (asked, start, first)
 
 
 def test_last_logged_step_reads_only_the_tail_and_survives_junk(tmp_path):

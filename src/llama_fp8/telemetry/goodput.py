@@ -36,14 +36,16 @@ _IMPORTED_AT = time.time()
 
 
 def process_start_time() -> float:
-    """Epoch seconds at which this process started (Linux /proc), else when this module was imported."""
+    """Epoch seconds at which this process started (Linux /proc, to the kernel's clock tick), else when this module
+    was imported. The start is counted in ticks since boot (proc(5), field 22 of /proc/self/stat), on the clock of
+    ``CLOCK_BOOTTIME``: now less the time since it. (The boot time of /proc/stat is in whole seconds: a start read
+    from it was up to a second early.)"""
     try:
         fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        ticks = int(fields[19])  # field 22 (starttime) of proc(5), counted after the ")" of the name
-        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                     if line.startswith("btime "))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        ticks = int(fields[19])  # field 22 (starttime), counted after the ")" of the name
+        since = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - since
+    except (OSError, ValueError, IndexError, AttributeError):  # not Linux: no CLOCK_BOOTTIME, no /proc
         return _IMPORTED_AT
 
 
