@@ -13,7 +13,8 @@ EXTRAS ?= torchao,report,slurm,tensorboard,wandb,prometheus,mlflow,mlflow-server
 STAMP := $(VENV)/.installed
 # Python writes the compiled form of the package's modules (and pytest its rewritten tests) even where the
 # environment says not to: the suite starts hundreds of processes, and each would otherwise compile every module it
-# imports again (0.2 s of CPU for a training rank). The folders are ignored by git and left out of the image.
+# imports again (the package's 182 modules compile in 0.36 s of CPU; a training rank imports about half). The
+# folders are ignored by git and left out of the image.
 unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo test test-fast lint bench test-te test-torch214 install clean

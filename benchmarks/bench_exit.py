@@ -1,6 +1,7 @@
 """How long a training process takes to leave once its command has returned: ``python -m llama_fp8 train`` (which
-leaves without the garbage collections of Python's shutdown: ``llama_fp8/__main__.py``'s ``leave``) against the same
-command run through ``main()`` and a plain ``sys.exit`` (Python's whole shutdown, as before).
+leaves without the garbage collections of Python's shutdown: ``src/llama_fp8/collector.py``'s ``leave``, its imports
+frozen once made) against the same command run through ``main()`` and a plain ``sys.exit``, as another program calls
+it (Python's whole shutdown, as before; its start-up is paused alike).
 
 Each round runs the same short single-process training run both ways, in fresh processes, the order alternating.
 Measured per process: its wall time, its CPU seconds (user + system, from the kernel's accounting of the child), and
