@@ -59,7 +59,7 @@ test-te:
 # torch.compile, the fault matrix's checkpoint rows, the memory estimate's fake-mode corrections and its equality
 # with a real run: the pre-job check runs in the image's torch), in their own venv, on CPU. torch 2.14.1 here is the
 # CUDA build from local disk (as for test-te); elsewhere point TORCH_INDEX at PyTorch's CPU wheel index so pip
-# never fetches a multi-GB CUDA build: make test-torch214 TORCH_INDEX=<url>.
+# never fetches a multi-GB CUDA build: make test-torch214 TORCH_INDEX=<url>. Two workers, as make test.
 TORCH214_VENV ?= .venv-torch214
 TORCH214_SPEC ?= torch==2.14.1
 TORCH214_TESTS ?= \
@@ -91,7 +91,7 @@ TORCH214_TESTS ?= \
 
 test-torch214:
 	@$(MAKE) --no-print-directory install VENV=$(TORCH214_VENV) TORCH_SPEC="$(TORCH214_SPEC)" EXTRAS=torchao,dev
-	CUDA_VISIBLE_DEVICES= $(TORCH214_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=15 \
+	CUDA_VISIBLE_DEVICES= $(TORCH214_VENV)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) --durations=15 \
 		-m "not gpu and not te and not slurm and not container" $(TORCH214_TESTS)
 
 clean:

@@ -37,9 +37,10 @@ collect_ignore_glob = [] if _te_importable() else ["models/te/test_te_real_*.py"
 # Under pytest-xdist (`make test` runs two workers, --dist loadgroup) each worker is a session of its own: a
 # session fixture used by two workers would be made twice. So every test is put in a group that one worker runs
 # whole: the tests of the local Slurm cluster (its slurmd ports are fixed: one cluster per machine), those of the
-# S3 server, the fault matrix's (its reference runs), and otherwise each file (its module fixtures made once). The
-# cluster's group goes first: it is the longest, and a long group started last would leave the other worker idle.
-# xdist's own xdist_group marks do not reach its scheduler under pytest 9 (the test ids it rewrites stay as they
+# S3 server, the fault matrix's (its reference runs), and otherwise each file (its module fixtures made once).
+# The groups go out longest first (the cluster's, then by their tests' expected time), so that the last ones given
+# out are short and neither worker waits long for the other at the end. xdist's own order (by number of tests) gave
+# a file of five minute-long tests after hundreds of quick ones. xdist's own xdist_group marks do not reach its scheduler under pytest 9 (the test ids it rewrites stay as they
 # were), so the workers write each test's group to a file and the controller schedules by it (GroupScheduling).
 SHARED_GROUPS = (("cluster", "slurm"), ("s3_server", "s3"), ("mlflow_server", "mlflow-server"),
                  ("ref2", "reliability"), ("ref1", "reliability"))  # the fault matrix's uninterrupted runs
@@ -52,6 +53,21 @@ def group_of(item) -> str:
         if fixture in names:
             return group
     return item.nodeid.split("::")[0]
+
+
+# A test marked slow takes about 20 s on a 2-core machine, any other about 0.4 s (the means of a CI run's
+# LLAMA_FP8_TEST_TIMES records): the weights that order the groups.
+SLOW_WEIGHT = 50
+
+
+def by_expected_time(items) -> None:
+    """Sort ``items`` (in place, stable) so that the cluster's group comes first, then the other groups by their
+    tests' expected time, the longest first."""
+    weight: dict[str, int] = {}
+    for item in items:
+        group = group_of(item)
+        weight[group] = weight.get(group, 0) + (SLOW_WEIGHT if item.get_closest_marker("slow") else 1)
+    items.sort(key=lambda item: (group_of(item) != "slurm", -weight[group_of(item)], group_of(item)))
 
 
 _GROUPS_FILE = pytest.StashKey[Path]()
@@ -79,7 +95,7 @@ def pytest_collection_modifyitems(config, items):
     where = getattr(config, "workerinput", {}).get("llama_fp8_groups")
     if not where:  # not an xdist worker: serial runs keep the files' order
         return
-    items.sort(key=lambda item: group_of(item) != "slurm")  # stable: the order within each group is kept
+    by_expected_time(items)
     tmp = Path(f"{where}.{os.getpid()}")
     tmp.write_text(json.dumps({item.nodeid: group_of(item) for item in items}))
     tmp.replace(where)  # both workers write the same map; either is whole
@@ -90,6 +106,8 @@ def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # the groups go out in the workers' order (by_expected_time)
 
     class GroupScheduling(LoadScopeScheduling):
         """LoadScope's scheduling (a scope runs whole on one worker) with the groups the workers wrote as scopes."""
