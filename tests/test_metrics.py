@@ -14,6 +14,7 @@ from llama_fp8 import train as T
 from llama_fp8.models import common as M
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset, seq", [("tiny", 128), ("llama3.2-1b", 2048), ("llama2-7b", 4096)])
 def test_flops_per_token_matches_flop_counter(preset, seq):
     """torch.utils.flop_counter on a fake-tensor forward+backward (eager attention, so QK^T and AV are
@@ -53,6 +54,7 @@ def test_tensorboard_sink_writes_the_scalars(tmp_path):
     assert "train/tokens_per_sec_per_device" in acc.Tags()["scalars"]
 
 
+@pytest.mark.slow
 def test_wandb_offline_sink_needs_no_network(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is an optional extra (make installs it)")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -164,6 +164,7 @@ def test_the_mfu_gauge_carries_each_peaks_ratio_and_leaves_out_what_is_not_measu
     assert mfu == [({**labels, "peak": "bf16"}, 0.25)]  # the FP8 peak's ratio is n/a: no sample, not a 0
 
 
+@pytest.mark.slow
 def test_the_documented_sqlite_store_holds_the_runs_params_metrics_and_standard_tags(run2, monkeypatch):
     """docs/metrics.md's route (a sqlite:/// database on the shared file system), without MLFLOW_ALLOW_FILE_STORE."""
     import mlflow
@@ -206,6 +207,7 @@ def otlp_points(bodies: list[bytes]) -> dict[tuple[str, str, str | None], float]
     return out
 
 
+@pytest.mark.slow
 def test_otlp_over_http_carries_the_textfiles_gauges_from_every_rank(run2):
     got = otlp_points(run2.bodies)
     want = {}
@@ -215,6 +217,7 @@ def test_otlp_over_http_carries_the_textfiles_gauges_from_every_rank(run2):
     assert got == pytest.approx(want, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_otlp_through_the_sdks_in_memory_reader_holds_the_same_values(run2):
     """The SDK's InMemoryMetricReader in place of the OTLP exporter, fed rank 0's records of the run."""
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -258,6 +261,7 @@ def names_and_labels(expr: str) -> tuple[set[str], set[str]]:
     return {w for w in re.findall(r"\b[a-zA-Z_:][\w:]*\b(?!\s*\()", bare) if w not in PROMQL_WORDS}, labels
 
 
+@pytest.mark.slow
 def test_the_dashboards_queries_name_only_metrics_and_labels_the_textfile_writes(run2):
     written, labels = set(), set()
     for path in (run2.run_dir / prometheus.FINAL_DIR).iterdir():
@@ -397,6 +401,7 @@ def test_the_sinks_flags_are_recorded_in_config_yaml(tmp_path):
                                                          "mlflow_tracking_uri", "mlflow_experiment", "mlflow_run_name"}
 
 
+@pytest.mark.slow
 def test_publish_makes_the_ab_a_parent_run_with_its_report_and_each_arm_a_child(run2, tmp_path, monkeypatch, capsys):
     """The 2-rank FP8 run (tracked in MLflow while it trained) against a BF16 run that was not: the A/B's report as the
     parent's artifacts, its verdict a tag, the tracked arm made a child, the other one's run made from its folder."""
@@ -522,6 +527,7 @@ def test_an_otlp_endpoint_that_is_down_is_one_warning_per_job_without_the_librar
     assert not [ln for ln in lines if "opentelemetry" in ln or "Retrying" in ln], lines
 
 
+@pytest.mark.slow
 def test_an_mlflow_file_store_without_the_opt_out_is_one_warning_at_start_saying_what_to_use(tmp_path, monkeypatch,
                                                                                             capsys):
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)

@@ -125,6 +125,7 @@ def test_a_tensor_is_loaded_as_a_view_of_its_verified_bytes(monkeypatch):
         D.load_tensor(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
 
 
+@pytest.mark.slow
 def test_saved_shards_carry_block_digests_and_resume_the_same_with_or_without_them(saved, tmp_path, monkeypatch):
     folder = saved / "checkpoints" / "step_4"
     man = json.loads((folder / "COMPLETE").read_text())

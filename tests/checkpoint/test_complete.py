@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import pathlib
 
+import pytest
 from ckpt_kit import ck, run
 
 from llama_fp8 import checkpoint as K
@@ -40,6 +41,7 @@ def test_a_manifest_that_misses_a_file_of_the_metadata_fails_the_save(tmp_path, 
     hostile(f"exit 2: \"...{err[err.find('does not cover'):][:180]}\"; no complete checkpoint")
 
 
+@pytest.mark.slow
 def test_step_folder_without_complete_is_named_and_kept(saved, capsys, hostile):
     stray = ck(saved, 6)
     stray.mkdir()

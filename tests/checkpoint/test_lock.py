@@ -21,6 +21,7 @@ def plant(ckpts, **holder) -> None:
                                                **holder}))
 
 
+@pytest.mark.slow
 def test_second_job_on_the_same_checkpoint_dir_is_refused_naming_the_holder(saved, capsys, monkeypatch, hostile):
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:

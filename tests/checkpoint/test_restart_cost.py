@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from ckpt_kit import ck, run
 
 from helpers import train_records
@@ -20,6 +21,7 @@ def losses(b) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in train_records(b)}
 
 
+@pytest.mark.slow
 def test_the_checkpoint_this_job_saved_is_read_once_and_no_weight_is_drawn(saved, tmp_path, monkeypatch):
     """The launcher names step_4 as saved by this job: no start-up check (before: every file read and hashed once
     to check, then again to load), no random init of the weights; the losses after the resume are the
@@ -39,6 +41,7 @@ def test_the_checkpoint_this_job_saved_is_read_once_and_no_weight_is_drawn(saved
     assert [p.name for p in checked] == ["step_6"]
 
 
+@pytest.mark.slow
 def test_a_saved_checkpoint_that_fails_its_load_is_checked_in_full_by_the_next_attempt(saved, monkeypatch, capsys):
     """A byte of step_4 flipped after the save: its trusted load refuses it (the load verifies what it uses), exit
     75, not 2 (the next attempt checks it in full and falls back to step_2), nothing set aside yet."""
@@ -57,6 +60,7 @@ def test_a_saved_checkpoint_that_fails_its_load_is_checked_in_full_by_the_next_a
     assert (saved / "checkpoints" / "step_4.broken").exists()
 
 
+@pytest.mark.slow
 def test_training_warns_when_the_lead_is_shorter_than_the_save(saved, monkeypatch, capsys):
     """Resuming from a checkpoint whose save took 300 s (its manifest says so) with a 120 s lead: warned at start.
     Then the first save of the attempt, measured, against a lead of 1 s: warned again, with the interval to use."""

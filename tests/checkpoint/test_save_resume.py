@@ -44,6 +44,7 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in train_records(run_dir)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_save", ["0", "1"])
 def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, async_save, monkeypatch):
     assert run(tmp_path / "a", "--max_steps", "8") == 0
@@ -150,6 +151,7 @@ def test_interrupted_save_is_ignored_and_previous_stays_loadable(tmp_path):
     assert [s for s, _ in K.complete_checkpoints(ck)] == [4, 6]   # keep_last_k 2 (step_8 is not complete)
 
 
+@pytest.mark.slow
 def test_keep_last_k_and_resume_none(tmp_path):
     b = tmp_path / "b"
     assert run(b, "--max_steps", "5", "--checkpoint_freq", "1", "--keep_last_k", "2") == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 
+import pytest
 from ckpt_kit import ck, run
 
 from helpers import train_records
@@ -22,6 +23,7 @@ def uninterrupted_losses(tmp_path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in train_records(b)}
 
 
+@pytest.mark.slow
 def test_an_eio_while_the_load_reads_a_shard_is_retried_in_place(saved, tmp_path, monkeypatch, capsys):
     """One EIO as the load reads the model/optimizer shard (fault injection at ``checkpoint.read``, once): the file
     is read again, the run resumes from step_4 and its losses are the uninterrupted run's."""
@@ -73,6 +75,7 @@ def test_an_eio_that_outlasts_the_retries_of_the_check_sets_nothing_aside(saved,
     assert [s for s, _ in K.complete_checkpoints(saved / "checkpoints")] == [2, 4]
 
 
+@pytest.mark.slow
 def test_an_eio_during_a_save_is_transient_and_a_full_disk_is_not(tmp_path, monkeypatch, capsys):
     """A save that fails with EIO on a rank: exit 75 (restarted; the previous checkpoint stays the resume point).
     ENOSPC stays exit 2: a rerun into the same full disk fails the same way."""

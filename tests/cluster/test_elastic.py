@@ -133,6 +133,7 @@ def patched_launcher(code: str) -> list[str]:
     return [sys.executable, "-c", f"import sys\n{code}\nfrom llama_fp8.__main__ import main\nsys.exit(main(sys.argv[1:]))"]
 
 
+@pytest.mark.slow
 def test_torchs_uninterruptible_sleep_guard_is_respected(tmp_path):
     """torch's agent marks the workers UNHEALTHY and sets its restarts to 0 when one stays in uninterruptible
     sleep (D state: it holds its GPU); here every worker reads as D. No restart onto the held device, and not

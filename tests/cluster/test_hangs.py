@@ -72,6 +72,7 @@ def test_a_node_charged_twice_is_left_behind_instead_of_restarted_a_third_time(t
     assert "charged to node n7 (1 of 2 without a new checkpoint (the latest complete: none yet)); restarting" in err
 
 
+@pytest.mark.slow
 def test_two_failures_of_a_node_with_a_new_checkpoint_between_them_are_not_a_bad_node(tmp_path):
     """The regression of issue 46: n7 kills a rank in step 3 (checkpoint step 2 complete), the job trains on, then n7
     kills a rank again in step 9 (checkpoint step 8 complete): two unrelated failures. Before, the second left n7
@@ -123,6 +124,7 @@ def test_the_budget_counts_only_restarts_without_progress(tmp_path):
     assert "the job's 1 restart(s) without a new checkpoint are used up" in err
 
 
+@pytest.mark.slow
 def test_a_node_failing_its_health_check_is_not_restarted_on(tmp_path):
     plan = {"0": {"1": "kill"}, "1": {}}
     rc, err = launch(tmp_path, plan, SLURMD_NODENAME="n7",

@@ -194,6 +194,7 @@ def test_split_argv():
         (["--nodes", "2"], ["--model", "tiny", "--", "x"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code", [0, 85, 3])
 def test_torchrun_wrapper_keeps_worker_exit_code(code, tmp_path):
     """Plain torchrun exits 1 for any worker failure; `launch` returns the worker's code

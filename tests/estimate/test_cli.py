@@ -108,6 +108,7 @@ def test_json_carries_the_reports_numbers(capsys):
     assert all(not t["calibrated"] for t in d["terms"])  # nothing measured on a GPU yet
 
 
+@pytest.mark.slow
 def test_cluster_shape_sets_the_world_and_the_links(capsys):
     _, out, _ = run_main(capsys, *TINY, "--tp_size", "2", "--nodes", "3", "--gpus_per_node", "4", "--json")
     d = json.loads(out)
@@ -216,6 +217,7 @@ def between_floor_and_needed(capsys, argv: list[str]) -> str:
     return f"{(d['floor']['bytes'] + d['verdict']['needed']) / 2 / 2**30:.9f}"
 
 
+@pytest.mark.slow
 def test_auto_is_estimated_as_the_te_model_a_gpu_node_with_transformer_engine_runs(capsys):
     """``auto`` is the TE model on a GPU node where Transformer Engine imports (the default image). A machine
     without it (a login node) estimates that job through the stand-in and says so: its "does not fit" is the

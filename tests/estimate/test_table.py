@@ -43,6 +43,7 @@ def test_a_changed_input_makes_the_table_stale(monkeypatch):
     assert "no table" in table.stale("nothing here")
 
 
+@pytest.mark.slow
 def test_a_changed_default_of_the_training_flags_makes_the_table_stale(monkeypatch):
     """The table is made from each preset's whole resolved configuration (the train defaults the presets do not set,
     e.g. the micro-batch, BF16, the sharding), not only from what the preset files hold."""

@@ -11,6 +11,7 @@ from llama_fp8.estimate import build, fake, gpus, run, terms
 GIB = 2**30
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_fp8_operand_copies_are_the_largest_fp8_linears_operands_on_one_tp_rank(tp):
     args = ["--model", "tiny", "--num_layers", "2", "--max_context_width", "128", "--train_batch_size", "2",
@@ -70,6 +71,7 @@ def test_the_gpus_memory_is_what_pytorch_sees_not_nvidia_smis_total():
     assert gpus.GPUS["H100"].nvls and gpus.GPUS["H200"].nvls and not gpus.GPUS["A100-80GB"].nvls
 
 
+@pytest.mark.slow
 def test_the_world_communicator_of_a_measured_two_dimensional_mesh_is_counted():
     args = ["--model", "tiny", "--num_layers", "2", "--max_context_width", "64", "--train_batch_size", "1",
             "--model_impl", "hf"]

@@ -93,6 +93,7 @@ def test_compile_per_block_trains_like_eager(tmp_path):
 
 
 # --- FP8 all-gather, offload, optimizers ------------------------------------------------------------------
+@pytest.mark.slow
 def test_fp8_all_gather_tracks_plain_fp8(tmp_path):
     plain = losses(tmp_path, "f8", "--max_steps", "6", "--fp8", "1")
     ag = losses(tmp_path, "f8ag", "--max_steps", "6", "--fp8", "1", "--fp8_all_gather", "1")

@@ -81,6 +81,7 @@ def test_hooks_see_what_float8linear_sees_and_its_scale():
     assert stats.active and S.TorchaoStats(every=50).active is False
 
 
+@pytest.mark.slow
 def test_a_run_with_fp8_stats_writes_one_line_per_layer_tensor_and_logged_step(tmp_path):
     cfg = C.parse_args(["--model", "tiny", "--device", "cpu", "--num_layers", "1", "--max_context_width", "32",
                         "--max_steps", "4", "--fp8", "1", "--fp8_backend", "torchao", "--model_impl", "hf",
@@ -95,6 +96,7 @@ def test_a_run_with_fp8_stats_writes_one_line_per_layer_tensor_and_logged_step(t
     assert summaries[0]["input_underflow_max"] == max(r["underflow"] for r in step2)
 
 
+@pytest.mark.slow
 def test_fp8_stats_summaries_reach_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -87,6 +87,7 @@ def test_bad_data_is_refused_naming_file_and_line(corpus, tokenizer_dir, tmp_pat
     row(f"exit 2 at start-up: \"{message[:200]}\"", None)
 
 
+@pytest.mark.slow
 def test_empty_file_is_skipped_and_counted(corpus, tokenizer_dir, tmp_path, capsys, row):
     corpus.write("c.jsonl", b"")
     rc, err = train(corpus, tokenizer_dir, tmp_path, capsys)

@@ -78,6 +78,7 @@ def test_damaged_latest_checkpoint_falls_back(saved, ref1, capsys, row, damage):
     row(f"warning: \"{problem[problem.find('/step_4/') + 1:][:160]}\"; set aside as step_4.broken; {same}", 2)
 
 
+@pytest.mark.slow
 def test_every_checkpoint_damaged_stops(saved, capsys, row):
     truncate(ck(saved, 4) / "__0_0.distcp")
     flip_byte(ck(saved, 2) / "__0_0.distcp")
@@ -91,6 +92,7 @@ def test_every_checkpoint_damaged_stops(saved, capsys, row):
         "every file kept", None)
 
 
+@pytest.mark.slow
 def test_explicitly_named_damaged_checkpoint_stops(saved, capsys, row):
     flip_byte(ck(saved, 4) / "__0_0.distcp")
     capsys.readouterr()
@@ -134,6 +136,7 @@ def forge_manifest(step_dir) -> None:
     (step_dir / "COMPLETE").write_text(json.dumps(man))
 
 
+@pytest.mark.slow
 def test_planted_pickle_in_legacy_rank_file_is_refused(saved, ref1, tmp_path, capsys, row):
     from llama_fp8.checkpoint import files as F
 
@@ -150,6 +153,7 @@ def test_planted_pickle_in_legacy_rank_file_is_refused(saved, ref1, tmp_path, ca
     row(f"payload not run; \"{warning.split('/step_4/')[1][:150]}...\"; {same}", 2)
 
 
+@pytest.mark.slow
 def test_planted_pickle_in_dcp_metadata_is_refused(saved, ref1, tmp_path, capsys, row):
     from llama_fp8.checkpoint import dcp_read as D
     from llama_fp8.checkpoint import files as F
@@ -176,6 +180,7 @@ def test_planted_pickle_as_rank_file_with_forged_manifest_is_refused(saved, ref1
     row(f"payload not run; \"rank0.safetensors: is not a valid per-rank state file\"; {same}", 2)
 
 
+@pytest.mark.slow
 def test_old_format_checkpoint_still_resumes_bitwise(saved, ref1, capsys, row):
     for step in (2, 4):
         to_old_format(ck(saved, step))

@@ -82,6 +82,7 @@ def test_resume_with_changed_precision_works(saved, ref1, capsys, row, change):
     row(f"resumed from step_4; losses of steps 5-6 within {100 * max(rel):.2f} % of the BF16 run", 0)
 
 
+@pytest.mark.slow
 def test_resume_with_changed_world_size_works(ref2, tmp_path, capsys, row):
     b = tmp_path / "b"
     shutil.copytree(ref2.run_dir, b)

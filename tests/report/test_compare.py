@@ -342,6 +342,7 @@ def test_bad_inputs_exit_2_naming_the_path(tmp_path, capsys):
     assert "RUN_B" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_dispatch_through_python_m(tmp_path):
     make_run(tmp_path / "a", "bf16")
     make_run(tmp_path / "b", "fp8-torchao-rowwise")

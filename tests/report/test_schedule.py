@@ -93,6 +93,7 @@ def test_batch_job_runs_the_interleaved_schedule_and_compares_every_pair(tmp_pat
     assert len((ab / "train.calls").read_text().splitlines()) == 6
 
 
+@pytest.mark.slow
 def test_a_swap_to_a_spare_during_an_arm_is_recorded(tmp_path):
     """A spare node takes n2's place during pair 1's fp8 run (SPARE_NODES): the job log says that run trained on
     n[1-2], then n1,n3, ab_runs.tsv gets a swap line, and the later runs start on the nodes now training (the

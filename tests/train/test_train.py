@@ -64,6 +64,7 @@ def test_optimizer_groups_betas_and_weight_decay():
 
 
 # --- whole runs ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_run_writes_config_metrics_and_log_line(tiny_args, capsys):
     rc, run_dir = run(tiny_args, "--max_steps", "6", "--logging_freq", "2")
     assert rc == 0
@@ -98,6 +99,7 @@ def test_existing_run_dir_is_not_overwritten(tiny_args):
     assert rc2 == 2 and (run_dir / "metrics.jsonl").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_same_seed_same_losses_other_seed_differs(tmp_path, tiny_args):
     base = [a for a in tiny_args if not a.startswith(str(tmp_path))][:-1]
     losses = []
@@ -171,6 +173,7 @@ def test_max_steps_and_logging_freq(tiny_args):
     assert [r["step"] for r in train_records(d)] == [2, 4, 5]   # the last step is always logged
 
 
+@pytest.mark.slow
 def test_validation_flags(tiny_args, capsys):
     rc, d = run(tiny_args, "--max_steps", "4", "--validation_freq", "2", "--validation_batches", "3",
                 "--val_batch_size", "1")

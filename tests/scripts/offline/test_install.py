@@ -189,6 +189,7 @@ def test_a_missing_python_module_is_named_and_not_compiled_for(tmp_path, capfd, 
     assert out.count("== versions") == 1
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_install_and_compile_commands_and_changes_nothing(tmp_path, capfd, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", fakes.toolchain(tmp_path)["PYTHONPATH"])
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
@@ -216,6 +217,7 @@ def test_force_build_and_no_build_contradict(tmp_path, capfd):
     assert e.value.code == 2 and "--jobs 0" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_force_build_compiles_even_when_a_wheel_fits(tmp_path, capfd, monkeypatch):
     env = fakes.toolchain(tmp_path)
     monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
@@ -304,6 +306,7 @@ def test_a_wheel_without_a_build_record_is_unrecorded(tmp_path):
 
 
 # --- inside a command's time: every wait bounded, a second command reuses the install -------------------------
+@pytest.mark.slow
 def test_each_check_waits_at_most_check_s_or_what_is_left(tmp_path, monkeypatch):
     """A check that hangs (TE's import stuck on a driver, say) is cut at CHECK_S (~2 minutes) or, inside a
     command's budget, at what is left of it: never the 600 s of a whole command."""
@@ -376,6 +379,7 @@ def test_an_install_whose_te_was_not_usable_is_reused_without_te(tmp_path, capfd
     assert code == 0 and "reused the install" in out and "TE: transformer_engine.pytorch imports" in out, out + err
 
 
+@pytest.mark.slow
 def test_a_timeout_holds_against_a_grandchild_that_keeps_the_output_open(tmp_path, monkeypatch):
     """A check whose process started a helper that outlives it (an import that spawned one) ends at its limit: the
     whole process group is killed, not only the child (a plain subprocess.run waits for the helper's output)."""
@@ -388,6 +392,7 @@ def test_a_timeout_holds_against_a_grandchild_that_keeps_the_output_open(tmp_pat
     assert not ok and "TE's import check: no answer in 3 s" in message and time.monotonic() - t0 < 20
 
 
+@pytest.mark.slow
 def test_an_import_that_does_not_answer_is_not_compiled_for(tmp_path, capfd, guarded, monkeypatch):
     monkeypatch.setattr(nc, "IMPORT_CHECK", "import time; time.sleep(30)")
     monkeypatch.setattr(nc, "CHECK_S", 2.0)
