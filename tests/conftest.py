@@ -39,9 +39,10 @@ collect_ignore_glob = [] if _te_importable() else ["models/te/test_te_real_*.py"
 # whole: the tests of the local Slurm cluster (its slurmd ports are fixed: one cluster per machine), those of the
 # S3 server, the fault matrix's (its reference runs), and otherwise each file (its module fixtures made once).
 # The groups go out longest first (the cluster's, then by their tests' expected time), so that the last ones given
-# out are short and neither worker waits long for the other at the end. xdist's own order (by number of tests) gave
-# a file of five minute-long tests after hundreds of quick ones. xdist's own xdist_group marks do not reach its scheduler under pytest 9 (the test ids it rewrites stay as they
-# were), so the workers write each test's group to a file and the controller schedules by it (GroupScheduling).
+# out are short and neither worker waits long for the other at the end; xdist's own order (by number of tests) gave
+# out a file of five tests of a minute or more each after hundreds of quick ones. xdist's own xdist_group marks do
+# not reach its scheduler under pytest 9 (the test ids it rewrites stay as they were), so the workers write each
+# test's group to a file and the controller schedules by it (GroupScheduling).
 SHARED_GROUPS = (("cluster", "slurm"), ("s3_server", "s3"), ("mlflow_server", "mlflow-server"),
                  ("ref2", "reliability"), ("ref1", "reliability"))  # the fault matrix's uninterrupted runs
 
