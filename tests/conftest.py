@@ -64,11 +64,16 @@ SLOW_WEIGHT = 50
 def by_expected_time(items) -> None:
     """Sort ``items`` (in place, stable) so that the cluster's group comes first, then the other groups by their
     tests' expected time, the longest first."""
-    weight: dict[str, int] = {}
+    groups = {item.nodeid: group_of(item) for item in items}
+    weight: dict[str, int] = dict.fromkeys(groups.values(), 0)
     for item in items:
-        group = group_of(item)
-        weight[group] = weight.get(group, 0) + (SLOW_WEIGHT if item.get_closest_marker("slow") else 1)
-    items.sort(key=lambda item: (group_of(item) != "slurm", -weight[group_of(item)], group_of(item)))
+        weight[groups[item.nodeid]] += SLOW_WEIGHT if item.get_closest_marker("slow") else 1
+
+    def key(item):
+        group = groups[item.nodeid]
+        return group != "slurm", -weight[group], group
+
+    items.sort(key=key)
 
 
 _GROUPS_FILE = pytest.StashKey[Path]()

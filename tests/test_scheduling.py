@@ -61,7 +61,6 @@ def test_the_scheduler_hands_out_the_groups_in_the_workers_order_not_by_their_nu
     """xdist's LoadScope reorders the groups by number of tests unless told not to (it gave a file of five long
     tests after hundreds of quick ones): the scheduler made for --dist loadgroup keeps the order the workers
     collected (by_expected_time's), each group whole on one worker."""
-    pytest.importorskip("xdist")
     conftest = root_conftest()
     collection = ["tests/test_few.py::test_a", "tests/test_few.py::test_b",
                   *(f"tests/test_many.py::test_{i}" for i in range(6)), "tests/test_one.py::test_c"]
