@@ -138,8 +138,9 @@ def run_job(folder: Path, env: dict, args: list[str], steps: int, every: float |
 
 def per_failure(recs: list[dict], kills: list[float], log: str) -> list[dict]:
     """For each kill (in time order): seconds to the next completed step, where they went, and the steps lost:
-    the last step logged before the kill minus the checkpoint the next attempt resumed from, as its log line says
-    (``resumed from .../step_N``: one per restart, in order)."""
+    the last step logged before the kill minus the step the next attempt started after, as its goodput record says
+    (0: no checkpoint yet, it started over); without that record, the log's ``resumed from .../step_N`` lines (one
+    per resumed attempt, in order)."""
     train = [r for r in recs if r.get("type") == "train" and isinstance(r.get("time"), (int, float))]
     starts = [r for r in recs if r.get("type") == "goodput" and isinstance(r.get("process_start"), (int, float))]
     resumed = [int(m) for m in RESUMED.findall(log)]
@@ -147,12 +148,18 @@ def per_failure(recs: list[dict], kills: list[float], log: str) -> list[dict]:
     for i, t in enumerate(kills):
         before = [r["step"] for r in train if r["time"] < t]
         after = [r for r in train if r["time"] > t]
-        if not after or i >= len(resumed):
+        if not after:
             continue
         first = min(after, key=lambda r: r["time"])
-        rec = {"restart_s": first["time"] - t, "last_step": max(before, default=0), "resumed_from": resumed[i],
-               "steps_lost": max(before, default=0) - resumed[i]}
         attempt = next((g for g in starts if t < g["process_start"] < first["time"]), None)
+        if attempt is not None and isinstance(attempt.get("start_step"), int):
+            resumed_from = attempt["start_step"]
+        elif i < len(resumed):
+            resumed_from = resumed[i]
+        else:
+            continue
+        rec = {"restart_s": first["time"] - t, "last_step": max(before, default=0), "resumed_from": resumed_from,
+               "steps_lost": max(before, default=0) - resumed_from}
         if attempt is not None:
             parts = {k: float(v) for k, v in (attempt.get("startup_parts") or {}).items()}
             loop_began = attempt["process_start"] + float(attempt.get("startup_s") or 0.0)

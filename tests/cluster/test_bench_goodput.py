@@ -40,6 +40,21 @@ def test_failures_are_read_from_the_records_and_the_log():
     assert 1.2 <= low <= 1.3 <= high <= 1.4
 
 
+def test_a_kill_before_the_first_checkpoint_counts_as_starting_over():
+    """Killed after step 3 with checkpoints every 4 (on a slow machine the kill, 2 s after the first step, came that
+    early): the next attempt finds no checkpoint and starts over, so its log has no "resumed from" line. Its goodput
+    record says where it started (start_step 0): 3 steps lost. Before, the failure was dropped (the kills were matched
+    to the log's "resumed from" lines by position), and the bench reported 1 failure for 2 kills."""
+    b = bench()
+    recs = [{"type": "train", "step": s, "time": 90.0 + s} for s in range(1, 4)]
+    recs += [{"type": "meta"}, {"type": "train", "step": 1, "time": 104.0},
+             {"type": "goodput", "step": 8, "start_step": 0, "process_start": 97.0, "startup_s": 5.0,
+              "startup_parts": {"imports": 3.0, "model": 2.0}}]
+    (f,) = b.per_failure(recs, [94.0], "INFO no checkpoint yet: training from the start\n")
+    assert (f["last_step"], f["resumed_from"], f["steps_lost"], f["restart_s"]) == (3, 0, 3, 10.0)
+    assert f["parts"] == {"kill_to_new_worker": 3.0, "imports": 3.0, "model": 2.0, "first_steps": 2.0}
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_bench_goodput_measures_what_it_says(cluster):
