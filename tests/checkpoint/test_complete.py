@@ -111,3 +111,23 @@ def test_a_deletion_in_progress_is_left_to_the_background_deleter_and_an_earlier
     assert (ckpt / "step_2.old").is_dir()
     Checkpointer(ckpt, 1, False, 0, 1)._prepare(ckpt / "step_5.tmp")  # the next run's first save
     assert not (ckpt / "step_2.old").exists()
+
+
+@pytest.mark.parametrize("async_save", ["0", "1"])
+def test_a_save_completes_when_dcp_returns_metadata_without_its_storage_data(tmp_path, monkeypatch, async_save):
+    """torch 2.11's FileSystemWriter.finish fills a copy of DCP's metadata (``dataclasses.replace``), so the
+    Metadata ``dcp.save`` returns has ``storage_data=None``. On a GPU node with torch 2.11 every save failed
+    with "AttributeError: 'NoneType' object has no attribute 'values'"; the shard names then come from the
+    .metadata file DCP wrote."""
+    import dataclasses
+
+    from torch.distributed.checkpoint import filesystem
+
+    real = filesystem._FileSystemWriter.finish
+    monkeypatch.setattr(filesystem._FileSystemWriter, "finish",
+                        lambda self, metadata, results: real(self, dataclasses.replace(metadata), results))
+    b = tmp_path / "b"
+    assert run(b, "--max_steps", "2", "--checkpoint_freq", "2", "--async_checkpoint", async_save) == 0
+    folder = ck(b, 2)
+    assert "__0_0.distcp" in M.read_manifest(folder)["files"]
+    assert K.verify(folder) == []

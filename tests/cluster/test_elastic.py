@@ -198,6 +198,34 @@ def test_the_launcher_refuses_a_torch_whose_agent_it_cannot_replace(tmp_path):
     assert outcome(tmp_path)[:2] == (2, "fail")
 
 
+def test_the_agents_shutdown_passes_on_what_each_torch_gives_it(monkeypatch):
+    """On a GPU node with torch 2.11 every `llama-fp8 launch` ended in a TypeError from the agent's shutdown: it
+    passed torch 2.13's timeout argument on to torch 2.11's ``_shutdown(self, death_sig=SIGTERM)``, after a
+    finished job and after a failed rank alike. Each torch's parent is staged with its own signature and called
+    as that torch's run() and _stop_workers() call it."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from llama_fp8.cluster.launch import elastic
+
+    calls, killed = [], []
+
+    def torch_2_11(self, death_sig=signal.SIGTERM):
+        calls.append((death_sig,))
+
+    def torch_2_13(self, death_sig=signal.SIGTERM, timeout=30):
+        calls.append((death_sig, timeout))
+
+    agent = object.__new__(elastic.JobAgent)
+    monkeypatch.setattr(elastic.JobAgent, "kill_running", lambda self: killed.append(1))
+    monkeypatch.setattr(LocalElasticAgent, "_shutdown", torch_2_11)
+    agent._shutdown()  # torch 2.11: run()'s end and _stop_workers()
+    agent._shutdown(signal.SIGINT)  # torch 2.11: a signal
+    monkeypatch.setattr(LocalElasticAgent, "_shutdown", torch_2_13)
+    agent._shutdown(signal.SIGTERM, timeout=12)  # torch 2.13: run()'s end
+    assert calls == [(signal.SIGTERM,), (signal.SIGINT,), (signal.SIGTERM, 12)]
+    assert len(killed) == 2  # SIGTERM without a stop signal: the workers are killed first, as before
+
+
 def test_the_agent_checks_the_rendezvous_round_and_its_workers():
     """The two other internals: the round of torch's dynamic rendezvous (the job-wide budget; a static
     rendezvous has none, and counts per agent as torch does), and the worker processes (SIGKILL, naming, signal

@@ -192,7 +192,9 @@ class Checkpointer:
         which a network file system may show incomplete for a while."""
         from torch.distributed.checkpoint.metadata import Metadata
 
-        if not isinstance(written, Metadata):  # another torch's return value: DCP's own record of the save
+        # Another torch's return value, or torch 2.11's Metadata without storage_data (its FileSystemWriter.finish
+        # fills a copy): DCP's own record of the save, the .metadata file, names the shards then.
+        if not isinstance(written, Metadata) or written.storage_data is None:
             written = self.s3.read_metadata(tmp) if self.s3 else dcp_read.read_dcp_metadata(tmp)
         names = sorted(manifest.owned_files(written, self.rank, self.world)) + [rank_files.RANK_FILE.format(self.rank)]
         if self.rank == 0:

@@ -250,13 +250,14 @@ class JobAgent(LocalElasticAgent):
         self.kill_running()
         super()._stop_workers(worker_group)  # torch's bookkeeping (watchdog, health check); nothing left to signal
 
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, *rest, **named) -> None:
         # torch's run() ends with this, SIGTERM and 30 s, also when the rendezvous is lost: a save that cannot
         # complete without the lost ranks. Only a stop signal (the workers save) or torch's own signal path
-        # (SIGINT/SIGHUP/QUIT, passed on as such) keep torch's grace.
+        # (SIGINT/SIGHUP/QUIT, passed on as such) keep torch's grace. What else torch passes goes on as it came:
+        # torch 2.13 adds a timeout, torch 2.11 takes none.
         if death_sig == signal.SIGTERM and JobAgent.signalled is None:
             self.kill_running()
-        super()._shutdown(death_sig, timeout)
+        super()._shutdown(death_sig, *rest, **named)
 
     def _finished(self, local_ranks: list[int]) -> bool:
         """Whether these local ranks had reported the `finished` phase (the run's last checkpoint complete)."""
