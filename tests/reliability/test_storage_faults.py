@@ -80,7 +80,7 @@ def test_disk_full_during_save(tmp_path, ref2, row):
         assert resumed == 2
         same = assert_matches_reference_dir(b, ck, ref2, resumed)
     line = [ln for ln in err.splitlines() if "was not saved" in ln][0]
-    errors = [p for p in line.split(": ", 2)[-1].split("; ") if p.startswith("rank ")]
+    errors = rank_errors(line, ck)
     space = next((p for p in line.split("; ") if p.startswith("the file system of")), "")
     row(f"{how}: {exit_text(first.rc)}, one message: \"checkpoint step_4 was not saved to ckfs: {shorten(errors[0])}; "
         f"{space}; ... the latest complete checkpoint (step_2) is intact\"; only step_2 on disk; {same}",
@@ -93,6 +93,23 @@ def assert_matches_reference_dir(b, ck, ref, resumed):
     if not link.exists():
         link.symlink_to(ck)
     return assert_matches_reference(b, ref, resumed)
+
+
+def rank_errors(line: str, folder) -> list[str]:
+    """The "rank N: ..." parts of a "checkpoint step_N was not saved to FOLDER: rank 0: ...; rank 1: ...; the file
+    system ..." line."""
+    return [p for p in line.split(f"was not saved to {folder}: ", 1)[-1].split("; ") if p.startswith("rank ")]
+
+
+def test_rank_errors_are_read_from_a_message_that_names_one_rank_or_two():
+    """The row above once read only the ranks after the first, and failed (IndexError) on a CI run whose message
+    named one rank."""
+    head = "llama-fp8 train: error: checkpoint step_4 was not saved to /x/ckfs: "
+    tail = "; the file system of /x/ckfs is FULL: 0.1 MiB free of 26.0 MiB; the latest complete checkpoint (step_2) is intact"
+    one = "rank 0: OSError: [Errno 28] No space left on device (/x/ckfs/step_4.tmp/__0_0.distcp)"
+    two = "rank 1: RuntimeError: unexpected pos 4096 vs 2048"
+    assert rank_errors(head + one + tail, "/x/ckfs") == [one]
+    assert rank_errors(head + one + "; " + two + tail, "/x/ckfs") == [one, two]
 
 
 def shorten(line: str, n: int = 260) -> str:
