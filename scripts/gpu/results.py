@@ -53,8 +53,20 @@ def latest(records: list[dict]) -> dict[str, dict]:
     return {r["unit"]: r for r in records if "unit" in r}
 
 
-def key_section(key: str, gpu: str, records: list[dict]) -> list[str]:
+def add_windows(units: dict[str, dict], folder: Path) -> None:
+    """A train record without ``windows`` (the first visit's) gets them from its run's metrics.jsonl as it came back
+    in the node's logs (RESULTS_DIR/metrics/KEY/UNIT.jsonl, UNIT's / as _): each logged window after the warm-up."""
+    for rec in units.values():
+        path = folder / rec.get("key", "") / (str(rec.get("unit")).replace("/", "_") + ".jsonl")
+        if rec.get("kind") == "train" and "windows" not in rec and path.is_file():
+            train = [r for r in runs.load(path) if r.get("type") == "train"]
+            first = (rec.get("start_step") or 0) + (rec.get("warmup_steps") or 0)
+            rec["windows"] = [[r["step"], r.get("samples_per_sec")] for r in train if r["step"] > first]
+
+
+def key_section(key: str, gpu: str, records: list[dict], folder: Path) -> list[str]:
     units = latest(records)
+    add_windows(units, folder)
     vrec = units.get("versions")
     name = gpu or (vrec["versions"].get("gpu", key) if vrec else key)
     dates = sorted(r["date"] for r in records if r.get("date"))
@@ -79,12 +91,12 @@ def render(paths: list[Path]) -> str:
     order = sorted(by_key, key=lambda k: min((r.get("date") or "") for r in by_key[k]))
     body = [f"Results of `scripts/gpu/verify.py` from {', '.join(f'`{p.name}`' for p in sorted(paths))}, "
             "one section per GPU and versions. MFU is against the GPU's dense BF16 peak from the trainer's table "
-            "(H100 SXM: 989.4 TFLOPS), also for FP8 runs. Throughput is each run's rate (work / time) over its "
+            "(H100 and H200 SXM: 989.4 TFLOPS, NVIDIA's datasheets), also for FP8 runs. Throughput is each run's rate (work / time) over its "
             "logged windows after the warm-up; a speed-up is the ratio of two runs' samples/s rates, as in the A/B "
             "report. A loss is the trainer's logged value: the mean over its logging window (5 steps in the A/B "
             "matrix).", ""]
     for key, gpu in order:
-        body += key_section(key, gpu, by_key[(key, gpu)])
+        body += key_section(key, gpu, by_key[(key, gpu)], paths[0].parent / "metrics")
     return HEADER + "\n" + "\n".join(body).rstrip() + "\n\n" + MULTI_GPU
 
 

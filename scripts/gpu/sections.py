@@ -79,7 +79,7 @@ def headline_section(units: dict[str, dict]) -> list[str]:
     point, n = headline_speedup(units)
     out = [f"{HEADLINE_MODEL}, seq 4096, synthetic data, Transformer Engine both arms; pairs run interleaved (bf16 "
            f"fp8, then fp8 bf16; pair i seed 1234 + i - 1). **TE FP8 / TE BF16 samples/s: {fmt(point, '.3f', 'x')}** "
-           f"(geometric mean over {n} pair{'s' if n != 1 else ''}).", "",
+           f"(geometric mean over {n} pair{'s' if n != 1 else ''}{headline_interval(pairs)}).", "",
            "| pair | arm | samples/s | tokens/s/GPU | MFU (BF16 peak) | peak mem GiB | loss at last step | FP8 check |",
            "|---|---|---|---|---|---|---|---|"]
     for pair, bf16, fp8 in pairs:
@@ -94,6 +94,17 @@ def headline_section(units: dict[str, dict]) -> list[str]:
                        f"{fmt(rec.get('last_loss'), '.4f')} (step {rec.get('last_step')}) | "
                        f"{fp8_check_text(rec) if rec.get('fp8') else ''} |")
     return out + ["", *loss_table(pairs)]
+
+
+def headline_interval(pairs) -> str:
+    """The A/B report's 95 % bootstrap interval over the pairs and each run's logged windows after the warm-up
+    (llama_fp8.report.stats.ratio_ci), when every run of every pair has its windows."""
+    from llama_fp8.report.stats import ratio_ci
+
+    arms = [[[x for _, x in rec.get("windows") or []] for rec in (a, b)] for _, a, b in pairs if a and b]
+    ci = ratio_ci(arms) if arms and all(all(w) for w in arms) else None
+    return "" if ci is None else (f"; 95 % CI {ci.low:.3f}-{ci.high:.3f}, a bootstrap over the pairs and their "
+                                  f"{sum(ci.windows)} logged windows after the warm-up, as the A/B report's")
 
 
 def loss_table(pairs) -> list[str]:

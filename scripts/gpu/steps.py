@@ -156,6 +156,7 @@ def summarize(run_dir: Path, warmup: int) -> dict:
             "mem_peak_gib": summary["mem_peak_gib"], "data_wait_frac": summary["data_wait_frac"],
             "mem_reserved_peak_gib": max(reserved) if reserved else None,
             "alloc_retries": max((r.get("alloc_retries", 0) for r in train), default=0),
+            "windows": [[r["step"], r.get("samples_per_sec")] for r in timed],  # the headline's interval
             "losses": [[r["step"], r["loss"]] for r in train], "last_step": train[-1]["step"],
             "last_loss": train[-1]["loss"], "val_losses": [[r["step"], r["val_loss"]] for r in run.val],
             "fp8_check": fp8_check(run_dir)}

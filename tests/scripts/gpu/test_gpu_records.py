@@ -64,6 +64,7 @@ def test_throughput_is_the_reports_and_leaves_out_the_warmup(tmp_path):
     assert rec["mem_peak_gib"] == pytest.approx(20.5) and rec["mem_reserved_peak_gib"] == 24.0
     assert rec["losses"][0] == [5, 9.5] and (rec["last_step"], rec["last_loss"]) == (50, 5.0)
     assert rec["preset"] == "llama3.2-1b" and "model" not in rec
+    assert rec["windows"] == [[s, pytest.approx(4.0)] for s in range(15, 51, 5)]  # the page's interval rests on them
 
 
 def test_bf16_runs_have_no_fp8_mfu_and_a_run_without_timed_steps_has_no_rates(tmp_path):

@@ -85,6 +85,40 @@ def test_a_visit_renders_ratios_gaps_and_failures(tmp_path):
     assert "## Needs more than one GPU" in page and "cross-rank amax reduction" in page
 
 
+def headline(windows: dict[str, list[float]]) -> list[dict]:
+    """The four headline runs with these samples/s windows (unit suffix -> windows)."""
+    recs = []
+    for suffix, w in windows.items():
+        variant, _, pair = suffix.partition("/")
+        rec = cell("llama3.2-1b", variant, 8192 * len(w) / sum(1 / x for x in w), pair=int(pair[4:] or 1))
+        rec["unit"] += "/" + pair if pair else ""
+        recs.append({**rec, "windows": [[10 + 5 * i, x] for i, x in enumerate(w)]})
+    return recs
+
+
+def test_the_headline_states_its_interval_from_the_windows(tmp_path):
+    """FP8 12 samples/s in every window against BF16's 10 in pair 1, 15 against 10 in pair 2: the point is the
+    geometric mean sqrt(1.2 * 1.5); the bootstrap draws pairs, so the interval runs from pair 1's ratio to pair 2's."""
+    page = render(tmp_path, headline({"te-bf16": [10.0] * 3, "te-fp8-current": [12.0] * 3,
+                                      "te-fp8-current/pair2": [15.0] * 3, "te-bf16/pair2": [10.0] * 3}))
+    assert f"samples/s: {(1.2 * 1.5) ** 0.5:.3f}x** (geometric mean over 2 pairs; 95 % CI 1.200-1.500, a bootstrap " \
+           "over the pairs and their 12 logged windows after the warm-up" in page
+
+
+def test_a_record_without_windows_takes_them_from_its_runs_metrics_file(tmp_path):
+    """The first visit's records predate the field: its runs' metrics.jsonl, as they came back, are committed in
+    metrics/KEY/; the windows after the warm-up (step > 10 here) are read from there, and without the file, none."""
+    recs = headline({"te-bf16": [10.0], "te-fp8-current": [12.0]})
+    del recs[1]["windows"]
+    (tmp_path / "visit.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert "95 % CI" not in results.render([tmp_path / "visit.jsonl"])
+    run = tmp_path / "metrics" / KEY / "train_llama3.2-1b_synthetic_te-fp8-current.jsonl"
+    run.parent.mkdir(parents=True)
+    run.write_text("".join(json.dumps({"type": "train", "step": s, "samples_per_sec": x}) + "\n"
+                           for s, x in ((5, 1.0), (10, 2.0), (15, 12.0), (20, 12.0))))
+    assert "95 % CI 1.200-1.200" in results.render([tmp_path / "visit.jsonl"])
+
+
 def test_numbers_of_two_gpus_are_never_compared(tmp_path):
     """One key (Hopper, same versions), two GPUs: the H200's FP8 cell is not divided by the H100's BF16 cell; each
     GPU gets its own section with its own versions and driver."""

@@ -190,6 +190,8 @@ def test_a_rehearsal_runs_cpu_twins_and_keeps_its_records_out_of_the_repository(
     monkeypatch.setattr(runs, "timebox", timebox)
     argv = ["--plan", "first", "--rehearse", "--work", str(tmp_path / "w"), "--match", "train/*", "--match",
             "estimate/*"]
+    committed = verify.REPO / "docs" / "gpu-results" / "results.jsonl"  # a visit's records, once one is committed
+    before = committed.read_bytes() if committed.exists() else None
     assert verify.main(argv) == 0
     lines = [c for c in seen if "llama_fp8" in c]
     trains = [parse_args(train_argv(c)) for c in lines if "train" in c]
@@ -200,7 +202,8 @@ def test_a_rehearsal_runs_cpu_twins_and_keeps_its_records_out_of_the_repository(
     flags = estimates[0][estimates[0].index("estimate") + 1:]
     assert flags[flags.index("--model") + 1] == "llama3.2-1b" and flags[flags.index("--device") + 1] == "cuda"
     assert flags[flags.index("--model_impl") + 1] == "te" and "--json" in flags
-    assert not (verify.REPO / "docs" / "gpu-results" / "results.jsonl").exists()
+    assert (committed.read_bytes() if committed.exists() else None) == before  # the rehearsal's went to the work dir
+    assert runs.load(tmp_path / "w" / "rehearsal.jsonl")
     calls = []
     for step in units.STEPS:
         monkeypatch.setitem(verify.RUNNERS, step, lambda ctx, unit: calls.append(ctx.opts.device) or {"status": "passed"})
