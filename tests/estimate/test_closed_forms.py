@@ -59,3 +59,34 @@ def test_sharded_terms_and_fsdp_traffic_equal_the_closed_forms(world, tp):
     assert fsdp[("all_gather", "forward")] == want["all_gather_forward"]
     assert fsdp[("reduce_scatter", "backward")] == want["reduce_scatter"]
     assert m.local_param_numel * 4 <= want["params"]  # the unpadded shard: padding only adds
+
+
+
+def test_what_runs_in_a_fake_mode_of_its_own_is_never_counted(monkeypatch):
+    """DTensor works out shapes in a fake mode of its own (estimate/corrections.py, 2): nothing of that is ever
+    allocated. torch 2.13's FSDPMemTracker leaves such ops out, torch 2.11's counted them: on a GPU node with torch
+    2.11 a 1B model's AdamW states were estimated at 25.5 GB instead of 9.9. Staged: torch's tracker made to see every
+    op as run in its entry mode (torch 2.11's rule), and 256 MiB made in a fresh fake mode at each micro-batch; the
+    estimate's own tracker leaves them out, so its peak is the plain run's."""
+    import torch
+    from torch._subclasses import FakeTensorMode
+    from torch.distributed._tools import fsdp2_mem_tracker
+
+    from llama_fp8.estimate import tracker
+
+    def measure():
+        with fake.process_group(8):
+            return run.measure(config.parse_args(ARGS), build.env_for(8, 8))
+
+    plain = measure().peak_bytes
+    kept, real_next = [], tracker.StepTracker.next_micro_batch
+
+    def next_micro_batch(self):
+        real_next(self)
+        with FakeTensorMode():
+            kept.append(torch.empty(2**26))
+
+    entry = object()
+    monkeypatch.setattr(fsdp2_mem_tracker, "active_fake_mode", lambda: entry)
+    monkeypatch.setattr(tracker.StepTracker, "next_micro_batch", next_micro_batch)
+    assert measure().peak_bytes == plain and kept

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from torch._guards import active_fake_mode
 from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -127,7 +128,16 @@ class StepTracker(FSDPMemTracker):
                 self._peak_mem_snap[dev] = dict(snap)
                 self.peak_where = self.phase_peaks[key][2]
 
+    def __enter__(self):
+        self._entry_fake_mode = active_fake_mode()  # the estimate's own mode
+        return super().__enter__()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if active_fake_mode() is not self._entry_fake_mode:
+            # DTensor's sharding propagation, in a fake mode of its own (corrections.py, 2): its global-size tensors
+            # are never allocated. torch 2.13's tracker leaves such ops out; torch 2.11's counted them (a 1B model's
+            # AdamW states tracked as 25.5 GB instead of 9.9 on a GPU node), so they are left out here for any torch.
+            return func(*args, **(kwargs or {}))
         if self._in_opt and self.at_optimizer is None:  # every gradient reduced and sharded, no state updated yet
             (self.at_optimizer,) = self.get_tracker_snapshot().values()
         res = super().__torch_dispatch__(func, types, args, kwargs)
