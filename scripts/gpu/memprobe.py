@@ -3,13 +3,9 @@ adds to its tracked peak (``llama_fp8.estimate.terms``), measured so they can be
 
     python scripts/gpu/memprobe.py [--size N]       (prints one JSON object, its last line)
 
-Each stage reads the device's used memory (``torch.cuda.mem_get_info``: every process and the driver), PyTorch's
-reserved and allocated bytes, and nvidia-smi's used MiB: ``before CUDA`` (nvidia-smi only); ``context`` (CUDA
-initialized: used - reserved is the context and the driver's reserve); ``cublas`` (one BF16 N x N matmul:
-allocated - its tensors is cuBLAS's workspace, also what ``_cuda_clearCublasWorkspaces`` gives back); ``te`` (one
-``te.Linear`` step under FP8 current scaling: TE's workspaces and kernels); ``nccl`` (a one-rank NCCL group and one
-all-reduce: one communicator on one rank; the buffers NCCL opens per peer need 2 or more GPUs). Without CUDA it
-prints ``{"cuda": false, ...}`` and exits 0. Standard library and torch only (TE optional).
+Stages (each: the device's used memory, PyTorch's reserved and allocated bytes, nvidia-smi's used MiB): before CUDA,
+the CUDA context, cuBLAS (one BF16 matmul: its workspace), TE (one FP8 ``te.Linear`` step), NCCL (one rank's
+communicator). Without CUDA: ``{"cuda": false, ...}``, exit 0.
 """
 
 from __future__ import annotations

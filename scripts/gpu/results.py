@@ -4,15 +4,8 @@
     python scripts/gpu/results.py --check         # exit 1 if the committed page is not what the results give
     python scripts/gpu/results.py --take-back OUT [--results-dir DIR] [--wheels .whl]
 
-The page: one section per GPU and versions key: the versions, the headline A/B, the memory terms and each estimate
-against its runs, the test outcomes, the training A/B tables (FP8/BF16 within one implementation, and HF BF16 ->
-TE FP8), what failed. A speed-up is the A/B report's one definition: B's samples/s rate over A's; only runs of one
-GPU are compared. Only what a record holds is printed; nothing is estimated.
-
---take-back OUT (the node's output folder, as it came back): the records the node added are appended to the local
-results file; a compiled transformer_engine_torch (OUT/built/<key>/: the wheel and its build record) goes to
-WHEELS/built/<key>/, the kit's manifest is rewritten to list it (so the next install checks it with the rest);
-then the page is regenerated and the new records' outcomes are printed.
+One section per GPU and versions key (sections.py), only what a record holds. --take-back OUT appends the node's new
+records, keeps its compiled TE extension (WHEELS/built/KEY/, in the kit's manifest), then regenerates the page.
 """
 
 from __future__ import annotations
@@ -54,8 +47,7 @@ def latest(records: list[dict]) -> dict[str, dict]:
 
 
 def add_windows(units: dict[str, dict], folder: Path) -> None:
-    """A train record without ``windows`` (the first visit's) gets them from its run's metrics.jsonl as it came back
-    in the node's logs (RESULTS_DIR/metrics/KEY/UNIT.jsonl, UNIT's / as _): each logged window after the warm-up."""
+    """A train record without ``windows`` (the first visit's): from its run's metrics file (docs/gpu-results/README)."""
     for rec in units.values():
         path = folder / rec.get("key", "") / (str(rec.get("unit")).replace("/", "_") + ".jsonl")
         if rec.get("kind") == "train" and "windows" not in rec and path.is_file():

@@ -1,12 +1,8 @@
-"""How verify.py runs things and keeps what they gave: the time box (a command with a limit, its log, nothing of it
-left running: its process group is killed with SIGKILL at the limit, a training run would answer SIGTERM with a
-checkpoint, time we do not have), the results file and the visit's Context.
+"""How verify.py runs things: the time box (a limit, a log, the process group SIGKILLed), the results file, Context.
 
-Results file: JSON lines, only appended to. Every record names the ``key`` (GPU architecture + library versions,
-versions.key), the ``gpu``, the ``unit``, its ``kind`` and ``status``. A unit is *done* for a key when a record of it
-with a final status exists (a measurement only from the same GPU): the next command skips what is done. Final:
-passed, failed, skipped, refused (a configuration that must be refused, and was), timeout (the unit's own limit),
-error. Not final, tried again: interrupted (the command's budget ran out inside the unit), unavailable.
+Results file: JSON lines, only appended to; each record names its ``key`` (versions.key), ``gpu``, ``unit``, ``kind``
+and ``status``. A unit with a FINAL record for the key (a measurement: from the same GPU) is done; interrupted and
+unavailable are tried again.
 """
 
 from __future__ import annotations

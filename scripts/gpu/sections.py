@@ -97,8 +97,7 @@ def headline_section(units: dict[str, dict]) -> list[str]:
 
 
 def headline_interval(pairs) -> str:
-    """The A/B report's 95 % bootstrap interval over the pairs and each run's logged windows after the warm-up
-    (llama_fp8.report.stats.ratio_ci), when every run of every pair has its windows."""
+    """The A/B report's interval (report.stats.ratio_ci) when every run of every pair has its windows."""
     from llama_fp8.report.stats import ratio_ci
 
     arms = [[[x for _, x in rec.get("windows") or []] for rec in (a, b)] for _, a, b in pairs if a and b]

@@ -2,10 +2,8 @@
 ``llama_fp8 estimate`` of a cell against its measured memory), their command lines, and the visit's clock. Plans:
 ``first`` (one visit, by value) and ``all`` (then the rest, over later visits).
 
-The clock (``VisitPlan``): a visit has 15 minutes of the node's time, its start, the transfers and the idle time
-included. Each command has a hard limit (the node kills it there) and a budget a little below it (visit.sh's
-VISIT_SECONDS: verify.py starts no unit that would not fit and cuts a running one at the budget's end); the budget
-check (tests/scripts/gpu/test_gpu_first_visit.py) adds up the worst case: every command killed at its limit.
+The clock (``VisitPlan``): 15 minutes of the node's time a visit, everything included; each command has a hard limit
+and a budget a little below it (VISIT_SECONDS); the worst case (every command killed at its limit) is checked.
 """
 
 from __future__ import annotations

@@ -3,14 +3,10 @@
     python scripts/gpu/verify.py [--plan first|all] [--only STEP,...] [--match GLOB]... [--budget-seconds S]
                                  [--merge-from FILE] [--rehearse] [--list] [--dry-run]
 
-Runs the units of units.py in order and appends one record per unit (per test for pytest) to the results file
-(default docs/gpu-results/results.jsonl) as soon as the unit ends. A unit recorded with a final status for this
-GPU architecture + versions (versions.key; a measurement: on this very GPU) is skipped, so the same command again
-continues where the last stopped. No unit starts with less of --budget-seconds left than its estimate, and a
-running one is cut at the budget's end (recorded ``interrupted``, run again next time).
-
---rehearse runs the plan on CPU (training cells as their CPU twins, units.rehearsal_twin; the GPU tests skip; the
-memory probe finds no CUDA; the estimates run as on the node); its records go to WORK/rehearsal.jsonl.
+Runs units.py's units in order, one record per unit (per test for pytest) appended as each ends; a unit with a final
+record for this GPU and versions key is skipped, so the same command goes on where the last stopped. No unit starts
+with less of --budget-seconds left than its estimate; a running one is cut at the budget's end (``interrupted``).
+--rehearse runs the plan on CPU (units.rehearsal_twin); its records go to WORK/rehearsal.jsonl.
 
 Exit codes: 0 every selected unit is recorded; 10 the budget ran out first (run again); 2 bad arguments;
 3 the versions probe failed.
