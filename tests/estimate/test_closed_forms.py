@@ -61,7 +61,6 @@ def test_sharded_terms_and_fsdp_traffic_equal_the_closed_forms(world, tp):
     assert m.local_param_numel * 4 <= want["params"]  # the unpadded shard: padding only adds
 
 
-
 def test_what_runs_in_a_fake_mode_of_its_own_is_never_counted(monkeypatch):
     """DTensor works out shapes in a fake mode of its own (estimate/corrections.py, 2): nothing of that is ever
     allocated. torch 2.13's FSDPMemTracker leaves such ops out, torch 2.11's counted them: on a GPU node with torch

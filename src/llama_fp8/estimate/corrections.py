@@ -15,9 +15,9 @@ tests/estimate/test_equality.py).
    under tensor parallelism the fake step fails on the mask's shape.)
 2. DTensor's sharding propagation. To learn an op's output shape, ``ShardingPropagator`` runs the op on fake
    tensors of the *global* shape, in ``detect_fake_mode() or FakeTensorMode()``. In a real run there is no fake
-   mode, so it makes its own, and FSDPMemTracker skips ops that run in a mode other than the one it was entered
-   in. Under an estimate ``detect_fake_mode()`` finds the estimate's own mode, and the tracker counts those
-   global-size tensors as if allocated (+10 % on the peak of tests/estimate/test_equality.py's TP=2 case). Here
+   mode, so it makes its own, and the estimate's tracker (tracker.py, as torch 2.13's FSDPMemTracker) skips ops
+   that run in a mode other than the one it was entered in. Under an estimate ``detect_fake_mode()`` finds the
+   estimate's own mode, and the tracker counts those global-size tensors as if allocated (+10 % on the peak of tests/estimate/test_equality.py's TP=2 case). Here
    propagation gets its own mode, as in the real run.
 3. torchao's FP8 weight wrapper. ``WeightWithDynamicFloat8CastTensor.__tensor_flatten__`` tests
    ``if self._precomputed_scale:`` (the truth value of a one-element tensor), which fake tensors cannot answer.
