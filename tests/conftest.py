@@ -16,6 +16,13 @@ import ports
 # Per-test wall, CPU, shared-fixture and training-run times when LLAMA_FP8_TEST_TIMES is set (tests/timing.py).
 pytest_plugins = ("timing",)
 
+# One OpenMP thread in the test processes, as every process they start already has (helpers.cli_env, the Slurm
+# jobs' environment): `make test` runs two workers on two cores, and a worker's in-process runs of the tiny model
+# gain nothing from a second intra-op thread but the CPU its waits spin away from the other worker (a run of the
+# estimate, training and precision tests, two processes at once: 87 s instead of 91). Set before torch is imported
+# (the first test module imports it); a value given by the caller is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def _te_importable() -> bool:
     if importlib.util.find_spec("transformer_engine") is None:

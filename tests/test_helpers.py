@@ -29,3 +29,13 @@ def test_cli_env_puts_src_first_and_keeps_the_callers_pythonpath(tmp_path, monke
 def test_cli_env_without_a_pythonpath_gives_src_alone(monkeypatch):
     monkeypatch.delenv("PYTHONPATH", raising=False)
     assert cli_env()["PYTHONPATH"] == str(REPO / "src")
+
+
+def test_the_test_process_and_its_children_run_one_openmp_thread():
+    """tests/conftest.py: one intra-op thread in the test process (two workers share two cores), as in the children."""
+    import torch
+
+    if os.environ.get("OMP_NUM_THREADS") not in (None, "1"):  # the caller chose: conftest keeps it
+        assert torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])
+        return
+    assert torch.get_num_threads() == 1 and cli_env()["OMP_NUM_THREADS"] == "1"

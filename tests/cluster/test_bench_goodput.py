@@ -58,15 +58,17 @@ def test_a_kill_before_the_first_checkpoint_counts_as_starting_over():
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_bench_goodput_measures_what_it_says(cluster):
+    """One fault-free and one faulted job (their interval over repeats is bootstrap_ratio's, tested above without a
+    cluster): the failure's figures must agree with the job's own records and log."""
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_goodput.py"), "--cluster_dir",
-                        cluster.root, "--repeats", "2", "--steps", "60", "--checkpoint_freq", "4", "--every", "2",
+                        cluster.root, "--repeats", "1", "--steps", "60", "--checkpoint_freq", "4", "--every", "2",
                         "--max_kills", "1"], capture_output=True, text=True, timeout=1200, env=make_job_env(cluster),
                        cwd=REPO)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     rec = json.loads(line)
-    assert rec["bench"] == "goodput" and rec["repeats"] == 2 and rec["kills"] == 2 and len(rec["failures"]) == 2
-    assert rec["ratio_ci95"][0] <= rec["ratio"] <= rec["ratio_ci95"][1]
+    assert rec["bench"] == "goodput" and rec["repeats"] == 1 and rec["kills"] == 1 and len(rec["failures"]) == 1
+    assert rec["ratio_ci95"] == [rec["ratio"], rec["ratio"]] and rec["ratio"] > 0  # one job per arm: no interval
     for f in rec["failures"]:
         # observed: the checkpoint resumed from is a saved one, no later than the last step logged before the kill
         assert f["resumed_from"] % 4 == 0 and 0 <= f["steps_lost"] == f["last_step"] - f["resumed_from"] <= 4, f
