@@ -48,6 +48,16 @@ def cluster(request, tmp_path_factory):
     assert not left, f"left behind after tear-down: {left}"
 
 
+@pytest.fixture(scope="session")
+def fault_reference(cluster, tmp_path_factory):
+    """The uninterrupted two-node job (one rank a node, test_faults_slurm.py's flags) that the faulted jobs of
+    test_faults_slurm.py and test_spares_slurm.py must end equal to: one job for both files (it ran once in each).
+    A long wait: three launchers' start-ups on a busy two-core machine take minutes."""
+    from test_faults_slurm import uninterrupted
+
+    return uninterrupted(cluster, tmp_path_factory.mktemp("reference"), timeout=2400)
+
+
 @pytest.fixture
 def job_env(cluster):
     """Environment for sbatch/srun clients: cluster conf, repo code, quiet single-threaded torch."""

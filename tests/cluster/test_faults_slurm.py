@@ -81,19 +81,20 @@ def submit(cluster, folder: Path, *args: str, nproc: int = 1, **env) -> Job:
     return Job(job, env, folder)
 
 
-def uninterrupted(cluster, folder: Path, nproc: int = 1) -> faultkit.Reference:
+def uninterrupted(cluster, folder: Path, nproc: int = 1, timeout: float = 300) -> faultkit.Reference:
     job = submit(cluster, folder, nproc=nproc)
-    info = job.wait()
+    info = job.wait(timeout)
     assert_completed(info, job.log)
     return faultkit.Reference(job.run, faultkit.losses(job.run),
                               faultkit.shard_sums(job.run / "checkpoints" / f"step_{STEPS}"),
                               wall_s=wall_seconds(info))
 
 
-@pytest.fixture(scope="module")
-def reference(cluster, tmp_path_factory) -> faultkit.Reference:
-    """The uninterrupted job every faulted job must end equal to (same layout, same flags)."""
-    return uninterrupted(cluster, tmp_path_factory.mktemp("reference"))
+@pytest.fixture
+def reference(fault_reference) -> faultkit.Reference:
+    """The uninterrupted job every faulted job must end equal to (same layout, same flags): the session's, which
+    test_spares_slurm.py's jobs are compared with too (tests/cluster/conftest.py)."""
+    return fault_reference
 
 
 @pytest.fixture(scope="module")

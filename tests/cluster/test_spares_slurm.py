@@ -15,16 +15,13 @@ import pytest
 from slurm_helpers import REPO, assert_completed, make_job_env, read_jsonl, release_requeued, sbatch
 from test_faults_slurm import (
     ARGS,
-    STEPS,
     Job,
     assert_bitwise,
     back_to_training,
-    faultkit,
     fired_at,
     job_pids,
     matrix,  # the fault matrix's row recorder (tests/reliability), on the path test_faults_slurm put it on
     steps_lost,
-    submit,
 )
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -32,16 +29,11 @@ NOT_N3 = 'test "$SLURMD_NODENAME" != n3'  # LLAMA_FP8_NODE_CHECK: n3 fails it (i
 NOT_N2 = 'test "$SLURMD_NODENAME" != n2'
 
 
-@pytest.fixture(scope="module")
-def reference(cluster, tmp_path_factory):
-    """The uninterrupted two-node job the spare jobs must end equal to (test_faults_slurm.py's, with a longer wait:
-    three launchers' start-ups on a busy two-core machine take minutes)."""
-    folder = tmp_path_factory.mktemp("reference")
-    job = submit(cluster, folder)
-    info = job.wait(2400)
-    assert_completed(info, job.log)
-    return faultkit.Reference(job.run, faultkit.losses(job.run),
-                              faultkit.shard_sums(job.run / "checkpoints" / f"step_{STEPS}"))
+@pytest.fixture
+def reference(fault_reference):
+    """The uninterrupted two-node job the spare jobs must end equal to: test_faults_slurm.py's, made once for
+    both files (tests/cluster/conftest.py)."""
+    return fault_reference
 
 
 def submit_spare(cluster, folder: Path, preflight: bool = False, **env) -> Job:
