@@ -52,7 +52,7 @@ def cluster(request, tmp_path_factory):
 def fault_reference(cluster, tmp_path_factory):
     """The uninterrupted two-node job (one rank a node, test_faults_slurm.py's flags) that the faulted jobs of
     test_faults_slurm.py and test_spares_slurm.py must end equal to: one job for both files (it ran once in each).
-    A long wait: three launchers' start-ups on a busy two-core machine take minutes."""
+    A long wait: beside the other tests, a busy two-core machine can take minutes to start its launchers."""
     from test_faults_slurm import uninterrupted
 
     return uninterrupted(cluster, tmp_path_factory.mktemp("reference"), timeout=2400)
