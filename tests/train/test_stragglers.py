@@ -46,9 +46,9 @@ def test_a_rank_paused_from_outside_most_of_the_time_is_named_as_the_one_the_oth
 
     Why 3/4 of the time: half the margin in collectives per step is what names a rank, and it must clear the
     sampler's noise floor (2 looks, 20 ms a step). Paused a fraction p of the time, rank 0 waits p/(1-p) times
-    rank 1's own work per step: with p = 1/2 the margin was half a step's work, about 18-22 ms on an idle 2-core
+    rank 1's own work per step: with p = 1/2 the margin was half a step's work, 17.5-24.5 ms on an idle 2-core
     machine, so one or two of five windows fell under the floor (a flaky test); with p = 3/4 it is 1.5 times the
-    work, three times the floor on that machine."""
+    work, 49-90 ms there (2.5 times the floor or more)."""
     import os
     import signal
     import threading
