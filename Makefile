@@ -21,10 +21,12 @@ unexport PYTHONDONTWRITEBYTECODE
 
 install: $(STAMP)
 
+# --no-compile: pip would compile every module of every package it installs (transformers' thousands of model
+# files, most never imported here); the modules a run imports are compiled by its first import instead (above).
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q --no-compile $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --no-compile -e ".[$(EXTRAS)]"
 	@touch $@
 
 demo: $(STAMP)

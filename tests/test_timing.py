@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ def test_a_pytest_started_by_a_test_is_not_recorded(tmp_path, workers):
     (tmp_path / "inner_case.py").write_text(INNER)
     (tmp_path / "test_outer.py").write_text(OUTER)
     out = tmp_path / "times.jsonl"
+    before = time.time()
     env = dict(os.environ, LLAMA_FP8_TEST_TIMES=str(out),
                PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "timing", "-p", "no:cacheprovider", *workers,
@@ -39,3 +41,6 @@ def test_a_pytest_started_by_a_test_is_not_recorded(tmp_path, workers):
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [rec["id"] for rec in lines] == ["test_outer.py::test_outer"], lines
     assert lines[0]["outcome"] == "passed" and lines[0]["wall_s"] > 0
+    # the timeline: when the test began and which worker ran it
+    assert lines[0]["worker"] == ("gw0" if workers else "main"), lines
+    assert before < lines[0]["start"] < time.time() - lines[0]["wall_s"] + 1, lines

@@ -2,6 +2,8 @@
 
 With ``LLAMA_FP8_TEST_TIMES=PATH`` set, each test appends one JSON line to PATH:
 
+- ``start``: when the test began (seconds since the epoch) and ``worker``: the pytest-xdist worker that ran it
+  (``gw0``...; ``main`` without xdist): the run's timeline, to set beside the machine's idle time;
 - ``wall_s``: setup + call + teardown; ``cpu_s``: CPU seconds of the test process and of every child process it
   waited for (their children too, when each level waits: torchrun's workers, a subprocess's own subprocesses);
   processes of a Slurm job are slurmd's children and not counted;
@@ -108,7 +110,8 @@ class Timer:
         t0, c0, started = time.monotonic(), _cpu(), time.time()
         yield
         rec, self.current = self.current, None
-        rec.update(wall_s=round(time.monotonic() - t0, 2), cpu_s=round(_cpu() - c0, 2))
+        rec.update(start=round(started, 2), worker=os.environ.get("PYTEST_XDIST_WORKER", "main"),
+                   wall_s=round(time.monotonic() - t0, 2), cpu_s=round(_cpu() - c0, 2))
         found = self.tmp is not None and self.tmp.is_dir()
         rec["runs"] = _runs(self.tmp, started - 1, self.seen, self.here) if found else []
         with self.path.open("a") as f:
