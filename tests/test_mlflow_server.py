@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -117,8 +118,13 @@ LOST_SERVER = ("Connection refused", "Connection broken", "Connection aborted", 
                "RemoteDisconnected")
 
 
+# Or, on a busy machine, the run's close comes first: the request under way when the server died is still in its
+# retries (MLflow's backoff, a few seconds: mlflow_tracking.HTTP_SETTINGS) when the sink's 5 s to close are up.
+GAVE_UP = re.compile(r"not done after \d+ s \(\d+ records not sent\)")
+
+
 def names_a_lost_server(line: str, uri: str) -> bool:
-    return f"MLflow at {uri}" in line and any(cause in line for cause in LOST_SERVER)
+    return f"MLflow at {uri}" in line and (any(cause in line for cause in LOST_SERVER) or bool(GAVE_UP.search(line)))
 
 
 def test_a_server_killed_under_a_request_is_named_whichever_way_the_connection_ended():
@@ -131,7 +137,12 @@ def test_a_server_killed_under_a_request_is_named_whichever_way_the_connection_e
                  "more expected))); it is off for the rest of this run, training and the other sinks go on")
     refused = (f"WARNING llama_fp8.metrics: metrics sink mlflow: MLflow at {uri} cannot be used "
                "(ConnectionRefusedError: [Errno 111] Connection refused); the run goes on without MLflow")
+    # a CI run's: the run ended while the request was still being retried
+    closing = (f"WARNING llama_fp8.metrics: metrics sink mlflow failed while closing (TimeoutError: MLflow at {uri}: not "
+               "done after 5 s (54 records not sent)); it is off for the rest of this run, training and the other sinks "
+               "go on")
     assert names_a_lost_server(in_flight, uri) and names_a_lost_server(refused, uri)
+    assert names_a_lost_server(closing, uri) and not names_a_lost_server(closing.replace("54 records", "records"), uri)
     assert not names_a_lost_server(refused.replace("Connection refused", "HTTP 500"), uri)
     assert not names_a_lost_server(refused, "http://127.0.0.1:1")
 

@@ -89,8 +89,8 @@ def _runs(folder: Path, since: float, seen: set, here: float) -> list[dict]:
 
 
 class Timer:
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, worker: str):
+        self.path, self.worker = path, worker
         self.current: dict | None = None
         self.tmp: Path | None = None
         self.seen: set = set()
@@ -110,7 +110,7 @@ class Timer:
         t0, c0, started = time.monotonic(), _cpu(), time.time()
         yield
         rec, self.current = self.current, None
-        rec.update(start=round(started, 2), worker=os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        rec.update(start=round(started, 2), worker=self.worker,
                    wall_s=round(time.monotonic() - t0, 2), cpu_s=round(_cpu() - c0, 2))
         found = self.tmp is not None and self.tmp.is_dir()
         rec["runs"] = _runs(self.tmp, started - 1, self.seen, self.here) if found else []
@@ -135,7 +135,9 @@ def pytest_configure(config):
     out = getattr(config, "workerinput", {}).get(OUT_ENV) or os.environ.pop(OUT_ENV, None)
     if out:  # one line per test, appended in one write: several pytest processes may share the file
         config.stash[_OUT] = out
-        config.pluginmanager.register(Timer(Path(out)), "llama_fp8_timer")
+        # xdist's own id of this worker (not PYTEST_XDIST_WORKER: a pytest a test starts inherits that variable)
+        worker = getattr(config, "workerinput", {}).get("workerid", "main")
+        config.pluginmanager.register(Timer(Path(out), worker), "llama_fp8_timer")
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's: a run without xdist has none
