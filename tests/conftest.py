@@ -17,8 +17,8 @@ import ports
 pytest_plugins = ("timing",)
 
 # One OpenMP thread in the test processes, as every process they start already has (helpers.cli_env, the Slurm
-# jobs' environment): `make test` runs two workers on two cores, and a worker's in-process runs of the tiny model
-# gain nothing from a second intra-op thread but the CPU its waits spin away from the other worker (a run of the
+# jobs' environment): `make test` runs three workers on two cores, and a worker's in-process runs of the tiny model
+# gain nothing from a second intra-op thread but the CPU its waits spin away from the other workers (a run of the
 # estimate, training and precision tests, two processes at once: 87 s instead of 91). Set before torch is imported
 # (the first test module imports it); a value given by the caller is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -41,7 +41,7 @@ def _te_importable() -> bool:
 collect_ignore_glob = [] if _te_importable() else ["models/te/test_te_real_*.py"]
 
 
-# Under pytest-xdist (`make test` runs two workers, --dist loadgroup) each worker is a session of its own: a
+# Under pytest-xdist (`make test` runs three workers, --dist loadgroup) each worker is a session of its own: a
 # session fixture used by two workers would be made twice. So every test is put in a group that one worker runs
 # whole: the tests of the local Slurm cluster (its slurmd ports are fixed: one cluster per machine), those of the
 # S3 server, the fault matrix's (its reference runs), and otherwise each file (its module fixtures made once).

@@ -32,7 +32,7 @@ def test_cli_env_without_a_pythonpath_gives_src_alone(monkeypatch):
 
 
 def test_the_test_process_and_its_children_run_one_openmp_thread():
-    """tests/conftest.py: one intra-op thread in the test process (two workers share two cores), as in the children."""
+    """tests/conftest.py: one intra-op thread in the test process (three workers share two cores), as in the children."""
     import torch
 
     if os.environ.get("OMP_NUM_THREADS") not in (None, "1"):  # the caller chose: conftest keeps it

@@ -1,4 +1,4 @@
-"""The order in which `make test` hands the test groups to its two workers (tests/conftest.py): the cluster's group
+"""The order in which `make test` hands the test groups to its workers (tests/conftest.py): the cluster's group
 first, then the other groups by their tests' expected time, so that the groups given out last are short."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from container_helpers import (
     builder_env,
     prune_storage,
 )
-from slurm_helpers import local_cluster, make_job_env, unavailable
+from slurm_helpers import cluster_needed_after, local_cluster, make_job_env, unavailable, uses_the_cluster
 
 # Why the session's cluster has no containers, when it has none (the container tests skip with it; under CI they fail).
 _NO_CONTAINERS: list[str] = []
@@ -46,6 +46,22 @@ def cluster(request, tmp_path_factory):
     alive = {name: pid for name, pid in pids.items() if local_cluster.alive(pid)}
     assert not alive, f"daemons still running after tear-down: {alive}"
     assert not left, f"left behind after tear-down: {left}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """The cluster (and what was made on it: the images, their Enroot state) goes down after the last test that uses
+    it, not when the session ends: its tear-down (cancelling, stopping the daemons, removing every node's containers,
+    10-20 s) then runs beside the other workers' tests instead of after them, at the end of the run. Through pytest's
+    own FixtureDef.finish, which tears down the fixtures made from the cluster first, as at the session's end; where
+    a pytest lacks the attributes used, the cluster goes down at the session's end as before."""
+    result = yield
+    if uses_the_cluster(item) and not cluster_needed_after(item, nextitem):
+        definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).get("cluster")
+        request = getattr(item, "_request", None)
+        if definitions and request is not None:
+            definitions[-1].finish(request)
+    return result
 
 
 @pytest.fixture(scope="session")

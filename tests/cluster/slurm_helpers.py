@@ -38,6 +38,26 @@ def _load_local_cluster():
 local_cluster = _load_local_cluster()
 
 
+def uses_the_cluster(item) -> bool:
+    """The test uses the session's cluster fixture (a test parameter named ``cluster``, as test_swaps.py's, is not
+    it)."""
+    callspec = getattr(item, "callspec", None)
+    return "cluster" in getattr(item, "fixturenames", ()) and (callspec is None or "cluster" not in callspec.params)
+
+
+def cluster_needed_after(item, nextitem) -> bool:
+    """Whether a test after ``item`` in this process may still use the cluster. Under pytest-xdist with
+    ``--dist loadgroup`` a worker gets every test of the cluster's group at once (tests/conftest.py puts every test
+    that uses it in one group) and knows the next one, so the group's last test is the last to use it; with any other
+    distribution nothing is known of the tests still to come. In one process, the session's own order says."""
+    if nextitem is not None and uses_the_cluster(nextitem):
+        return True
+    if hasattr(item.config, "workerinput"):  # xdist's worker: its own "dist" is "no", "loadgroup" the controller's
+        return not item.config.getoption("loadgroup", False)
+    items = item.session.items
+    return any(uses_the_cluster(later) for later in items[items.index(item) + 1:])
+
+
 def unavailable(reason: str) -> None:
     """Skip with `reason`, or fail in CI where these tests must run."""
     if os.environ.get("CI", "").lower() == "true":
