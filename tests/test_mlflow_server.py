@@ -1,10 +1,10 @@
-"""MLflow against a real tracking server on 127.0.0.1 (`mlflow server`, from the project's `mlflow-server` extra that
-`make install` installs) and against one that is not there: a run whose server is down at start, or killed during the
+"""MLflow against a real tracking server on 127.0.0.1 (`mlflow server`, from the project's `mlflow-server` extra, which
+`make test` installs into a venv of its own, .venv-mlflow) and against one that is not there: a run whose server is down at start, or killed during the
 run, ends within a few seconds of its last step with exactly one warning naming the server and the cause (no retry
 lines, no minute-long wait at exit); `publish` against a dead server says so at once; a run the server missed is
 completed by `publish` from metrics.jsonl and closed, and `publish` says it was incomplete. One server for the whole
-session (started once, ~20 s on an idle machine); without the full mlflow package these tests skip, and fail under
-CI=true."""
+session (started once, ~20 s on an idle machine); without the full mlflow package (in that venv, or in the one running
+the tests) these tests skip, and fail under CI=true."""
 
 from __future__ import annotations
 
@@ -35,25 +35,34 @@ def free_port() -> int:
         return s.getsockname()[1]  # nothing listens there once closed
 
 
-def _has_server() -> bool:
-    return all(importlib.util.find_spec(m) is not None for m in ("mlflow", "flask", "sqlalchemy", "alembic"))
+def server_python() -> str | None:
+    """The Python that runs `mlflow server`: the server's own venv (LLAMA_FP8_MLFLOW_VENV, set by make test; else
+    .venv-mlflow in the repository), or the one running the tests if it has the full mlflow package."""
+    own = Path(os.environ.get("LLAMA_FP8_MLFLOW_VENV") or REPO / ".venv-mlflow") / "bin" / "python"
+    if own.is_file():
+        return str(own)
+    if all(importlib.util.find_spec(m) is not None for m in ("mlflow", "flask", "sqlalchemy", "alembic")):
+        return sys.executable
+    return None
 
 
 class Server:
     """`mlflow server` on a sqlite database in ``folder``, its own process group (the server's workers with it)."""
 
-    def __init__(self, folder: Path):
-        self.folder, self.port = folder, free_port()
+    def __init__(self, folder: Path, python: str):
+        self.folder, self.port, self.python = folder, free_port(), python
         self.uri = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 600) -> None:
         log = open(self.folder / "server.log", "ab")  # noqa: SIM115 - the server's own output, for a failure message
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.folder}/mlflow.db",
+            [self.python, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.folder}/mlflow.db",
              "--artifacts-destination", str(self.folder / "artifacts"), "--host", "127.0.0.1", "--port",
              str(self.port), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env=cli_env(), cwd=self.folder)
+            env=cli_env(MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"), cwd=self.folder)
+        # (MLflow's job runner, huey consumers beside the server for its GenAI jobs, does nothing for tracking: its
+        # processes took about 40 CPU s of a run of make test)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, (self.folder / "server.log").read_text()[-3000:]
@@ -74,12 +83,13 @@ class Server:
 
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
-    if not _has_server():
-        why = "`mlflow server` needs the full mlflow package: the project's mlflow-server extra (make install)"
+    python = server_python()
+    if python is None:
+        why = "`mlflow server` needs the full mlflow package: the project's mlflow-server extra (make test installs it)"
         if os.environ.get("CI") == "true":
             pytest.fail(why)
         pytest.skip(why)
-    server = Server(tmp_path_factory.mktemp("mlflow-server"))
+    server = Server(tmp_path_factory.mktemp("mlflow-server"), python)
     server.start()
     yield server
     server.kill()

@@ -39,6 +39,9 @@ WORKER = textwrap.dedent("""
     with open(here / "attempts.txt", "a") as f:
         f.write(f"{os.environ['TORCHELASTIC_RESTART_COUNT']} {rank}\\n")
     attempt = sum(1 for line in open(here / "attempts.txt") if line.split()[1] == str(rank)) - 1
+    # a worker killed before it got here (its peer's failure seen first) wrote no line: its launcher's restart count
+    # says which attempt this is (a spare's launcher starts at 0 in a later attempt: the lines say it)
+    attempt = max(attempt, int(os.environ["TORCHELASTIC_RESTART_COUNT"]))
     plan = json.loads((here / "plan.json").read_text())
     todo = plan.get(str(attempt), {}).get(str(rank), 0)
     if not isinstance(todo, dict):

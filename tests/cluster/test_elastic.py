@@ -12,10 +12,22 @@ import sys
 import time
 
 import pytest
-from standin import attempts, launch, outcome
+from standin import attempts, launch, outcome, prepare
 
 from helpers import REPO, cli_env
 from llama_fp8.telemetry import heartbeat
+
+
+def test_the_stand_in_follows_the_launchers_restart_when_it_missed_an_attempt(tmp_path):
+    """A worker killed before it ran (the launcher saw its peer's hang first, on a loaded machine) left no line in
+    attempts.txt: in the restart it must still act on the restart's plan, not on the attempt it never ran. Before,
+    rank 0 counted its own lines, waited again as in attempt 0, and the launcher called the hang deterministic
+    (test_a_live_rank_without_progress_is_named_and_killed_at_once failed so in a full run, exit 137)."""
+    prepare(tmp_path, {"0": {"0": 7}, "1": {"0": 0}})
+    (tmp_path / "attempts.txt").write_text("0 1\n")  # attempt 0: rank 1 ran, rank 0 was killed before it wrote
+    env = cli_env(RANK="0", TORCHELASTIC_RESTART_COUNT="1")
+    r = subprocess.run([sys.executable, str(tmp_path / "worker.py"), str(tmp_path)], env=env, timeout=60)
+    assert r.returncode == 0  # attempt 1's plan (exit 0), not attempt 0's (exit 7)
 
 
 @pytest.mark.slow

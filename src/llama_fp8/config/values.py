@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import typing
 from dataclasses import fields
 from pathlib import Path
@@ -24,9 +25,16 @@ def available_presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
+@functools.cache
+def _hints() -> dict[str, Any]:
+    # get_type_hints evaluates every annotation of the class: once per process, not once per flag (it was 60 ms of
+    # each command's start)
+    return typing.get_type_hints(TrainConfig)
+
+
 def _base_type(f: dataclasses.Field) -> type:
     """The non-None type of a field (``int | None`` -> int)."""
-    hint = typing.get_type_hints(TrainConfig)[f.name]
+    hint = _hints()[f.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else hint
 
