@@ -3,6 +3,7 @@ submitit, and the A/B script. Each asserts on the job's state, its log and the r
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from slurm_helpers import (
+    AHEAD,
     REPO,
     SBATCH,
     SMALL,
@@ -24,6 +26,15 @@ from slurm_helpers import (
 )
 
 pytestmark = pytest.mark.slurm
+
+
+def test_the_clusters_daemons_and_so_its_jobs_run_ahead_of_the_other_workers(cluster):
+    """slurm_helpers.AHEAD: every daemon of the session's cluster (each job's processes are their children) runs that
+    many nice levels ahead of the process that started this pytest (xdist's controller, whose other workers run at
+    its level; the shell of a serial run)."""
+    base = os.getpriority(os.PRIO_PROCESS, os.getppid())
+    got = {name: os.getpriority(os.PRIO_PROCESS, pid) for name, pid in cluster.pids.items()}
+    assert got and set(got.values()) == {base - AHEAD}, (base, got)
 
 
 def test_sbatch_two_tasks_cpu(job_env, tmp_path):

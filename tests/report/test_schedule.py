@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import shlex
 import subprocess
+import sys
 
 import pytest
 from ab_fakes import fake_ab_job, fake_sbatch
 
-from helpers import REPO
+from helpers import REPO, cli_env
 from llama_fp8.cluster.launch import schedule
 
 
@@ -25,6 +26,16 @@ def test_pairs_interleave_alternate_and_share_a_seed():
     assert [r.name for r in first] == ["fp8", "bf16", "bf16", "fp8"]
     one = schedule.plan(1, seed=3)
     assert [(r.subdir, r.fp8, r.seed) for r in one] == [("bf16", 0, 3), ("fp8", 1, 3)]   # the old layout
+
+
+def test_a_plain_ab_schedule_starts_without_torch():
+    """The batch job and the demo run the schedule several times per A/B: reading flags needs no torch (its import
+    was 1.6 s of each, the whole of its time); only the shoot-out's arms, decided by what this node runs, import it."""
+    code = ("import sys; from llama_fp8.cluster.launch import schedule; "
+            "schedule.main(['--repeats', '2', '--', '--model', 'tiny', '--seed', '3']); print('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["pair1/bf16 0 3", "pair1/fp8 1 3", "pair2/fp8 1 4", "pair2/bf16 0 4", "False"]
 
 
 def test_base_seed_from_train_flags_and_bad_values(capsys):

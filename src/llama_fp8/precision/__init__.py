@@ -12,14 +12,17 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Protocol
 
 from llama_fp8.errors import ConfigError
 from llama_fp8.precision import recipes as recipe_table
 from llama_fp8.precision.recipes import Recipe
+
+# The config imports this package (the recipe table): commands that only read flags (the A/B schedule) start without
+# torch's import, about 1 s of CPU each; the annotations name torch's types only for the type checker.
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,8 @@ def capability_of(device: torch.device | None) -> tuple[int, int] | None:
     """The GPU's compute capability (None: no GPU, or a decision made away from it)."""
     if device is None or device.type != "cuda":
         return None
+    import torch
+
     return tuple(torch.cuda.get_device_capability(device))
 
 

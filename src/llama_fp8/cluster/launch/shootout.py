@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where the arms are decided: a plain A/B's schedule starts without it
+    import torch
 
 NAME = "shootout"
 RECIPES = ("tensorwise", "rowwise", "current", "delayed", "mxfp8")
@@ -63,6 +65,8 @@ def _refusal(train_args: list[str], flags: list[str], impl, device: torch.device
 
 def arms(train_args: list[str], device: torch.device | None = None) -> tuple[ArmSpec, ...]:
     """The shoot-out's arms on ``device`` (module docstring); ValueError for training flags that do not parse."""
+    import torch
+
     from llama_fp8 import config, models
     from llama_fp8.errors import ConfigError
 
