@@ -3,7 +3,6 @@ and a registry when the session runs container tests (see container_helpers.py).
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 
 import pytest
@@ -15,14 +14,7 @@ from container_helpers import (
     builder_env,
     prune_storage,
 )
-from slurm_helpers import (
-    ahead_of_the_other_workers,
-    cluster_needed_after,
-    local_cluster,
-    make_job_env,
-    unavailable,
-    uses_the_cluster,
-)
+from slurm_helpers import cluster_needed_after, local_cluster, make_job_env, unavailable, uses_the_cluster
 
 # Why the session's cluster has no containers, when it has none (the container tests skip with it; under CI they fail).
 _NO_CONTAINERS: list[str] = []
@@ -40,19 +32,17 @@ def cluster(request, tmp_path_factory):
     kit it comes up without them and those tests skip."""
     container = _runs_container_tests(request.session)
     root = tmp_path_factory.mktemp("slurm")
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(ahead_of_the_other_workers())  # slurm_helpers.AHEAD says why
+    try:
         try:
-            try:
-                c = local_cluster.up(root, nodes=3, container=container)
-            except local_cluster.container_kit.KitMissing as e:
-                _NO_CONTAINERS.append(str(e))
-                c = local_cluster.up(root, nodes=3)
-        except local_cluster.ClusterUnavailable as e:
-            unavailable(str(e))
-        pids = dict(c.pids)
-        yield c
-        left = local_cluster.down(c)
+            c = local_cluster.up(root, nodes=3, container=container)
+        except local_cluster.container_kit.KitMissing as e:
+            _NO_CONTAINERS.append(str(e))
+            c = local_cluster.up(root, nodes=3)
+    except local_cluster.ClusterUnavailable as e:
+        unavailable(str(e))
+    pids = dict(c.pids)
+    yield c
+    left = local_cluster.down(c)
     alive = {name: pid for name, pid in pids.items() if local_cluster.alive(pid)}
     assert not alive, f"daemons still running after tear-down: {alive}"
     assert not left, f"left behind after tear-down: {left}"

@@ -7,7 +7,6 @@ where they fail: the acceptance criterion is that CI runs them.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -37,34 +36,6 @@ def _load_local_cluster():
 
 
 local_cluster = _load_local_cluster()
-
-
-# The cluster's group is the run's longest chain of tests and one worker runs it, one test after another, while the
-# other workers run theirs beside it: its jobs' processes then waited for a core as much as any, and the group ended
-# last (1150 s of a 1170 s run, against 813 s with one worker fewer). Five nice levels ahead (a weight of 3121
-# against 1024), its jobs get a core first and the other workers' tests fill what is left.
-AHEAD = 5
-
-
-# the niceness of the process that started the cluster, before it was raised (its tests check their jobs against it)
-BEFORE_THE_CLUSTER: dict[str, int] = {}
-
-
-@contextlib.contextmanager
-def ahead_of_the_other_workers(levels: int = AHEAD):
-    """This process, and what it starts meanwhile (the cluster's daemons, so every job; the image builds), ``levels``
-    nice levels ahead (-20 at most: the kernel clamps); back where it was after. Raising a priority needs root, as
-    the cluster does; without it nothing changes."""
-    before = BEFORE_THE_CLUSTER["niceness"] = os.getpriority(os.PRIO_PROCESS, 0)
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, before - levels)
-    except OSError:
-        yield
-        return
-    try:
-        yield
-    finally:
-        os.setpriority(os.PRIO_PROCESS, 0, before)
 
 
 def uses_the_cluster(item) -> bool:

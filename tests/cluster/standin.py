@@ -155,9 +155,12 @@ def finish(tmp_path: Path, procs: list[subprocess.Popen], timeout: float = 120) 
     return codes, "\n".join(f"--- node{n}\n" + (tmp_path / f"node{n}.err").read_text() for n in range(len(procs)))
 
 
-def attempts(tmp_path: Path, rank: int = 0) -> int:
+def attempts(tmp_path: Path, rank: int | None = None) -> int:
+    """The attempts ``rank`` ran; without a rank, the attempts the job ran (the most any rank ran: a rank killed
+    before its first line, its peer's failure seen first on a loaded machine, left none for that attempt)."""
     lines = (tmp_path / "attempts.txt").read_text().split("\n")
-    return sum(1 for ln in lines if ln.endswith(f" {rank}"))
+    ranks = {ln.split()[1] for ln in lines if ln.strip()} if rank is None else {str(rank)}
+    return max((sum(1 for ln in lines if ln.endswith(f" {r}")) for r in ranks), default=0)
 
 
 def outcome_fields(tmp_path: Path, node: str | None = None) -> dict:

@@ -3,7 +3,6 @@ submitit, and the A/B script. Each asserts on the job's state, its log and the r
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -11,8 +10,6 @@ from pathlib import Path
 import pytest
 import yaml
 from slurm_helpers import (
-    AHEAD,
-    BEFORE_THE_CLUSTER,
     REPO,
     SBATCH,
     SMALL,
@@ -27,15 +24,6 @@ from slurm_helpers import (
 )
 
 pytestmark = pytest.mark.slurm
-
-
-def test_the_clusters_daemons_and_so_its_jobs_run_ahead_of_the_other_workers(cluster):
-    """slurm_helpers.AHEAD: every daemon of the session's cluster (each job's processes are their children) runs that
-    many nice levels ahead of where the process that started it ran (an xdist worker, at the level of the others),
-    or at the kernel's highest, -20."""
-    base = BEFORE_THE_CLUSTER["niceness"]
-    got = {name: os.getpriority(os.PRIO_PROCESS, pid) for name, pid in cluster.pids.items()}
-    assert got and set(got.values()) == {max(base - AHEAD, -20)}, (base, got)
 
 
 def test_sbatch_two_tasks_cpu(job_env, tmp_path):
