@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -22,6 +23,18 @@ pytest_plugins = ("timing",)
 # estimate, training and precision tests, two processes at once: 87 s instead of 91). Set before torch is imported
 # (the first test module imports it); a value given by the caller is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_collection_finish(session):
+    """Python's collector in a test process: what collection imported (torch, transformers, every test module) lives
+    for the whole run, and each full collection walked it again; and the in-process training tests make millions of
+    short-lived objects, a young collection every 700. Frozen once collected, out of every later walk, and young
+    collections every 10,000 allocations: 10 % less CPU for a run of the in-process train, checkpoint, model,
+    precision, report and estimate tests (45.5 -> 41 s user, back to back). Cyclic garbage still goes, a little
+    later; the collector tests (test_collector.py) measure against the frozen count they find."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
 
 
 def _te_importable() -> bool:

@@ -66,8 +66,12 @@ def test_same_allocation_ab(job_env, tmp_path):
     the report in that allocation; SBATCH_ARGS (partition) reach it; the report says the hardware is the same."""
     ab = tmp_path / "ab"
     env = dict(job_env, SBATCH_ARGS="--nodes=2 --partition=alt", NPROC_PER_NODE="1", AB_DIR=str(ab))
-    proc = subprocess.run([str(REPO / "2.ab_fp8_vs_bf16.sh"), *SMALL, "--max_steps", "3"], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60, check=False)
+    # --compile 0 named: the preset leaves compile as named (test_schedule_arms.py checks that it adds --compile=1
+    # otherwise, and these flags' way to the runs is the same). A CPU compile of both arms is C++ built by g++ on a
+    # machine whose compile cache is cold (each CI run; a fresh clone's venv path changes the kernels' keys): about
+    # 60 s more for this test and 40 CPU s, measured on a fresh clone.
+    proc = subprocess.run([str(REPO / "2.ab_fp8_vs_bf16.sh"), *SMALL, "--max_steps", "3", "--compile", "0"], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     job = next(ln.split()[2] for ln in proc.stdout.splitlines() if ln.startswith("ab job:"))
     info = wait_job(job, env, timeout=420)
@@ -78,9 +82,8 @@ def test_same_allocation_ab(job_env, tmp_path):
     arms = re.findall(r"^== run (\w+) \((.*?)--fp8=(\d) --seed=(\d+)\) on n1,n2$", text, re.M)  # its training nodes
     assert [(name, fp8) for name, _, fp8, _ in arms] == [("bf16", "0"), ("fp8", "1")], arms  # one pair, in order
     assert arms[0][3] == arms[1][3]  # both arms of a pair train with the same seed
-    # the A/B preset on CPU (torchao FP8, whose speed-up needs torch.compile): both arms compiled alike, and the FP8
-    # arm all-gathers its weights in FP8
-    assert [flags.split() for _, flags, _, _ in arms] == [["--compile=1"], ["--compile=1", "--fp8_all_gather=1"]]
+    # the A/B preset's flags reach each arm's run: the FP8 arm (torchao tensorwise) all-gathers its weights in FP8
+    assert [flags.split() for _, flags, _, _ in arms] == [[], ["--fp8_all_gather=1"]]
     assert text.count("preflight of job step: 2 node(s)") == 1  # one preflight for both arms
     for name, fp8 in (("fp8", True), ("bf16", False)):
         assert yaml.safe_load((ab / name / "config.yaml").read_text())["asked"]["fp8"] is fp8

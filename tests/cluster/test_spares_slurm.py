@@ -131,9 +131,9 @@ def test_a_lost_training_node_continues_on_the_spare_without_a_requeue(cluster, 
 def test_a_node_failing_its_health_check_goes_to_the_spare_then_a_lost_node_requeues(cluster, reference, tmp_path):
     """n2 kills its rank in step 3 and then fails its health check (LLAMA_FP8_NODE_CHECK): it hands its place to
     the spare n3, no requeue. Later both ranks hold in step 6 and n3's launcher is SIGKILLed: no spare left, so the
-    job behaves as without spares: the step ends when the rendezvous gives up on n3 (join_timeout, 45 s here), and
+    job behaves as without spares: the step ends when the rendezvous gives up on n3 (join_timeout, 30 s here), and
     the job is requeued, without n2 and on two nodes (the cluster has no third for it), and completes."""
-    job = submit_spare(cluster, tmp_path, LLAMA_FP8_NODE_CHECK=NOT_N2, PET_RDZV_CONF="join_timeout=45",
+    job = submit_spare(cluster, tmp_path, LLAMA_FP8_NODE_CHECK=NOT_N2, PET_RDZV_CONF="join_timeout=30",
                        LLAMA_FP8_FAULT="kill@step:node=n2:step=3:once;pause@step:step=6:once")
     pause_both(job, 6)
     assert "failed its health check before a restart" in job.text(), job.text()[-4000:]
