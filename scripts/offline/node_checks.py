@@ -78,6 +78,13 @@ def say(message: str) -> None:
 def torch_versions() -> tuple[str | None, str | None]:
     """(torch.__version__, torch.version.cuda) of this Python's torch, read from its torch/version.py without
     importing torch (an import takes seconds to minutes on a busy node: outside any bound); (None, None) without."""
+    build = torch_build()
+    return build.get("__version__"), build.get("cuda")
+
+
+def torch_build() -> dict[str, str | None]:
+    """``__version__``, ``cuda``, ``hip`` and ``rocm`` of this Python's torch/version.py (None: the build has none of
+    it), read without importing torch; {} without torch."""
     import importlib.util
 
     spec = importlib.util.find_spec("torch")
@@ -86,10 +93,12 @@ def torch_versions() -> tuple[str | None, str | None]:
             text = (Path(folder) / "version.py").read_text()[:20_000]
         except OSError:
             continue
-        found = dict(re.findall(r"^(__version__|cuda)\s*(?::\s*[^=]+)?=\s*['\"]?([^'\"\n]*)['\"]?", text, re.M))
+        found = dict(re.findall(r"^(__version__|cuda|hip|rocm)\s*(?::\s*[^=]+)?=\s*['\"]?([^'\"\n]*)['\"]?", text,
+                                re.M))
         if found.get("__version__"):
-            return found["__version__"], (found.get("cuda") or None) if found.get("cuda") != "None" else None
-    return None, None
+            return {k: None if found.get(k) in (None, "", "None") else found[k] for k in ("__version__", "cuda", "hip",
+                                                                                         "rocm")}
+    return {}
 
 
 def child_env(target: Path) -> dict[str, str]:

@@ -21,8 +21,11 @@ import shutil
 import subprocess
 import sys
 
+from node_checks import torch_build  # in this folder (standard library only)
+
 NO_GPU = "no GPU"
 MISSING = "not installed"
+CPU_BUILD = "none (CPU build of torch)"
 # (field, label), in print order.
 FIELDS = (
     ("gpu", "GPU"), ("gpu_memory", "GPU memory"), ("driver", "driver"), ("cuda", "CUDA (torch)"),
@@ -77,12 +80,22 @@ def nvcc_version() -> str:
 
 
 def torch_versions() -> dict[str, str]:
-    """torch, its CUDA, cuDNN and NCCL, and the first GPU as torch sees it."""
+    """torch, its CUDA, cuDNN and NCCL, and the first GPU as torch sees it. A CPU build of torch (its version.py names
+    no CUDA and no ROCm) has none of the last four: read from that file, without torch's import (1-2 s of every
+    block a CPU machine prints), the same entries its import gives (``torch_imported``)."""
+    build = torch_build()
+    if build and not (build["cuda"] or build["hip"] or build["rocm"]):
+        return {"torch": build["__version__"], "cuda": CPU_BUILD, "cudnn": "none", "nccl": "none"}
+    return torch_imported()
+
+
+def torch_imported() -> dict[str, str]:
+    """``torch_versions`` from torch itself."""
     try:
         import torch
     except ImportError:
         return {"torch": MISSING}
-    out = {"torch": torch.__version__, "cuda": torch.version.cuda or "none (CPU build of torch)"}
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda or CPU_BUILD}
     try:
         v = torch.backends.cudnn.version()
         out["cudnn"] = f"{v // 10000}.{v % 10000 // 100}.{v % 100}" if v and v >= 90000 else str(v or "none")

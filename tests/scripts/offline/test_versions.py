@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import versions
+
+SCRIPTS = Path(versions.__file__).resolve().parent
 
 
 def test_block_without_a_gpu_prints_every_field(tmp_path):
@@ -23,6 +26,20 @@ def test_block_without_a_gpu_prints_every_field(tmp_path):
     v = json.loads((tmp_path / "v.json").read_text())
     assert (v["gpu"], v["driver"], v["capability"]) == ("no GPU", "no GPU", "no GPU")
     assert v["nvcc"] == "not installed" and v["key"] == versions.key(v) and v["key"].startswith("nogpu-")
+
+
+def test_a_cpu_build_of_torch_is_read_without_its_import():
+    """A CPU build of torch (make test's venv): its entries are read from torch/version.py, torch is not imported (1-2
+    s of every block before), and they are the ones torch's import gives. A CUDA build is asked by its import."""
+    code = ("import json, sys, versions; v = versions.torch_versions(); "
+            "print(json.dumps([v, 'torch' in sys.modules, versions.torch_imported(), versions.torch_build()]))")
+    proc = subprocess.run([sys.executable, "-c", code], env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(SCRIPTS)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    read, imported_before, imported, build = json.loads(proc.stdout.splitlines()[-1])
+    gpu_build = bool(build["cuda"] or build["hip"] or build["rocm"])
+    assert imported_before is gpu_build and read == imported, (read, imported)
+    assert build["__version__"] == read["torch"] and (read["cuda"] == "none (CPU build of torch)") is not gpu_build
 
 
 def test_without_torch_the_block_still_prints(monkeypatch):
