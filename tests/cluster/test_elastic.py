@@ -386,6 +386,35 @@ def test_a_peer_dying_after_training_finished_lets_the_others_write_their_last_r
 
 
 @pytest.mark.slow
+def test_a_peer_dying_while_the_hang_watch_looks_still_lets_the_others_finish(tmp_path):
+    """The same, rank 1 dying while the launcher's hang watch looks (staged: the look waits for its death). Torch's
+    poll after the look closes every worker on the first failure it sees (SIGTERM): the launcher looks for dead
+    workers again after its watch, so that the finished case is still its own. Before, rank 0 got torch's SIGTERM
+    (seen in a CI run: a crash between the launcher's look at its workers and torch's)."""
+    code = ("import os, pathlib, time\n"
+            "from llama_fp8.cluster.launch import hangs\n"
+            "orig = hangs.HangWatch.look\n"
+            "def look(self):\n"
+            "    here = pathlib.Path(sys.argv[-1])\n"
+            "    started = here / 'started.0.1'\n"
+            "    if started.exists() and not (here / 'looked').exists():\n"
+            "        pid = int(started.read_text().split()[0])\n"
+            "        while os.path.exists(f'/proc/{pid}') and \\\n"
+            "                open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0] != 'Z':\n"
+            "            time.sleep(0.01)\n"
+            "        (here / 'looked').touch()\n"
+            "    return orig(self)\n"
+            "hangs.HangWatch.look = look")
+    plan = {"0": {"0": {"phase": "finished", "exit": 0, "after": 2, "mark": True},
+                  "1": {"phase": "finished", "exit": "kill", "after": 0.3}}}
+    rc, err = launch(tmp_path, plan, python=patched_launcher(code))
+    assert (tmp_path / "looked").exists(), err[-2000:]  # rank 1 died inside the watch's look
+    assert rc == 0 and attempts(tmp_path) == 1, err[-2000:]
+    assert (tmp_path / "exited.0.0").exists() and "closing signal SIGTERM" not in err, err[-2000:]
+    assert "rank 1 (killed by SIGKILL) after training finished" in err, err[-2000:]
+
+
+@pytest.mark.slow
 def test_a_rank_killed_after_training_finished_is_not_restarted(tmp_path):
     """Real training under the launcher, rank 1 SIGKILLed once it reported `finished` (the final checkpoint
     complete, as in a crash in teardown): the job ends done, no second attempt, the checkpoint of the last step

@@ -313,11 +313,14 @@ class JobAgent(LocalElasticAgent):
         super()._restart_workers(worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        now = time.monotonic()
-        for proc in self._procs().values():
-            if proc.pid not in self.seen_exit and proc.poll() is not None:
-                self.seen_exit[proc.pid] = now
-        crashed = [lr for lr, p in self._procs().items() if p.poll() not in (None, 0, *NOT_RESTARTED)]
+        crashed = self._crashed()
+        if not crashed and JobAgent.signalled is None:
+            self.watch.look()  # a hang: named, dumped, killed (then torch sees the workers failed)
+            if self.watch.hang is None:
+                # Torch's poll below closes every worker (SIGTERM) on the first failure it sees: a worker that died
+                # while the watch looked must be seen here first, or a finished run's other ranks lose their last
+                # records to that SIGTERM.
+                crashed = self._crashed()
         stuck: list[str] = []
         if crashed and JobAgent.signalled is None:
             if self._finished(crashed):
@@ -329,12 +332,18 @@ class JobAgent(LocalElasticAgent):
                 # SIGTERM (our workers would try to save) and 30 s, and see first which of them stopped moving.
                 stuck = self._describe_stuck()
                 self.kill_running()
-        elif JobAgent.signalled is None:
-            self.watch.look()  # a hang: named, dumped, killed (then torch sees the workers failed)
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             return decide.decide(self, worker_group, result, stuck, JobAgent.signalled)
         return result
+
+    def _crashed(self) -> list[int]:
+        """The local ranks that died of a crash (not 0, not a code that is not restarted); each exit's time noted."""
+        now = time.monotonic()
+        for proc in self._procs().values():
+            if proc.pid not in self.seen_exit and proc.poll() is not None:
+                self.seen_exit[proc.pid] = now
+        return [lr for lr, p in self._procs().items() if p.poll() not in (None, 0, *NOT_RESTARTED)]
 
     def stop(self, code: int, action: str, line: str) -> None:
         self._remaining_restarts = 0
