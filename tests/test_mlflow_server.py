@@ -1,10 +1,10 @@
 """MLflow against a real tracking server on 127.0.0.1 (`mlflow server`, from the project's `mlflow-server` extra, which
-`make test` installs into a venv of its own, .venv-mlflow) and against one that is not there: a run whose server is down at start, or killed during the
-run, ends within a few seconds of its last step with exactly one warning naming the server and the cause (no retry
-lines, no minute-long wait at exit); `publish` against a dead server says so at once; a run the server missed is
-completed by `publish` from metrics.jsonl and closed, and `publish` says it was incomplete. One server for the whole
-session (started once, ~20 s on an idle machine); without the full mlflow package (in that venv, or in the one running
-the tests) these tests skip, and fail under CI=true."""
+`make test` installs into a venv of its own, .venv-mlflow) and against one that is not there: a run whose server is
+down at start, or killed during the run, ends within a few seconds of its last step with exactly one warning naming
+the server and the cause (no retry lines, no minute-long wait at exit); `publish` against a dead server says so at
+once; a run the server missed is completed by `publish` from metrics.jsonl and closed, and `publish` says it was
+incomplete. One server for the whole session (started once, ~20 s on an idle machine); without the full mlflow
+package (in that venv, or in the one running the tests) these tests skip, and fail under CI=true."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ def test_same_allocation_ab(job_env, tmp_path):
     # --compile 0 named: the preset leaves compile as named (test_schedule_arms.py checks that it adds --compile=1
     # otherwise, and these flags' way to the runs is the same). A CPU compile of both arms is C++ built by g++ on a
     # machine whose compile cache is cold (each CI run; a fresh clone's venv path changes the kernels' keys): about
-    # 60 s more for this test and 40 CPU s, measured on a fresh clone.
+    # 60 s more for this test and 30 CPU s, measured on a fresh clone.
     proc = subprocess.run([str(REPO / "2.ab_fp8_vs_bf16.sh"), *SMALL, "--max_steps", "3", "--compile", "0"], env=env,
                           cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
