@@ -29,14 +29,16 @@ builder_pick() {  # prints the builder's name; exits naming what is missing
 # builder_build BUILDER BUILD_ARGS...: the build command. podman and buildah write OCI images by default, which
 # have no SHELL: the Dockerfile's `SHELL ["/bin/bash", "-o", "pipefail", "-c"]` would be dropped with a warning
 # and every RUN step would run in /bin/sh without pipefail. --format docker keeps it, and is the v2 schema 2 that
-# Enroot imports. --layers (podman's default) reuses unchanged steps on the next build.
+# Enroot imports. --layers (podman's default) reuses unchanged steps on the next build. --force-rm (podman's
+# default, not buildah's): a step that fails leaves no working container, which would keep the image under it
+# (a whole base's layers) in the storage until removed by hand.
 builder_build() {
     local builder=$1
     shift
     case "$builder" in
         docker) docker build "$@" ;;
         podman) podman build --format docker --layers "$@" ;;
-        buildah) buildah bud --format docker --layers "$@" ;;
+        buildah) buildah bud --format docker --layers --force-rm "$@" ;;
     esac
 }
 

@@ -145,10 +145,30 @@ def podman_containers(env: dict[str, str]) -> list[str]:
     return out.split()
 
 
+def buildah_containers(env: dict[str, str]) -> list[str]:
+    """The working containers in the builders' storage (buildah's and podman's), as "ID IMAGE-ID NAME" lines."""
+    out = subprocess.run(["buildah", "containers", "--all", "--notruncate", "--format",
+                          "{{.ContainerID}} {{.ImageID}} {{.ContainerName}}"], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    return sorted(out.splitlines())
+
+
+def remove_working_containers(env: dict[str, str]) -> list[str]:
+    """Remove buildah's working containers (named IMAGE-working-container): a build that failed before
+    build_image.sh asked for --force-rm left one per failure, each holding the image under it. Called when no build
+    runs (the builds are all in the cluster's group, one after another). The names removed."""
+    names = [line.split()[-1] for line in buildah_containers(env)]
+    left = [name for name in names if name.endswith("-working-container")]
+    for name in left:
+        subprocess.run(["buildah", "rm", name], env=env, capture_output=True, check=False)
+    return left
+
+
 def prune_storage(env: dict[str, str], logs: list[str], standin: str) -> None:
-    """Bound the kept storage to this session's images: remove untagged images that no build of this session
-    used or made (the builds' "--> ID" and "--> Using cache ID" lines: kept, they are the layer cache of the next
-    session) and stand-ins of other recipes."""
+    """Bound the kept storage to this session's images: remove the working containers left by failed builds,
+    then untagged images that no build of this session used or made (the builds' "--> ID" and "--> Using cache ID"
+    lines: kept, they are the layer cache of the next session) and stand-ins of other recipes."""
+    remove_working_containers(env)
     used = {m for log in logs for m in re.findall(r"^--> (?:Using cache )?([0-9a-f]{11,64})$", log, re.M)}
     out = subprocess.run(["buildah", "images", "--filter", "dangling=true", "--format", "{{.ID}}"], env=env,
                          capture_output=True, text=True, check=False).stdout.split()

@@ -17,8 +17,10 @@ import pytest
 from container_helpers import (
     BUILD_IMAGE,
     DockerApi,
+    buildah_containers,
     node_containers,
     podman_containers,
+    remove_working_containers,
     run_logged,
     sqsh_file,
 )
@@ -65,17 +67,31 @@ def test_the_dockerfile_builds_on_the_stand_in_with_every_step(project_image, bu
 
 def test_standin_base_naming_another_image_stops_the_build(standin_base, build_env, tmp_path):
     """STANDIN_BASE is for the stand-in only: an image without its marker (here the stand-in less the marker,
-    so that bash and Python are there) stops the build at the first step that runs, naming the argument."""
+    so that bash and Python are there) stops the build at the first step that runs, naming the argument. The
+    failed build leaves no container behind: buildah keeps a failed step's working container unless told
+    --force-rm, and each one kept the image under it (1.3 GB of the stand-in's layers here, one more a run)."""
     other = "localhost/llama-fp8-tests-not-standin:1"
     (tmp_path / "Dockerfile").write_text(f"FROM {standin_base}\nRUN rm /etc/llama-fp8/standin-base\n")
     subprocess.run(["buildah", "bud", "--format", "docker", "-t", other, str(tmp_path)], env=build_env,
                    capture_output=True, check=True)
+    containers = buildah_containers(build_env)
     proc = run_logged([str(BUILD_IMAGE), "--build-arg", f"STANDIN_BASE={other}"],
                       dict(build_env, BUILDER="buildah", OUT=str(tmp_path / "x.sqsh")), tmp_path / "log", timeout=600)
     assert proc.returncode != 0
     assert f"error: STANDIN_BASE={other} is not the tests' stand-in for the NGC base" in proc.stdout
     assert not (tmp_path / "x.sqsh").exists()
+    assert buildah_containers(build_env) == containers
     subprocess.run(["buildah", "rmi", other], env=build_env, capture_output=True, check=False)
+
+
+def test_working_containers_left_by_earlier_builds_are_removed(small_base, build_env):
+    """What the session's prune does first: a working container that a failed build left (here one made by
+    `buildah from`) is removed, so that the image under it can go too."""
+    name = "llama-fp8-tests-left-working-container"
+    subprocess.run(["buildah", "from", "--name", name, small_base], env=build_env, capture_output=True, check=True)
+    assert name in [line.split()[-1] for line in buildah_containers(build_env)]
+    assert name in remove_working_containers(build_env)
+    assert not [line for line in buildah_containers(build_env) if "-working-container" in line]
 
 
 ROUTES = {  # name: (builder, what the log names as the import)

@@ -3,6 +3,7 @@ the decision on an EFA node, the preflight's all-reduce summary and bandwidth, a
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,21 @@ def test_real_gloo_all_reduce_single_process(capsys):
     res = netcheck.run("cpu", 1.0, 3, 60.0, 0)
     assert res.status == "OK" and res.values_ok and res.backend == "gloo" and res.ranks == 1
     assert res.busbw_gbps > 0 and res.network == "gloo (TCP)"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_network_test_leaves_no_folder_behind(device, monkeypatch, tmp_path):
+    """Each task's NCCL log folder goes when the test is over: a node that runs a preflight before every job
+    must not gather a folder per task and job in its temporary folder. On a machine without a GPU the cuda test
+    fails to form its group, which is a way out too."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for name in ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    import torch
+
+    res = netcheck.run(device, 0.01, 1, 60.0, 0)
+    assert res.status == ("OK" if device == "cpu" or torch.cuda.is_available() else "FAIL"), res
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_slurm_tasks_bound_to_one_gpu_each_use_cuda0():

@@ -13,6 +13,7 @@ link speed whatever the rank count; algbw is not.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -115,12 +116,23 @@ def run(device_type: str, megabytes: float, iters: int, timeout_s: float, efa_de
     """Join the step's process group, check and time an all-reduce, agree on the network, on the node checks that
     failed (``node_failures`` of this task's node) and on the NVLink domain (``node_fabric``: what this task's node
     check found, None on the node's other tasks); every rank returns the same result."""
+    # NCCL's log is read by the end of this call; its folder goes with it (a preflight before every job would
+    # otherwise leave one a task and job in the node's temporary folder).
+    log_dir = tempfile.mkdtemp(prefix="llama-fp8-nccl-") if device_type == "cuda" else None
+    try:
+        return _run(device_type, megabytes, iters, timeout_s, efa_devices, node_failures, node_fabric,
+                    capture_nccl_log(log_dir) if log_dir else None)
+    finally:
+        if log_dir:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _run(device_type: str, megabytes: float, iters: int, timeout_s: float, efa_devices: int,
+         node_failures: list[str] | None, node_fabric: dict | None, log_path: Path | None) -> NetResult:
     import torch.distributed as dist
 
     from llama_fp8.parallel import dist as pdist
 
-    log_dir = tempfile.mkdtemp(prefix="llama-fp8-nccl-")
-    log_path = capture_nccl_log(log_dir) if device_type == "cuda" else None
     if device_type == "cuda":
         import torch
 
