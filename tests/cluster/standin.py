@@ -26,7 +26,7 @@ from helpers import REPO, cli_env
 #   after     seconds to sleep before acting (default 0.3)
 #   on_term   keep running on SIGTERM, leaving sigterm.<attempt>.<rank> (a worker that starts saving)
 #   on_usr1   the exit code on SIGUSR1 (a worker that saves and exits)
-#   usr1_s    seconds it takes to exit on SIGUSR1, by node ({"1": 4}: SLURM_NODEID 1's worker saves for 4 s)
+#   usr1_s    seconds it takes to exit on SIGUSR1 (2), or by node ({"1": 4}: SLURM_NODEID 1's worker saves for 4 s)
 #   wait_for  a file name (in the test folder) to wait for before acting
 #   peer_gone a rank whose process must have died before acting (its pid from started.<attempt>.<rank>)
 #   mark      leave exited.<attempt>.<rank> just before exiting as told (a worker that got to its end)
@@ -50,7 +50,8 @@ WORKER = textwrap.dedent("""
     if todo.get("on_term"):
         signal.signal(signal.SIGTERM, lambda *_: (here / f"sigterm.{attempt}.{rank}").touch())
     if "on_usr1" in todo:
-        saving = todo.get("usr1_s", {}).get(os.environ.get("SLURM_NODEID", ""), 0)
+        saving = todo.get("usr1_s", 0)
+        saving = saving.get(os.environ.get("SLURM_NODEID", ""), 0) if isinstance(saving, dict) else saving
         signal.signal(signal.SIGUSR1, lambda *_: (time.sleep(saving), os._exit(todo["on_usr1"])))
     folder = os.environ.get("LLAMA_FP8_PROGRESS_DIR")
     if folder and todo.get("phase", "step") is not None:

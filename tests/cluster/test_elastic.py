@@ -123,6 +123,22 @@ def test_a_deterministic_code_wins_over_a_stop_signal(tmp_path):
     assert outcome(tmp_path)[:2] == (3, "fail")
 
 
+def test_a_deterministic_code_after_a_peers_85_still_wins(tmp_path):
+    """After SIGUSR1 rank 1 saves and exits 85 at once, rank 0 stops on its NaN (3) two seconds later: the launcher
+    waits for every worker's own exit instead of taking the first (torch's poll closes the others with SIGTERM on
+    the first failure it sees, and the job was requeued into the NaN)."""
+    plan = {"0": {"0": {"exit": "wait", "on_usr1": 3, "usr1_s": 2}, "1": {"exit": "wait", "on_usr1": 85}}}
+    p = launch(tmp_path, plan, wait=False)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"started.0.{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    p.send_signal(signal.SIGUSR1)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 3 and attempts(tmp_path) == 1, err[-2000:]
+    assert outcome(tmp_path)[:2] == (3, "fail")
+    assert "rank 0 (exit 3" in err and "the job ends with exit 3" in err, err[-2000:]
+
+
 @pytest.mark.slow
 def test_the_failure_is_placed_at_the_failed_ranks_step(tmp_path):
     """Rank 1 fails in step 5 while rank 0, which the launcher then kills, already reported step 6: the failure

@@ -64,7 +64,10 @@ def decide(agent, worker_group: WorkerGroup, result: RunResult, stuck: list[str]
     recs = agent.progress()
     own = {r: f for r, f in result.failures.items() if f.pid not in agent.killed}
     failures = own or result.failures
-    first_rank, first = agent._first(failures, recs)
+    # The rank named is the one whose code the job ends with, when a code that is not restarted is among them: a
+    # NaN (3) seen after a peer's saved 85 ends the job with 3, and the line says which rank.
+    ending = {r: f for r, f in failures.items() if f.exitcode in NOT_RESTARTED and f.exitcode != EXIT_REQUEUE}
+    first_rank, first = agent._first(ending or failures, recs)
     kind, said = progress.error_of(recs.get(first_rank, {})) if first is not None else (None, None)
     theirs = agent.watch.peers.decision() if agent.watch.peers else None
     theirs = theirs if theirs and theirs.get("node") != worker_group.group_rank else None

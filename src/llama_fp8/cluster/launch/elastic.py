@@ -22,7 +22,8 @@ decisions changed through the attributes and methods torch itself uses for them:
   node named, and the batch script leaves it behind only where the job can run without it (``job_nodes.sh``).
 - **A failure after training finished is not a failure**: a rank that dies after reporting ``finished`` ends the
   job as done, where torch would restart it while the other nodes wait 300 s in its exit barrier.
-- **SIGUSR1/SIGTERM stop restarts**: they mean a time limit or a preemption. The workers save and exit 85.
+- **SIGUSR1/SIGTERM stop restarts**: they mean a time limit or a preemption. The workers save and exit 85; the
+  launcher waits for each worker's own exit (bounded), so that a rank's 3 after a peer's 85 still ends the job.
 - **A failed attempt is killed at once**: torch sends SIGTERM and waits 30 s; our workers read SIGTERM as "save a
   checkpoint", which a broken attempt cannot do, and a stopped rank never handles it: they get SIGKILL.
 
@@ -314,6 +315,13 @@ class JobAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         crashed = self._crashed()
+        if JobAgent.signalled is not None and self._ended_with_others_running():
+            # After a stop signal every worker saves and exits by itself. Torch's poll below closes the others
+            # (SIGTERM) on the first failure it sees, a saved rank's 85 among them: another rank's deterministic
+            # code on its way (3, a NaN) would be lost and the job requeued into it. Bounded: a worker that hangs
+            # gets torch's close after the wait.
+            self._wait_running(FINISH_WAIT_S)
+            self._crashed()  # the exit times of those that ended while we waited
         if not crashed and JobAgent.signalled is None:
             self.watch.look()  # a hang: named, dumped, killed (then torch sees the workers failed)
             if self.watch.hang is None:
@@ -336,6 +344,11 @@ class JobAgent(LocalElasticAgent):
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             return decide.decide(self, worker_group, result, stuck, JobAgent.signalled)
         return result
+
+    def _ended_with_others_running(self) -> bool:
+        """Whether a worker has ended with a code other than 0 while another still runs."""
+        codes = [p.poll() for p in self._procs().values()]
+        return None in codes and any(c not in (None, 0) for c in codes)
 
     def _crashed(self) -> list[int]:
         """The local ranks that died of a crash (not 0, not a code that is not restarted); each exit's time noted."""
