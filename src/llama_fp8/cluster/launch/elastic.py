@@ -315,11 +315,11 @@ class JobAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         crashed = self._crashed()
-        if JobAgent.signalled is not None and self._ended_with_others_running():
+        if JobAgent.signalled is not None and self._stopped_with_others_running():
             # After a stop signal every worker saves and exits by itself. Torch's poll below closes the others
             # (SIGTERM) on the first failure it sees, a saved rank's 85 among them: another rank's deterministic
             # code on its way (3, a NaN) would be lost and the job requeued into it. Bounded: a worker that hangs
-            # gets torch's close after the wait.
+            # gets torch's close after the wait. Not after a crash: the others may be waiting for the dead rank.
             self._wait_running(FINISH_WAIT_S)
             self._crashed()  # the exit times of those that ended while we waited
         if not crashed and JobAgent.signalled is None:
@@ -345,10 +345,11 @@ class JobAgent(LocalElasticAgent):
             return decide.decide(self, worker_group, result, stuck, JobAgent.signalled)
         return result
 
-    def _ended_with_others_running(self) -> bool:
-        """Whether a worker has ended with a code other than 0 while another still runs."""
+    def _stopped_with_others_running(self) -> bool:
+        """Whether workers have ended with codes that are not restarted (85 saved, 2, 3; or 0) while others run."""
         codes = [p.poll() for p in self._procs().values()]
-        return None in codes and any(c not in (None, 0) for c in codes)
+        ended = [c for c in codes if c is not None]
+        return None in codes and any(ended) and all(c == 0 or c in NOT_RESTARTED for c in ended)
 
     def _crashed(self) -> list[int]:
         """The local ranks that died of a crash (not 0, not a code that is not restarted); each exit's time noted."""
