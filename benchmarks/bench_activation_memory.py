@@ -37,9 +37,10 @@ def worker(args: argparse.Namespace) -> None:
     from llama_fp8 import config, parallel
     from llama_fp8.train import loop, state
 
+    run_dir = tempfile.TemporaryDirectory(prefix="llama-fp8-bench-")  # the run's folder goes with the worker
     cfg = config.parse_args(["--model", args.model, "--device", "cpu", "--num_layers", str(args.num_layers),
                              "--max_context_width", str(args.seq_len), "--train_batch_size", str(args.batch_size),
-                             "--activation_checkpointing", args.mode, "--run_dir", tempfile.mkdtemp(prefix="llama-fp8-bench-")])
+                             "--activation_checkpointing", args.mode, "--run_dir", run_dir.name])
     env = parallel.init_distributed(cfg)
     try:
         s = state.start(cfg, env)
@@ -53,6 +54,7 @@ def worker(args: argparse.Namespace) -> None:
                           "step_s": elapsed, "loss": float(loss)}))
     finally:
         parallel.destroy_distributed()
+        run_dir.cleanup()
 
 
 def run_variant(args: argparse.Namespace, mode: str) -> dict:

@@ -88,8 +88,9 @@ def rank_main(args: argparse.Namespace) -> int:
     from llama_fp8 import config, parallel
     from llama_fp8.train.build import local_numel
 
+    run_dir = tempfile.TemporaryDirectory(prefix="llama-fp8-bench-")  # the run's folder goes with the rank
     cfg = config.parse_args(["--model", args.model, "--device", "cpu", "--model_impl", "hf", "--fp8", "0",
-                             "--bf16", str(args.bf16), "--run_dir", tempfile.mkdtemp(prefix="llama-fp8-bench-")])
+                             "--bf16", str(args.bf16), "--run_dir", run_dir.name])
     env = parallel.init_distributed(cfg)
     from transformers import LlamaForCausalLM  # noqa: F401  (imported by both: not part of the model's share)
 
@@ -104,6 +105,7 @@ def rank_main(args: argparse.Namespace) -> int:
         Path(args.out_dir, f"{args.variant}_rank{env.rank}.json").write_text(json.dumps(out))
     finally:
         parallel.destroy_distributed()
+        run_dir.cleanup()
     return 0
 
 

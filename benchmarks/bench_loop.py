@@ -71,9 +71,9 @@ def relaunch(nproc: int, argv: list[str]) -> int:
     return subprocess.run(cmd, env=env).returncode
 
 
-def train_flags(args: argparse.Namespace) -> list[str]:
+def train_flags(args: argparse.Namespace, run_dir: str) -> list[str]:
     """The training flags both variants are built from (constant LR: the scheduler still runs)."""
-    flags = ["--run_dir", tempfile.mkdtemp(prefix="llama-fp8-bench-"),
+    flags = ["--run_dir", run_dir,
              "--model", args.preset, "--device", "cpu", "--max_context_width", str(args.seq_len),
              "--train_batch_size", str(args.batch_size), "--bf16", str(args.bf16), "--fp8", "0",
              "--model_impl", "hf", "--seed", "0", "--warmup", "0", "--lr_decay_style", "constant",
@@ -244,7 +244,8 @@ def rank_main(args: argparse.Namespace) -> int:
     from llama_fp8 import config, parallel
     from llama_fp8.train import build
 
-    cfg = config.parse_args(train_flags(args))
+    run_dir = tempfile.TemporaryDirectory(prefix="llama-fp8-bench-")  # the run's folder goes with the rank
+    cfg = config.parse_args(train_flags(args, run_dir.name))
     env = parallel.init_distributed(cfg)
     watch = None
     try:
@@ -262,6 +263,7 @@ def rank_main(args: argparse.Namespace) -> int:
         if watch is not None:
             watch.close()
         parallel.destroy_distributed()
+        run_dir.cleanup()
     return 0
 
 

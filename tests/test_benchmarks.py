@@ -7,6 +7,8 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -16,10 +18,14 @@ pytestmark = pytest.mark.slow
 
 
 def run_bench(name: str, *args: str) -> tuple[str, dict]:
-    """Run benchmarks/<name> in a fresh process; return its stdout and its one JSON line."""
-    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / name), *args], capture_output=True, text=True,
-                       timeout=600, env=cli_env(), cwd=REPO)
+    """Run benchmarks/<name> in a fresh process; return its stdout and its one JSON line. The benchmark leaves no
+    folder of its own in the temporary folder (its runs' folders go with it: `make bench` gathered them in /tmp)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        r = subprocess.run([sys.executable, str(REPO / "benchmarks" / name), *args], capture_output=True, text=True,
+                           timeout=600, env=cli_env(TMPDIR=tmp), cwd=REPO)
+        left = sorted(p.name for p in Path(tmp).glob("llama-fp8-*"))
     assert r.returncode == 0, r.stderr[-3000:]
+    assert not left, left
     json_lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert len(json_lines) == 1, r.stdout
     rec = json.loads(json_lines[0])
