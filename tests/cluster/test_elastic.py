@@ -36,8 +36,12 @@ def test_the_stand_in_follows_the_launchers_restart_when_it_missed_an_attempt(tm
 
 @pytest.mark.slow
 def test_a_crash_restarts_every_rank_and_the_job_succeeds(tmp_path):
-    rc, err = launch(tmp_path, {"0": {"1": "kill"}})
+    """... and the launcher leaves no folder in the node's temporary folder (torch's log folder, one a job step
+    and node, with a folder per attempt: gone when nothing was asked to be logged there)."""
+    (tmp_path / "tmp").mkdir()
+    rc, err = launch(tmp_path, {"0": {"1": "kill"}}, TMPDIR=str(tmp_path / "tmp"))
     assert rc == 0, err[-2000:]
+    assert not list((tmp_path / "tmp").iterdir())
     assert attempts(tmp_path) == 2
     assert "rank 1 (killed by SIGKILL) in step 5; charged to node" in err and "(1 of 2 without a new checkpoint (the latest complete: none yet)); " \
            "restarting the workers of every node (restart 1 of the job, 1 of 3 without a new checkpoint)" in err
@@ -137,6 +141,20 @@ def test_a_deterministic_code_after_a_peers_85_still_wins(tmp_path):
     assert p.returncode == 3 and attempts(tmp_path) == 1, err[-2000:]
     assert outcome(tmp_path)[:2] == (3, "fail")
     assert "rank 0 (exit 3" in err and "the job ends with exit 3" in err, err[-2000:]
+
+
+@pytest.mark.parametrize(("flags", "removed"), [({}, True), ({"redirects": "3"}, False), ({"tee": "1"}, False),
+                                              ({"log_dir": "/logs"}, False)])
+def test_torchs_log_folder_is_removed_only_when_nothing_was_asked_to_be_logged_there(flags, removed):
+    from types import SimpleNamespace
+
+    from llama_fp8.cluster.launch.torchrun import _torch_log_dir
+
+    args = SimpleNamespace(**{"log_dir": None, "redirects": "0", "tee": "0", **flags})
+    agent = SimpleNamespace(_logs_specs=SimpleNamespace(root_log_dir="/tmp/torchelastic_abc123"))
+    assert _torch_log_dir(agent, args) == ("/tmp/torchelastic_abc123" if removed else None)
+    other = SimpleNamespace(_logs_specs=SimpleNamespace(root_log_dir="/scratch/my-logs"))
+    assert _torch_log_dir(other, args) is None  # a folder torch did not make for us is never removed
 
 
 @pytest.mark.slow

@@ -86,6 +86,16 @@ def _rendezvous_lost(e: Exception, args, started: bool) -> tuple[int, str, str]:
             f"requeues it")
 
 
+def _torch_log_dir(agent, args) -> str | None:
+    """The folder torch made for this launch's logs (``torchelastic_*`` in the temporary folder: one a job step and
+    node, a folder per attempt in it), when nothing was asked to be logged there (no --log-dir, --redirects or
+    --tee): what is in it, the workers' error files, has been read by the end of the launch. None otherwise."""
+    if args.log_dir or str(getattr(args, "redirects", "0")) != "0" or str(getattr(args, "tee", "0")) != "0":
+        return None
+    root = getattr(getattr(agent, "_logs_specs", None), "root_log_dir", None)
+    return root if root and os.path.basename(root).startswith("torchelastic_") else None
+
+
 def run_torchrun(torchrun_args: list[str]) -> int:
     """Run torchrun in-process with ``JobAgent``; return the job's exit code (0 on success)."""
     import torch.distributed as dist
@@ -152,6 +162,9 @@ def run_torchrun(torchrun_args: list[str]) -> int:
         if agent is not None:
             checkpoint, failed, exclude = agent.latest_checkpoint(), agent.failures(), agent.exclude
             shutil.rmtree(agent.progress_dir, ignore_errors=True)
+            logs = _torch_log_dir(agent, args)
+            if logs:
+                shutil.rmtree(logs, ignore_errors=True)
         # The agent holds the rendezvous store in a reference cycle: released and collected now, the store closes its
         # own connections before its port. Left to the exit (`python -m llama_fp8` leaves without collecting:
         # collector.py), the kernel closed them in descriptor order and the store's port stayed in TIME-WAIT for a
