@@ -22,8 +22,7 @@ decisions changed through the attributes and methods torch itself uses for them:
   node named, and the batch script leaves it behind only where the job can run without it (``job_nodes.sh``).
 - **A failure after training finished is not a failure**: a rank that dies after reporting ``finished`` ends the
   job as done, where torch would restart it while the other nodes wait 300 s in its exit barrier.
-- **SIGUSR1/SIGTERM stop restarts**: they mean a time limit or a preemption. The workers save and exit 85; the
-  launcher waits for each worker's own exit (bounded), so that a rank's 3 after a peer's 85 still ends the job.
+- **SIGUSR1/SIGTERM stop restarts**: a time limit or a preemption. The workers save and exit 85 (each awaited).
 - **A failed attempt is killed at once**: torch sends SIGTERM and waits 30 s; our workers read SIGTERM as "save a
   checkpoint", which a broken attempt cannot do, and a stopped rank never handles it: they get SIGKILL.
 
@@ -314,20 +313,18 @@ class JobAgent(LocalElasticAgent):
         super()._restart_workers(worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        crashed = self._crashed()
-        if JobAgent.signalled is not None and self._stopped_with_others_running():
-            # After a stop signal every worker saves and exits by itself. Torch's poll below closes the others
-            # (SIGTERM) on the first failure it sees, a saved rank's 85 among them: another rank's deterministic
-            # code on its way (3, a NaN) would be lost and the job requeued into it. Bounded: a worker that hangs
-            # gets torch's close after the wait. Not after a crash: the others may be waiting for the dead rank.
+        crashed, codes = self._crashed(), [p.poll() for p in self._procs().values()]
+        if JobAgent.signalled is not None and None in codes and any(codes) and not crashed:
+            # After a stop signal each worker saves and exits by itself; torch's poll below would close the others
+            # (SIGTERM) on the first exit it sees, a saved 85, and a NaN's 3 on its way would be lost (the job
+            # requeued into it). Bounded; not after a crash (the others may wait in a collective for the dead rank).
             self._wait_running(FINISH_WAIT_S)
             self._crashed()  # the exit times of those that ended while we waited
         if not crashed and JobAgent.signalled is None:
             self.watch.look()  # a hang: named, dumped, killed (then torch sees the workers failed)
             if self.watch.hang is None:
                 # Torch's poll below closes every worker (SIGTERM) on the first failure it sees: a worker that died
-                # while the watch looked must be seen here first, or a finished run's other ranks lose their last
-                # records to that SIGTERM.
+                # while the watch looked is seen here first, or a finished run's other ranks lose their last records.
                 crashed = self._crashed()
         stuck: list[str] = []
         if crashed and JobAgent.signalled is None:
@@ -344,12 +341,6 @@ class JobAgent(LocalElasticAgent):
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             return decide.decide(self, worker_group, result, stuck, JobAgent.signalled)
         return result
-
-    def _stopped_with_others_running(self) -> bool:
-        """Whether workers have ended with codes that are not restarted (85 saved, 2, 3; or 0) while others run."""
-        codes = [p.poll() for p in self._procs().values()]
-        ended = [c for c in codes if c is not None]
-        return None in codes and any(ended) and all(c == 0 or c in NOT_RESTARTED for c in ended)
 
     def _crashed(self) -> list[int]:
         """The local ranks that died of a crash (not 0, not a code that is not restarted); each exit's time noted."""
