@@ -113,25 +113,13 @@ def test_a_start_up_failure_twice_is_requeued_not_called_deterministic(tmp_path)
     assert "during start-up again after a restart" in line and "deterministic" not in line
 
 
-def test_a_deterministic_code_wins_over_a_stop_signal(tmp_path):
-    """SIGUSR1 arrives as a rank stops with exit 3 (a non-finite loss) and the other saves (85): the job fails
-    with 3 once, it is not requeued into the same NaN."""
-    plan = {"0": {"0": {"exit": "wait", "on_usr1": 3}, "1": {"exit": "wait", "on_usr1": 85}}}
-    p = launch(tmp_path, plan, wait=False)
-    deadline = time.monotonic() + 60
-    while not all((tmp_path / f"started.0.{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    p.send_signal(signal.SIGUSR1)
-    _, err = p.communicate(timeout=60)
-    assert p.returncode == 3 and attempts(tmp_path) == 1, err[-2000:]
-    assert outcome(tmp_path)[:2] == (3, "fail")
-
-
-def test_a_deterministic_code_after_a_peers_85_still_wins(tmp_path):
-    """After SIGUSR1 rank 1 saves and exits 85 at once, rank 0 stops on its NaN (3) two seconds later: the launcher
-    waits for every worker's own exit instead of taking the first (torch's poll closes the others with SIGTERM on
-    the first failure it sees, and the job was requeued into the NaN)."""
-    plan = {"0": {"0": {"exit": "wait", "on_usr1": 3, "usr1_s": 2}, "1": {"exit": "wait", "on_usr1": 85}}}
+@pytest.mark.parametrize("nan_after_s", [0, 2], ids=["together", "3-after-85"])
+def test_a_deterministic_code_wins_over_a_stop_signal(tmp_path, nan_after_s):
+    """SIGUSR1 arrives; rank 1 saves and exits 85 at once, rank 0 stops on its NaN (3) with it or two seconds later:
+    the job fails with 3 once, it is not requeued into the same NaN, and the line names rank 0. The later 3 needs
+    the launcher to wait for every worker's own exit (torch's poll closes the others with SIGTERM on the first
+    failure it sees: the old launcher ended with 85)."""
+    plan = {"0": {"0": {"exit": "wait", "on_usr1": 3, "usr1_s": nan_after_s}, "1": {"exit": "wait", "on_usr1": 85}}}
     p = launch(tmp_path, plan, wait=False)
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"started.0.{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
