@@ -65,11 +65,18 @@ def unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
+def startup_path() -> list[str]:
+    """tests/startup when the run uses it (tests/conftest.py): the jobs' Python processes read transformers' import
+    table from the run's cache as the tests' own do."""
+    startup = str(REPO / "tests" / "startup")
+    return [startup] if startup in os.environ.get("PYTHONPATH", "").split(os.pathsep) else []
+
+
 def make_job_env(cluster) -> dict[str, str]:
     """Environment for sbatch/srun clients: cluster conf, repo code, quiet single-threaded torch."""
     env = cluster.env()
     env.update(REPO_DIR=str(REPO), VENV=str(Path(sys.executable).parent.parent), OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO / "src"))
+               PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(REPO / "src"), *startup_path()]))
     for key in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
         env.pop(key)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
