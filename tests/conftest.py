@@ -25,13 +25,13 @@ pytest_plugins = ("timing",)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # transformers' import table read from a file once scanned, not scanned again by each of the run's hundreds of
-# processes that build a model (tests/startup/sitecustomize.py: 0.35 CPU s of a training rank's 2.2 s): the folder
+# processes that build a model (tests/startup/sitecustomize.py: 0.35 CPU s of a one-rank run's 2.6 s): the folder
 # goes first on PYTHONPATH of this process's environment, which the xdist workers and every process the tests start
 # inherit (helpers.cli_env and the Slurm jobs' environment keep it), and the run gets a cache folder of its own,
 # removed at its end. Set here, before the workers start; a worker finds both already set.
 STARTUP = str(Path(__file__).parent / "startup")
 _IMPORT_CACHE_MADE = None
-if not os.environ.get("LLAMA_FP8_IMPORT_CACHE"):
+if not os.path.isdir(os.environ.get("LLAMA_FP8_IMPORT_CACHE") or "-"):  # unset, or a host's folder in a container
     _IMPORT_CACHE_MADE = os.environ["LLAMA_FP8_IMPORT_CACHE"] = tempfile.mkdtemp(prefix="llama-fp8-imports-")
 if STARTUP not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (STARTUP, os.environ.get("PYTHONPATH")) if p)
