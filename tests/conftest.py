@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import ports
+from import_cache_env import use_import_cache
 
 # Per-test wall, CPU, shared-fixture and training-run times when LLAMA_FP8_TEST_TIMES is set (tests/timing.py).
 pytest_plugins = ("timing",)
@@ -28,13 +29,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # processes that build a model (tests/startup/sitecustomize.py: 0.35 CPU s of a one-rank run's 2.6 s): the folder
 # goes first on PYTHONPATH of this process's environment, which the xdist workers and every process the tests start
 # inherit (helpers.cli_env and the Slurm jobs' environment keep it), and the run gets a cache folder of its own,
-# removed at its end. Set here, before the workers start; a worker finds both already set.
-STARTUP = str(Path(__file__).parent / "startup")
-_IMPORT_CACHE_MADE = None
-if not os.path.isdir(os.environ.get("LLAMA_FP8_IMPORT_CACHE") or "-"):  # unset, or a host's folder in a container
-    _IMPORT_CACHE_MADE = os.environ["LLAMA_FP8_IMPORT_CACHE"] = tempfile.mkdtemp(prefix="llama-fp8-imports-")
-if STARTUP not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (STARTUP, os.environ.get("PYTHONPATH")) if p)
+# removed at its end (tests/import_cache_env.py). Set here, before the workers start; a worker finds both set.
+_IMPORT_CACHE_MADE = use_import_cache(os.environ)
 
 
 def pytest_collection_finish(session):

@@ -124,10 +124,35 @@ def test_a_gone_import_cache_folder_is_not_made_again(tmp_path):
     assert not gone.exists() and not list(tmp_path.iterdir())
 
 
+def test_a_run_names_its_own_cache_folder_unless_it_is_given_one_that_exists(tmp_path):
+    """tests/import_cache_env.py, as tests/conftest.py calls it: a folder that exists is the run's (a worker's, a
+    nested pytest's); an unset one or one that does not exist here (a host's folder named in a container) is made
+    anew; the startup folder goes first on PYTHONPATH once, what was there kept."""
+    from import_cache_env import STARTUP, use_import_cache
+
+    env = {"PYTHONPATH": "/a:/b"}
+    made = use_import_cache(env)
+    try:
+        assert made and Path(made).is_dir() and env["LLAMA_FP8_IMPORT_CACHE"] == made
+        assert env["PYTHONPATH"].split(os.pathsep) == [STARTUP, "/a", "/b"]
+        assert use_import_cache(env) is None and env["LLAMA_FP8_IMPORT_CACHE"] == made  # given, exists: kept
+        assert env["PYTHONPATH"].split(os.pathsep) == [STARTUP, "/a", "/b"]
+    finally:
+        os.rmdir(made)
+    host = {"LLAMA_FP8_IMPORT_CACHE": str(tmp_path / "not-here")}
+    other = use_import_cache(host)
+    try:
+        assert other and Path(other).is_dir() and host["LLAMA_FP8_IMPORT_CACHE"] == other
+        assert host["PYTHONPATH"] == STARTUP
+    finally:
+        os.rmdir(other)
+
+
 def test_the_suite_and_its_slurm_jobs_run_with_the_import_cache():
     """tests/conftest.py: the run's environment (so the workers', helpers.cli_env's and the Slurm jobs') has the
     startup folder on PYTHONPATH and a cache folder that exists."""
-    startup = str(REPO / "tests" / "startup")
+    from import_cache_env import STARTUP as startup
+
     assert startup in cli_env()["PYTHONPATH"].split(os.pathsep)
     assert Path(os.environ["LLAMA_FP8_IMPORT_CACHE"]).is_dir()
     if os.environ.get("PYTEST_XDIST_WORKER"):  # make test's workers start after conftest.py set it: theirs too
