@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from import_cache_env import STARTUP
-
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = str(REPO / "1.train_llama.sbatch")
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
@@ -70,7 +68,9 @@ def unavailable(reason: str) -> None:
 def startup_path() -> list[str]:
     """tests/startup when the run uses it (tests/conftest.py): the jobs' Python processes read transformers' import
     table from the run's cache as the tests' own do."""
-    return [STARTUP] if STARTUP in os.environ.get("PYTHONPATH", "").split(os.pathsep) else []
+    startup = str(REPO / "tests" / "startup")  # import_cache_env.STARTUP; not imported: this module is also used
+    # with only tests/cluster on the path (test_cluster_teardown.py's stand-in session)
+    return [startup] if startup in os.environ.get("PYTHONPATH", "").split(os.pathsep) else []
 
 
 def make_job_env(cluster) -> dict[str, str]:
